@@ -1,0 +1,50 @@
+"""The ``kvtrace`` command line.
+
+Subcommands are loaded lazily from ``COMMANDS`` so that ``kvtrace --help`` stays fast and a command's
+heavy imports (DuckDB, matplotlib, gRPC) are paid only by the command that needs them. To add a command,
+add one line to ``COMMANDS``: ``name: ("module.path", "click_object_name", "one-line help")``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    # name: (module, attribute, short help shown by `kvtrace --help`)
+}
+
+
+class LazyGroup(click.Group):
+    """A click group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = COMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name, attr, _ = entry
+        return getattr(importlib.import_module(module_name), attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][2]) for name in self.list_commands(ctx)]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="otel-kvtrace")
+def main() -> None:
+    """Trace, analyse and decide on head-of-line blocking in vLLM-Ascend's layerwise KV recv queue.
+
+    Typical flow: `kvtrace demo` (replica -> traces in ./kvtrace-data/), then
+    `kvtrace report ./kvtrace-data/traces` and `kvtrace whatif ./kvtrace-data/traces`.
+    """
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
