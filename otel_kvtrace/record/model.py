@@ -1,0 +1,195 @@
+"""Task records: what the hot path writes, what the exporter reads.
+
+A record holds raw clock stamps (``perf_counter_ns`` on real threads, virtual ns in the simulator) and
+references to upstream objects; nothing is formatted until export. The span/attribute contract these
+fields map to is ``docs/schema.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+NO_TIME = -1
+"""Sentinel for "did not happen" in int stamp fields (cheaper than ``None`` checks on export)."""
+
+
+class Stage(IntEnum):
+    """Child-span stages recorded explicitly. ``queue_wait`` and ``completion`` are derived."""
+
+    SAVE_CPU_WAIT = 0
+    SAVE_NPU_SYNC = 1
+    GATE_COND_WAIT = 2
+    GATE_NPU_SYNC = 3
+    META_BUILD = 4
+    H2D_STAGGER = 5
+    SLOT_RELEASE_WAIT = 6
+    BACKEND_SUBMIT = 7
+    CONSUMER_WAIT = 8
+
+
+STAGE_SPAN_NAMES: tuple[str, ...] = (
+    "save_cpu_wait",
+    "save_npu_sync",
+    "gate_cond_wait",
+    "gate_npu_sync",
+    "meta_build",
+    "h2d_stagger",
+    "slot_release_wait",
+    "backend_submit",
+    "consumer_wait",
+)
+QUEUE_WAIT_SPAN = "queue_wait"
+COMPLETION_SPAN = "completion"
+RECV_ROOT_SPAN = "kvtrace.recv.task"
+SEND_ROOT_SPAN = "kvtrace.send.task"
+ALL_CHILD_SPAN_NAMES: tuple[str, ...] = (QUEUE_WAIT_SPAN, *STAGE_SPAN_NAMES, COMPLETION_SPAN)
+
+
+class Dep(IntEnum):
+    """Dependencies whose satisfied time is recorded (producer side)."""
+
+    SAVE_CPU = 0
+    SAVE_NPU = 1
+    GATE_RECORD = 2
+    GATE_NPU = 3
+    SLOT_RELEASE = 4
+
+
+DEP_NAMES: tuple[str, ...] = ("save_cpu", "save_npu", "gate_record", "gate_npu", "slot_release")
+NUM_DEPS = len(DEP_NAMES)
+
+
+class Outcome(IntEnum):
+    OK = 0
+    EMPTY = 1
+    ERROR = 2
+
+
+OUTCOME_NAMES: tuple[str, ...] = ("ok", "empty", "error")
+
+
+class TaskKind(IntEnum):
+    RECV = 0
+    SEND = 1
+
+
+@dataclass(slots=True)
+class QueueInfo:
+    """Identity of one FIFO (one recv or send thread of one worker process). Shared by its records."""
+
+    run_id: str
+    path: str  # "gva" | "key"
+    thread_name: str
+    pid: int
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+    pcp: int = 0
+    dcp: int = 0
+    num_layers: int = 0
+
+    @property
+    def queue_id(self) -> str:
+        return f"{self.run_id}/pid{self.pid}/{self.thread_name}"
+
+    @property
+    def rank_label(self) -> str:
+        return f"dp{self.dp}.pp{self.pp}.tp{self.tp}.pcp{self.pcp}.dcp{self.dcp}"
+
+
+@dataclass(slots=True)
+class TaskRecord:
+    """One recv (or send) task: identity, stamps, dependency times, outcome.
+
+    Stamps are ints in the recorder's clock (``NO_TIME`` when absent). Stages are appended as
+    ``(Stage, start, end)`` tuples, in the order they ran. Each dependency is a ``[lo, hi]`` pair in
+    ``deps`` (``lo == hi`` means measured exactly; ``NO_TIME`` means the task has no such dependency
+    or it was never observed).
+    """
+
+    queue: QueueInfo | None = None
+    kind: int = TaskKind.RECV
+    seq: int = 0
+    step: int = 0
+    layer_id: int = 0
+    final_layer: bool = False
+    wait_for_save_layer: int | None = None
+    gate_id: int | None = None
+    queue_depth_at_enqueue: int = 0
+    inflight_at_enqueue: int = 0
+    t_enqueue: int = NO_TIME
+    t_dequeue: int = NO_TIME
+    t_backend_return: int = NO_TIME
+    t_complete: int = NO_TIME
+    stages: list[tuple[int, int, int]] = field(default_factory=list)
+    deps: list[int] = field(default_factory=lambda: [NO_TIME] * (2 * NUM_DEPS))
+    has_dep: int = 0  # bitmask of Dep the task depends on
+    outcome: int = Outcome.OK
+    error: BaseException | None = None
+    nbytes: int = 0
+    backend_result: int = 0
+    # Raw references, described at export time (never formatted on the hot path).
+    transfer_tasks: Any = None
+    # Completion hand-off between the recv thread and the forward's consumer wait.
+    holds: list[int] = field(default_factory=list)
+
+    def reset(self) -> None:
+        """Return to a blank state so the record can be reused from the pool."""
+        self.queue = None
+        self.kind = TaskKind.RECV
+        self.seq = self.step = self.layer_id = 0
+        self.final_layer = False
+        self.wait_for_save_layer = self.gate_id = None
+        self.queue_depth_at_enqueue = self.inflight_at_enqueue = 0
+        self.t_enqueue = self.t_dequeue = self.t_backend_return = self.t_complete = NO_TIME
+        self.stages.clear()
+        deps = self.deps
+        for i in range(len(deps)):
+            deps[i] = NO_TIME
+        self.has_dep = 0
+        self.outcome = Outcome.OK
+        self.error = None
+        self.nbytes = self.backend_result = 0
+        self.transfer_tasks = None
+        self.holds.clear()
+
+    # -- dependency helpers (cheap: list index writes) -------------------------------------------
+    def need(self, dep: int) -> None:
+        self.has_dep |= 1 << dep
+
+    def dep_exact(self, dep: int, t: int) -> None:
+        self.has_dep |= 1 << dep
+        self.deps[2 * dep] = t
+        self.deps[2 * dep + 1] = t
+
+    def dep_bounds(self, dep: int, lo: int, hi: int) -> None:
+        self.has_dep |= 1 << dep
+        self.deps[2 * dep] = lo
+        self.deps[2 * dep + 1] = hi
+
+    def dep_lo(self, dep: int) -> int:
+        return self.deps[2 * dep]
+
+    def dep_hi(self, dep: int) -> int:
+        return self.deps[2 * dep + 1]
+
+
+def correlation_id(queue: QueueInfo, kind: int, step: int, layer_id: int) -> str:
+    """Stable, deployment-unique id of a task (see docs/schema.md)."""
+    what = queue.path if kind == TaskKind.RECV else f"{queue.path}-save"
+    return f"{queue.run_id}/{queue.rank_label}/{what}/s{step}/l{layer_id}"
+
+
+def trace_ids_for(correlation: str) -> tuple[bytes, bytes]:
+    """Trace id (16 bytes) and root span id (8 bytes) derived deterministically from a correlation id."""
+    digest = hashlib.sha256(correlation.encode()).digest()
+    trace_id = digest[:16]
+    span_id = digest[16:24]
+    if not any(trace_id):  # all-zero ids are invalid in OTLP
+        trace_id = b"\x00" * 15 + b"\x01"
+    if not any(span_id):
+        span_id = b"\x00" * 7 + b"\x01"
+    return trace_id, span_id

@@ -1,0 +1,137 @@
+"""The hot-path recorder: pooled task records, a bounded hand-off to the exporter, a drop counter.
+
+Every method that runs on an instrumented thread (``new_record``, ``submit``) is a few list/deque
+operations: no locks (deque ``append``/``popleft`` and ``next()`` on ``itertools.count`` are atomic under
+the GIL), no formatting, no OTel objects. When the exporter falls behind, finished records are dropped
+and counted instead of blocking the host thread or growing memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from otel_kvtrace.record.model import TaskRecord
+
+logger = logging.getLogger("otel_kvtrace")
+
+DEFAULT_CAPACITY = 16384
+
+
+@dataclass(slots=True, frozen=True)
+class ClockAnchor:
+    """One (recorder clock, epoch) pair taken together; converts clock stamps to epoch ns at export."""
+
+    clock_ns: int
+    epoch_ns: int
+
+    @classmethod
+    def take(cls, clock: Callable[[], int]) -> ClockAnchor:
+        # Bracket the epoch read by two clock reads and use the midpoint: halves the skew.
+        before = clock()
+        epoch = time.time_ns()
+        after = clock()
+        return cls((before + after) // 2, epoch)
+
+    def to_epoch(self, stamp: int) -> int:
+        return stamp - self.clock_ns + self.epoch_ns
+
+
+class Recorder:
+    """Pools ``TaskRecord`` objects and queues finished ones for the background exporter."""
+
+    def __init__(
+        self,
+        *,
+        capacity: int = DEFAULT_CAPACITY,
+        clock: Callable[[], int] = time.perf_counter_ns,
+        anchor: ClockAnchor | None = None,
+    ) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.clock = clock
+        self.anchor = anchor if anchor is not None else ClockAnchor.take(clock)
+        self.enabled = True
+        self._ready: deque[TaskRecord] = deque()
+        self._pool: deque[TaskRecord] = deque()
+        self._drops = itertools.count()
+        self._submitted = itertools.count()
+        self._disabled_reason: str | None = None
+        self._disable_lock = threading.Lock()
+
+    # ---- hot path -------------------------------------------------------------------------------
+    def new_record(self) -> TaskRecord:
+        """A blank record, from the pool when one is free."""
+        try:
+            return self._pool.pop()
+        except IndexError:
+            return TaskRecord()
+
+    def submit(self, record: TaskRecord) -> None:
+        """Hand a finished record to the exporter; drop and count it if the hand-off is full."""
+        if len(self._ready) >= self.capacity:
+            next(self._drops)
+            return
+        self._ready.append(record)
+        next(self._submitted)
+
+    # ---- exporter side --------------------------------------------------------------------------
+    def drain(self, limit: int) -> list[TaskRecord]:
+        """Up to ``limit`` finished records, oldest first."""
+        out: list[TaskRecord] = []
+        ready = self._ready
+        for _ in range(min(limit, len(ready))):
+            out.append(ready.popleft())
+        return out
+
+    def recycle(self, records: list[TaskRecord]) -> None:
+        """Return exported records to the pool (bounded by ``capacity``)."""
+        pool = self._pool
+        for rec in records:
+            if len(pool) >= self.capacity:
+                break
+            rec.reset()
+            pool.append(rec)
+
+    @property
+    def pending(self) -> int:
+        return len(self._ready)
+
+    @property
+    def dropped(self) -> int:
+        """Records dropped because the exporter fell behind (cumulative)."""
+        return _count_value(self._drops)
+
+    @property
+    def submitted(self) -> int:
+        return _count_value(self._submitted)
+
+    def count_drop(self, n: int = 1) -> None:
+        """Count records lost elsewhere (e.g. an export batch that failed)."""
+        for _ in range(n):
+            next(self._drops)
+
+    # ---- failure containment --------------------------------------------------------------------
+    def disable(self, reason: str) -> None:
+        """Stop recording after an internal error; logs once. Never raises."""
+        with self._disable_lock:
+            if not self.enabled:
+                return
+            self.enabled = False
+            self._disabled_reason = reason
+        logger.error("otel-kvtrace: tracing disabled after an internal error: %s", reason)
+
+    @property
+    def disabled_reason(self) -> str | None:
+        return self._disabled_reason
+
+
+def _count_value(counter: itertools.count) -> int:
+    # itertools.count has no peek; its reduce tuple carries the next value without advancing it.
+    return counter.__reduce__()[1][0]
