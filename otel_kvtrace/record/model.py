@@ -133,6 +133,8 @@ class TaskRecord:
     backend_result: int = 0
     # Raw references, described at export time (never formatted on the hot path).
     transfer_tasks: Any = None
+    # Device-time marks ``(Dep, timing_event)`` resolved off the hot path (``Recorder.drain``).
+    npu_marks: list[tuple[int, Any]] = field(default_factory=list)
     # Completion hand-off between the recv thread and the forward's consumer wait.
     holds: list[int] = field(default_factory=list)
 
@@ -154,6 +156,7 @@ class TaskRecord:
         self.error = None
         self.nbytes = self.backend_result = 0
         self.transfer_tasks = None
+        self.npu_marks.clear()
         self.holds.clear()
 
     # -- dependency helpers (cheap: list index writes) -------------------------------------------

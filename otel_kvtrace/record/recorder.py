@@ -63,6 +63,8 @@ class Recorder:
         self._drops = itertools.count()
         self._submitted = itertools.count()
         self._disabled_reason: str | None = None
+        # Resolves ``TaskRecord.npu_marks`` into exact device times; runs in ``drain`` (exporter thread).
+        self.npu_resolver: Callable[[TaskRecord], None] | None = None
         self._disable_lock = threading.Lock()
 
     # ---- hot path -------------------------------------------------------------------------------
@@ -88,6 +90,14 @@ class Recorder:
         ready = self._ready
         for _ in range(min(limit, len(ready))):
             out.append(ready.popleft())
+        resolver = self.npu_resolver
+        if resolver is not None:
+            for rec in out:
+                if rec.npu_marks:
+                    try:
+                        resolver(rec)
+                    except Exception as exc:  # a device-time failure must not lose the record
+                        logger.debug("otel-kvtrace: NPU time resolution failed: %r", exc)
         return out
 
     def recycle(self, records: list[TaskRecord]) -> None:

@@ -1,0 +1,270 @@
+"""In-place proxies for upstream's per-instance collaborators.
+
+Upstream shares its event lists between the worker and both transfer threads by reference and never
+replaces them, so replacing an element with a proxy (``lst[i] = Traced...(lst[i])``) reaches every user
+at once; a thread already blocked in the original's ``wait`` is still woken because the proxy delegates
+to the same object. Producer-side stamps (``set``/``record`` times) are what make a queued task's
+readiness known while it still waits behind the head.
+
+Every proxy delegates unknown attributes to the wrapped object and keeps it in ``_inner`` so
+``uninstrument`` can put the original back.
+"""
+
+from __future__ import annotations
+
+from threading import get_ident
+from typing import Any
+
+from otel_kvtrace.instrument.runtime import Runtime
+from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.record.model import NO_TIME, Dep, Stage
+
+_FAR_FUTURE = 1 << 62
+
+SAVE_CPU_WAIT = int(Stage.SAVE_CPU_WAIT)
+SAVE_NPU_SYNC = int(Stage.SAVE_NPU_SYNC)
+META_BUILD = int(Stage.META_BUILD)
+SLOT_RELEASE_WAIT = int(Stage.SLOT_RELEASE_WAIT)
+BACKEND_SUBMIT = int(Stage.BACKEND_SUBMIT)
+CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
+DEP_SAVE_CPU = int(Dep.SAVE_CPU)
+DEP_SAVE_NPU = int(Dep.SAVE_NPU)
+DEP_SLOT_RELEASE = int(Dep.SLOT_RELEASE)
+
+
+class _Proxy:
+    __slots__ = ("_inner", "_rt", "_st")
+
+    def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
+        object.__setattr__(self, "_inner", inner)
+        object.__setattr__(self, "_rt", rt)
+        object.__setattr__(self, "_st", st)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def __repr__(self) -> str:
+        return f"<kvtrace proxy of {self._inner!r}>"
+
+
+class TracedSaveEvent(_Proxy):
+    """``layer_save_finished_events[i]``: producer ``set()`` time; the recv thread's save wait."""
+
+    __slots__ = ("set_ns",)
+
+    def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
+        super().__init__(inner, rt, st)
+        self.set_ns = NO_TIME
+
+    def set(self) -> None:
+        inner = self._inner
+        if not inner.is_set():
+            self.set_ns = self._rt.recorder.clock()
+        inner.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        st = self._st
+        if get_ident() != st.thread_ident:
+            return self._inner.wait(timeout)
+        clock = self._rt.recorder.clock
+        t0 = clock()
+        ok = self._inner.wait(timeout)
+        t1 = clock()
+        try:
+            rec = st.current
+            if rec is not None:
+                rec.stages.append((SAVE_CPU_WAIT, t0, t1))
+                if ok:
+                    set_ns = self.set_ns
+                    if set_ns >= 0:
+                        rec.dep_exact(DEP_SAVE_CPU, set_ns)
+                    else:  # set before we were attached: only bounded by our own wait
+                        rec.dep_bounds(DEP_SAVE_CPU, rec.t_enqueue, t1)
+        except Exception as exc:
+            self._rt.fail(exc)
+        return ok
+
+    def clear(self) -> None:
+        self._inner.clear()
+
+    def is_set(self) -> bool:
+        return self._inner.is_set()
+
+
+class TracedLoadEvent(_Proxy):
+    """``layer_load_finished_events[i]``: completion (recv ``set``) and the forward's consumer wait."""
+
+    __slots__ = ("_layer",)
+
+    def __init__(self, inner: Any, rt: Runtime, st: QueueState, layer: int) -> None:
+        super().__init__(inner, rt, st)
+        self._layer = layer
+
+    def set(self) -> None:
+        st = self._st
+        if get_ident() == st.thread_ident:
+            rec = st.current
+            if rec is not None:
+                rec.t_complete = self._rt.recorder.clock()
+        self._inner.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        st = self._st
+        if get_ident() == st.thread_ident or not st.consumer_tracking:
+            return self._inner.wait(timeout)
+        clock = self._rt.recorder.clock
+        t0 = clock()
+        ok = self._inner.wait(timeout)
+        t1 = clock()
+        try:
+            rec = st.worker.step_records.get(self._layer)
+            if rec is not None and rec.holds:
+                rec.stages.append((CONSUMER_WAIT, t0, t1))
+        except Exception as exc:
+            self._rt.fail(exc)
+        return ok
+
+    def clear(self) -> None:
+        self._inner.clear()
+
+    def is_set(self) -> bool:
+        return self._inner.is_set()
+
+
+class TracedNpuEvent(_Proxy):
+    """``sync_save_events[i]`` (an NPU event): record (issue) time and synchronize bounds."""
+
+    __slots__ = ("record_ns", "sync_hi", "mark")
+
+    def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
+        super().__init__(inner, rt, st)
+        self.record_ns = NO_TIME
+        self.sync_hi = _FAR_FUTURE
+        self.mark = None
+
+    def record(self, *args: Any, **kwargs: Any) -> Any:
+        rt = self._rt
+        self.record_ns = rt.recorder.clock()
+        self.sync_hi = _FAR_FUTURE
+        result = self._inner.record(*args, **kwargs)
+        timing = rt.npu_timing
+        if timing is not None:
+            try:
+                self.mark = timing.mark(*args, **kwargs)
+            except Exception as exc:
+                rt.fail(exc)
+        return result
+
+    def query(self) -> bool:
+        done = self._inner.query()
+        if done:
+            now = self._rt.recorder.clock()
+            if now < self.sync_hi:
+                self.sync_hi = now
+        return done
+
+    def synchronize(self) -> Any:
+        clock = self._rt.recorder.clock
+        t0 = clock()
+        result = self._inner.synchronize()
+        t1 = clock()
+        if t1 < self.sync_hi:
+            self.sync_hi = t1
+        st = self._st
+        if get_ident() == st.thread_ident:
+            try:
+                rec = st.current
+                if rec is not None:
+                    rec.stages.append((SAVE_NPU_SYNC, t0, t1))
+                    lo = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
+                    rec.dep_bounds(DEP_SAVE_NPU, lo, self.sync_hi)
+                    if self.mark is not None:
+                        rec.npu_marks.append((DEP_SAVE_NPU, self.mark))
+            except Exception as exc:
+                self._rt.fail(exc)
+        return result
+
+
+class TracedBuilder(_Proxy):
+    """The recv thread's own ``LayerBatchBuilder``: address/metadata build time."""
+
+    __slots__ = ()
+
+    def _timed(self, method: Any, args: tuple, kwargs: dict) -> Any:
+        st = self._st
+        if get_ident() != st.thread_ident:
+            return method(*args, **kwargs)
+        clock = self._rt.recorder.clock
+        t0 = clock()
+        result = method(*args, **kwargs)
+        rec = st.current
+        if rec is not None:
+            rec.stages.append((META_BUILD, t0, clock()))
+        return result
+
+    def build_addrs(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(self._inner.build_addrs, args, kwargs)
+
+    def build(self, *args: Any, **kwargs: Any) -> Any:
+        return self._timed(self._inner.build, args, kwargs)
+
+
+class TracedKeyStore(_Proxy):
+    """The recv thread's ``m_store`` (key path): ``get`` is the synchronous backend submit."""
+
+    __slots__ = ()
+
+    def get(self, *args: Any, **kwargs: Any) -> Any:
+        st = self._st
+        if get_ident() != st.thread_ident:
+            return self._inner.get(*args, **kwargs)
+        clock = self._rt.recorder.clock
+        t0 = clock()
+        rec = st.current
+        if rec is not None:
+            # Key path: keys and addresses are built inline before the get; that span is meta_build.
+            built_from = rec.stages[-1][2] if rec.stages else rec.t_dequeue
+            if built_from >= 0 and not any(s[0] == META_BUILD for s in rec.stages):
+                rec.stages.append((META_BUILD, built_from, t0))
+        try:
+            return self._inner.get(*args, **kwargs)
+        finally:
+            t1 = clock()
+            if rec is not None:
+                rec.stages.append((BACKEND_SUBMIT, t0, t1))
+                rec.t_backend_return = t1
+                sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
+                if sizes is not None:
+                    try:
+                        rec.nbytes += int(sum(sizes))
+                    except Exception:
+                        pass
+
+
+def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:
+    """Wrap ``external_slot_release_waiter(layer)``: the wait, and the release time (bounded)."""
+    clock = rt.recorder.clock
+    release_time = getattr(waiter, "kvtrace_release_time", None)
+
+    def external_slot_release_waiter(layer_id: int, *args: Any, **kwargs: Any) -> Any:
+        if get_ident() != st.thread_ident:
+            return waiter(layer_id, *args, **kwargs)
+        t0 = clock()
+        try:
+            return waiter(layer_id, *args, **kwargs)
+        finally:
+            t1 = clock()
+            rec = st.current
+            if rec is not None:
+                try:
+                    rec.stages.append((SLOT_RELEASE_WAIT, t0, t1))
+                    exact = release_time(layer_id) if release_time is not None else None
+                    if exact is not None and exact >= 0:
+                        rec.dep_exact(DEP_SLOT_RELEASE, exact)
+                    else:
+                        rec.dep_bounds(DEP_SLOT_RELEASE, rec.t_enqueue, t1)
+                except Exception as exc:
+                    rt.fail(exc)
+
+    external_slot_release_waiter.__kvtrace_wrapped__ = waiter  # type: ignore[attr-defined]
+    return external_slot_release_waiter

@@ -1,0 +1,43 @@
+"""What every wrapper needs at hand: the recorder, the clock, device timing, per-thread queue lookup."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.record.recorder import Recorder
+
+
+def default_run_id() -> str:
+    """``OTEL_KVTRACE_RUN_ID`` or ``{host}-{pid}-{start_epoch_s}`` (see docs/schema.md)."""
+    configured = os.environ.get("OTEL_KVTRACE_RUN_ID", "").strip()
+    if configured:
+        return configured
+    return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+@dataclass(slots=True)
+class Runtime:
+    """Shared by all wrappers of one tracing session."""
+
+    recorder: Recorder
+    run_id: str
+    npu_timing: Any = None  # NpuTiming | None; created lazily from the first NPU event type seen
+    npu_timing_wanted: bool = False
+    state_by_thread: dict[int, QueueState] = field(default_factory=dict)
+    queues: list[QueueState] = field(default_factory=list)
+
+    @property
+    def clock(self) -> Callable[[], int]:
+        return self.recorder.clock
+
+    def fail(self, exc: BaseException) -> None:
+        """An instrumentation bug: turn tracing off, keep the host running."""
+        where = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        self.recorder.disable(where)

@@ -1,0 +1,45 @@
+"""Per-worker and per-queue state the wrappers share.
+
+Each counter has exactly one writing thread (the forward thread enqueues, the recv thread dequeues and
+completes), so reading them from other threads needs no lock: a reader may see a value one update
+stale, never a torn one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_kvtrace.record.model import QueueInfo, TaskRecord
+
+
+@dataclass(slots=True)
+class WorkerState:
+    """Forward-side context of one KVPoolWorker: the step counter and the layer being waited for."""
+
+    step: int = 0
+    driven: bool = False  # True once start_load_kv is instrumented and has run
+    forward_layer: int = -1  # current_layer during wait_for_layer_load
+    # Records of the current step by layer, so the forward's consumer wait finds its task.
+    step_records: dict[int, TaskRecord] = field(default_factory=dict)
+    # Without start_load_kv (e.g. a bare recv thread), a repeated layer id starts a new step.
+    seen_layers: set[int] = field(default_factory=set)
+
+
+@dataclass(slots=True)
+class QueueState:
+    """One recv (or send) thread's queue: identity, counters, the task it is running now."""
+
+    info: QueueInfo
+    worker: WorkerState
+    is_send: bool = False
+    final_layer_id: int = -1
+    thread_ident: int = 0  # set at the first _handle_request on the thread
+    enqueued: int = 0  # written by the producer (forward) thread only
+    dequeued: int = 0  # written by the consumer (recv) thread only
+    completed: int = 0  # written by the consumer (recv) thread only
+    gates_seen: int = 0
+    current: TaskRecord | None = None
+    consumer_tracking: bool = False
+    # Objects replaced on the instance, for exact restore: (owner, attribute or index, original).
+    undo: list[tuple[Any, Any, Any]] = field(default_factory=list)
