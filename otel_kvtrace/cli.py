@@ -13,6 +13,7 @@ import click
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: (module, attribute, short help shown by `kvtrace --help`)
+    "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
 }
 
 

@@ -1,0 +1,30 @@
+"""Embedded OTLP receiver (``kvtrace collect``) for machines without docker.
+
+It accepts OTLP traces over gRPC (``TraceService/Export``) and HTTP (``POST /v1/traces``, protobuf or
+JSON) on loopback and writes each request as one OTLP/JSON line, the layout the Collector's file
+exporter writes and ``kvtrace report`` reads.
+"""
+
+from otel_kvtrace.collect.receiver import (
+    DEFAULT_GRPC_PORT,
+    DEFAULT_HOST,
+    DEFAULT_HTTP_PORT,
+    DEFAULT_OUT_DIR,
+    PortInUseError,
+    Receiver,
+    collected_file_name,
+)
+from otel_kvtrace.collect.run import collect
+from otel_kvtrace.collect.stats import ReceiverStats
+
+__all__ = [
+    "DEFAULT_GRPC_PORT",
+    "DEFAULT_HOST",
+    "DEFAULT_HTTP_PORT",
+    "DEFAULT_OUT_DIR",
+    "PortInUseError",
+    "Receiver",
+    "ReceiverStats",
+    "collect",
+    "collected_file_name",
+]

@@ -1,0 +1,83 @@
+"""OTLP/gRPC ``TraceService/Export`` endpoint.
+
+The method is registered with raw-bytes (de)serialisation so that a body that does not decode is answered
+with INVALID_ARGUMENT and counted here, instead of grpcio's generic INTERNAL "Exception deserializing".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent import futures
+
+import grpc
+from google.protobuf.duration_pb2 import Duration
+from google.rpc.error_details_pb2 import RetryInfo
+
+from otel_kvtrace.collect.validate import AcceptFn, MalformedRequest, decode_protobuf
+
+SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+
+_RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
+
+
+def _retry_info(seconds: float) -> bytes:
+    delay = Duration()
+    delay.FromNanoseconds(int(seconds * 1e9))
+    return RetryInfo(retry_delay=delay).SerializeToString()
+
+
+class GrpcEndpoint:
+    """A grpc server with one method, bound to ``host:port`` (port 0 picks a free port)."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        accept: AcceptFn,
+        on_malformed: Callable[[], None],
+        max_request_bytes: int,
+        max_workers: int = 8,
+        retry_after_s: float = 0.5,
+    ) -> None:
+        self._accept = accept
+        self._on_malformed = on_malformed
+        self._retry_after_s = retry_after_s
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvtrace-collect-grpc"),
+            options=[
+                ("grpc.so_reuseport", 0),  # a taken port must fail to bind, not be shared
+                ("grpc.max_receive_message_length", max_request_bytes),
+            ],
+        )
+        handler = grpc.unary_unary_rpc_method_handler(self._export)  # bytes in, bytes out
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Export": handler}),))
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = self._server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise OSError(f"cannot bind {address}: {exc}") from exc
+        if bound == 0:
+            raise OSError(f"cannot bind {address}")
+        self.port = bound
+
+    def start(self) -> None:
+        self._server.start()
+
+    def stop(self, grace_s: float) -> None:
+        """Refuse new RPCs and wait up to ``grace_s`` for running ones to finish."""
+        self._server.stop(grace_s).wait()
+
+    def _export(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            req = decode_protobuf(body)
+        except MalformedRequest as exc:
+            self._on_malformed()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        result = self._accept(req, len(body))
+        if result.response is not None:
+            return result.response.SerializeToString()
+        if result.queue_full:
+            context.set_trailing_metadata(((_RETRY_INFO_KEY, _retry_info(self._retry_after_s)),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result.message)
+        context.abort(grpc.StatusCode.UNAVAILABLE, result.message)
+        raise AssertionError("unreachable")  # abort raises

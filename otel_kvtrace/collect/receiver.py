@@ -1,0 +1,190 @@
+"""The embedded OTLP receiver: gRPC + HTTP endpoints -> bounded queue -> one OTLP/JSON lines file."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from pathlib import Path
+
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+from otel_kvtrace.collect.grpc_server import GrpcEndpoint
+from otel_kvtrace.collect.http_server import HttpEndpoint
+from otel_kvtrace.collect.queue import ByteBoundedQueue
+from otel_kvtrace.collect.stats import ReceiverStats, StatsCounter
+from otel_kvtrace.collect.validate import AcceptResult, count_spans, drop_invalid_spans, export_response
+from otel_kvtrace.collect.writer import JsonLinesWriter
+
+DEFAULT_OUT_DIR = Path("kvtrace-data/traces")
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_GRPC_PORT = 4317
+DEFAULT_HTTP_PORT = 4318
+DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
+"""Request bytes that may wait for the writer; beyond it senders get RESOURCE_EXHAUSTED / 503 and retry."""
+DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
+"""Largest accepted request (the OTel Python HTTP exporter's own default limit)."""
+
+
+def collected_file_name(pid: int | None = None) -> str:
+    """Name of the file a receiver in process ``pid`` writes: ``collected-{pid}.jsonl``."""
+    return f"collected-{os.getpid() if pid is None else pid}.jsonl"
+
+
+class PortInUseError(OSError):
+    """A receiver port could not be bound (usually: another process listens on it)."""
+
+    def __init__(self, protocol: str, host: str, port: int, option: str, detail: str) -> None:
+        self.protocol, self.host, self.port, self.option = protocol, host, port, option
+        super().__init__(
+            f"{protocol} port {port} on {host} is already in use or cannot be bound ({detail}); "
+            f"stop the other listener (an OpenTelemetry Collector?) or choose another port with {option}"
+        )
+
+
+class Receiver:
+    """OTLP trace receiver writing every accepted request as one OTLP/JSON line to ``out_dir``.
+
+    Several worker processes can export to it at once. Memory is bounded by ``max_queue_bytes``: when
+    the writer falls behind, requests are refused with RESOURCE_EXHAUSTED (gRPC) or 503 (HTTP), which the
+    OTLP exporters retry. ``stop`` refuses new requests, waits for running ones and writes everything
+    accepted before returning.
+
+    Example::
+
+        rx = Receiver("kvtrace-data/traces", grpc_port=4317, http_port=4318)
+        rx.start()
+        ...                       # workers export with OTEL_EXPORTER_OTLP_ENDPOINT=http://127.0.0.1:4317
+        print(rx.stop().summary())
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike[str] = DEFAULT_OUT_DIR,
+        grpc_port: int | None = DEFAULT_GRPC_PORT,
+        http_port: int | None = DEFAULT_HTTP_PORT,
+        host: str = DEFAULT_HOST,
+        max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    ) -> None:
+        if grpc_port is None and http_port is None:
+            raise ValueError("enable at least one of grpc_port and http_port")
+        for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
+            if port is not None and not 0 <= port <= 65535:
+                raise ValueError(f"{name} must be in 0..65535 (0 picks a free port), got {port}")
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / collected_file_name()
+        self.host = host
+        self._grpc_port_wanted = grpc_port
+        self._http_port_wanted = http_port
+        self._max_request_bytes = max_request_bytes
+        self._queue: ByteBoundedQueue[ExportTraceServiceRequest] = ByteBoundedQueue(max_queue_bytes)
+        self._stats = StatsCounter()
+        self._writer = JsonLinesWriter(self.path, self._queue, self._stats)
+        self._grpc: GrpcEndpoint | None = None
+        self._http: HttpEndpoint | None = None
+        self._stopping = False
+        self._state_lock = threading.Lock()
+        self._started = False
+        self._stopped = False
+
+    @property
+    def grpc_port(self) -> int | None:
+        """The bound gRPC port (after ``start``; useful with port 0)."""
+        return self._grpc.port if self._grpc else None
+
+    @property
+    def http_port(self) -> int | None:
+        """The bound HTTP port (after ``start``; useful with port 0)."""
+        return self._http.port if self._http else None
+
+    def start(self) -> Receiver:
+        """Bind both ports and start serving; raise ``PortInUseError`` naming the port and option on failure."""
+        if self._started:
+            raise RuntimeError("Receiver.start() called twice")
+        self._started = True
+        try:
+            if self._grpc_port_wanted is not None:
+                try:
+                    self._grpc = GrpcEndpoint(
+                        self.host,
+                        self._grpc_port_wanted,
+                        functools.partial(self._accept, protocol="grpc"),
+                        self._malformed_grpc,
+                        self._max_request_bytes
+                    )
+                except OSError as exc:
+                    raise PortInUseError("grpc", self.host, self._grpc_port_wanted, "--grpc-port", str(exc)) from exc
+            if self._http_port_wanted is not None:
+                try:
+                    self._http = HttpEndpoint(
+                        self.host,
+                        self._http_port_wanted,
+                        functools.partial(self._accept, protocol="http"),
+                        self._malformed_http,
+                        self._max_request_bytes
+                    )
+                except OSError as exc:
+                    raise PortInUseError("http", self.host, self._http_port_wanted, "--http-port", str(exc)) from exc
+            self._writer.start()
+        except BaseException:
+            if self._grpc is not None:
+                self._grpc.stop(0)
+                self._grpc = None
+            if self._http is not None:
+                self._http.stop(0)
+                self._http = None
+            raise
+        if self._grpc is not None:
+            self._grpc.start()
+        if self._http is not None:
+            self._http.start()
+        return self
+
+    def stats(self) -> ReceiverStats:
+        """Current counters."""
+        snap = self._stats.snapshot()
+        snap.queue_high_water_bytes = self._queue.high_water_bytes
+        return snap
+
+    def stop(self, grace_s: float = 10.0) -> ReceiverStats:
+        """Refuse new requests, finish running ones, write everything accepted, close the file; idempotent."""
+        with self._state_lock:
+            self._stopping = True
+            already = self._stopped
+            self._stopped = True
+        if not already and self._started:
+            if self._grpc is not None:
+                self._grpc.stop(grace_s)
+            if self._http is not None:
+                self._http.stop(grace_s)
+            self._writer.stop()
+        return self.stats()
+
+    def __enter__(self) -> Receiver:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    # --- called by the endpoints' threads ---------------------------------------------------
+
+    def _accept(self, req: ExportTraceServiceRequest, size: int, protocol: str = "") -> AcceptResult:
+        with self._state_lock:
+            stopping = self._stopping
+        if stopping:
+            self._stats.add(refused_stopping=1)
+            return AcceptResult(None, message="receiver is shutting down; retry against the next one")
+        rejected = drop_invalid_spans(req)
+        spans = count_spans(req)
+        if not self._queue.offer(req, size):
+            self._stats.add(refused_full=1)
+            return AcceptResult(None, queue_full=True, message="write queue full; retry later")
+        self._stats.add(spans_received=spans, spans_rejected=rejected, **{f"{protocol}_requests": 1})
+        return AcceptResult(export_response(rejected))
+
+    def _malformed_grpc(self) -> None:
+        self._stats.add(malformed_grpc=1)
+
+    def _malformed_http(self) -> None:
+        self._stats.add(malformed_http=1)

@@ -1,0 +1,64 @@
+"""Counters of what the receiver accepted, refused and wrote; shared by the network and writer threads."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class ReceiverStats:
+    """A snapshot of the receiver's counters (all cumulative since ``start``)."""
+
+    grpc_requests: int = 0
+    """Export requests accepted over gRPC."""
+    http_requests: int = 0
+    """Export requests accepted over HTTP (protobuf or JSON)."""
+    spans_received: int = 0
+    """Spans in accepted requests (excluding rejected spans)."""
+    spans_rejected: int = 0
+    """Spans dropped from accepted requests because a trace/span id had the wrong length (partial success)."""
+    malformed_grpc: int = 0
+    """gRPC requests that did not decode; answered INVALID_ARGUMENT."""
+    malformed_http: int = 0
+    """HTTP requests that were not valid OTLP (bad body, type, path, size); answered 4xx."""
+    refused_full: int = 0
+    """Requests refused because the write queue was full; answered RESOURCE_EXHAUSTED / 503 (sender retries)."""
+    refused_stopping: int = 0
+    """Requests refused because the receiver was shutting down; answered UNAVAILABLE / 503."""
+    lines_written: int = 0
+    """JSON lines (one per accepted request) written to the output file."""
+    spans_written: int = 0
+    """Spans in the written lines."""
+    write_errors: int = 0
+    """Requests that could not be converted or written (logged)."""
+    queue_high_water_bytes: int = 0
+    """Largest amount of request bytes that waited for the writer at once."""
+
+    def summary(self) -> str:
+        """One human line for the terminal."""
+        return (
+            f"accepted {self.grpc_requests} grpc + {self.http_requests} http requests, "
+            f"{self.spans_received} spans; wrote {self.lines_written} lines, {self.spans_written} spans; "
+            f"malformed {self.malformed_grpc} grpc + {self.malformed_http} http; "
+            f"refused {self.refused_full} (queue full) + {self.refused_stopping} (stopping); "
+            f"rejected spans {self.spans_rejected}; write errors {self.write_errors}"
+        )
+
+
+class StatsCounter:
+    """Thread-safe increments into a ``ReceiverStats``; ``snapshot`` copies it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = ReceiverStats()
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                setattr(self._stats, name, getattr(self._stats, name) + delta)
+
+    def snapshot(self) -> ReceiverStats:
+        with self._lock:
+            return dataclasses.replace(self._stats)
