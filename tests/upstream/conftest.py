@@ -1,0 +1,29 @@
+"""Fixtures for the conformance tests on the real vLLM-Ascend recv threads.
+
+The sources are obtained at test time (see ``harness.upstream_source_dir``); when they cannot be
+obtained the tests FAIL with the reason, they are never skipped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .harness import Upstream, UpstreamUnavailable, upstream_session, upstream_source_dir
+
+
+@pytest.fixture(scope="session")
+def upstream_root() -> Path:
+    try:
+        return upstream_source_dir()
+    except UpstreamUnavailable as exc:
+        pytest.fail(f"upstream vllm-ascend sources unavailable: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def upstream(upstream_root: Path) -> Iterator[Upstream]:
+    """The upstream modules, imported under stubs for this test module only (removed afterwards)."""
+    with upstream_session(upstream_root) as session:
+        yield session
