@@ -63,8 +63,8 @@ class TracedSaveEvent(_Proxy):
         inner.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        st = self._st
-        if get_ident() != st.thread_ident:
+        st = self._rt.state_by_thread.get(get_ident())
+        if st is None or st.current is None or st.is_send:
             return self._inner.wait(timeout)
         clock = self._rt.recorder.clock
         t0 = clock()
@@ -170,12 +170,14 @@ class TracedNpuEvent(_Proxy):
         t1 = clock()
         if t1 < self.sync_hi:
             self.sync_hi = t1
-        st = self._st
-        if get_ident() == st.thread_ident:
+        st = self._rt.state_by_thread.get(get_ident())
+        if st is not None:
             try:
                 rec = st.current
                 if rec is not None:
                     rec.stages.append((SAVE_NPU_SYNC, t0, t1))
+                    if st.is_send:
+                        return result
                     lo = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
                     rec.dep_bounds(DEP_SAVE_NPU, lo, self.sync_hi)
                     if self.mark is not None:
@@ -191,8 +193,8 @@ class TracedBuilder(_Proxy):
     __slots__ = ()
 
     def _timed(self, method: Any, args: tuple, kwargs: dict) -> Any:
-        st = self._st
-        if get_ident() != st.thread_ident:
+        st = self._rt.state_by_thread.get(get_ident())
+        if st is None or st.current is None:
             return method(*args, **kwargs)
         clock = self._rt.recorder.clock
         t0 = clock()

@@ -32,6 +32,7 @@ class Runtime:
     npu_timing_wanted: bool = False
     state_by_thread: dict[int, QueueState] = field(default_factory=dict)
     queues: list[QueueState] = field(default_factory=list)
+    workers: list[Any] = field(default_factory=list)  # objects that got a WorkerState attribute
 
     @property
     def clock(self) -> Callable[[], int]:

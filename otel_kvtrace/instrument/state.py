@@ -7,6 +7,7 @@ stale, never a torn one.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,8 @@ class QueueState:
     completed: int = 0  # written by the consumer (recv) thread only
     gates_seen: int = 0
     current: TaskRecord | None = None
+    # Send tasks are plain lists (no attribute to hang a record on): match them by FIFO order.
+    send_fifo: deque[TaskRecord] = field(default_factory=deque)
     consumer_tracking: bool = False
     # Objects replaced on the instance, for exact restore: (owner, attribute or index, original).
     undo: list[tuple[Any, Any, Any]] = field(default_factory=list)

@@ -1,0 +1,154 @@
+"""The Python API: turn tracing on for a set of target classes, and off again.
+
+``start_tracing`` creates the recorder, installs the patch table on the target classes (real
+vLLM-Ascend from ``otel_kvtrace.instrument.upstream`` or the replica's look-alikes), and starts the
+background exporter. ``TracingSession.shutdown`` uninstruments (every patched attribute is the original
+again) and drains what was recorded. Nothing here runs unless called: with tracing off no class is
+patched, no thread started, nothing allocated.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from otel_kvtrace.instrument import attach, patches
+from otel_kvtrace.instrument.runtime import Runtime, default_run_id
+from otel_kvtrace.instrument.targets import Targets
+from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, ClockAnchor, Recorder
+
+logger = logging.getLogger("otel_kvtrace")
+
+ENV_NPU_TIMING = "OTEL_KVTRACE_NPU_TIMING"
+"""``1`` records timing-enabled NPU events next to save and gate events for exact device times."""
+
+_active_lock = threading.Lock()
+_active: list[TracingSession] = []
+
+
+@dataclass(slots=True)
+class SessionStats:
+    submitted: int
+    dropped: int
+    disabled_reason: str | None
+
+
+class TracingSession:
+    """One active instrumentation: recorder + installed patches + exporter."""
+
+    def __init__(
+        self,
+        targets: Targets,
+        recorder: Recorder,
+        runtime: Runtime,
+        installed: list[patches.InstalledPatch],
+        exporter: Any,
+    ) -> None:
+        self.targets = targets
+        self.recorder = recorder
+        self.runtime = runtime
+        self.exporter = exporter
+        self._installed = installed
+        self._closed = False
+
+    @property
+    def run_id(self) -> str:
+        return self.runtime.run_id
+
+    def uninstrument(self) -> None:
+        """Restore every patched class attribute and every replaced per-instance object."""
+        patches.uninstall(self._installed)
+        for state in self.runtime.queues:
+            attach.detach(state)
+        for worker in self.runtime.workers:
+            worker.__dict__.pop(attach.WORKER_ATTR, None)
+        self.runtime.queues.clear()
+        self.runtime.workers.clear()
+        self.runtime.state_by_thread.clear()
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Export everything recorded so far."""
+        if self.exporter is None:
+            return True
+        return bool(self.exporter.force_flush(timeout_s))
+
+    def shutdown(self, timeout_s: float = 10.0) -> SessionStats:
+        """Uninstrument, drain and stop the exporter. Idempotent."""
+        if not self._closed:
+            self._closed = True
+            self.uninstrument()
+            if self.exporter is not None:
+                self.exporter.shutdown(timeout_s)
+            with _active_lock:
+                if self in _active:
+                    _active.remove(self)
+        return self.stats()
+
+    def stats(self) -> SessionStats:
+        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason)
+
+    def __enter__(self) -> TracingSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+
+def start_tracing(
+    targets: Targets | Mapping[str, Any],
+    *,
+    resource: Mapping[str, Any] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    protocol: str | None = None,
+    clock: Callable[[], int] | None = None,
+    npu_timing: bool | None = None,
+    capacity: int = DEFAULT_CAPACITY,
+    run_id: str | None = None,
+    exporter: Any = "auto",
+) -> TracingSession:
+    """Instrument ``targets`` and start exporting.
+
+    Export goes to OTLP when ``endpoint`` (or ``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT``) is set, otherwise
+    to OTLP JSON lines under ``out_dir`` (default ``./kvtrace-data``). Pass ``exporter=None`` to record
+    without exporting (records stay in ``session.recorder``; tests drain them).
+    """
+    targets = Targets.coerce(targets)
+    recorder = Recorder(capacity=capacity, **({"clock": clock} if clock is not None else {}))
+    if clock is not None:
+        recorder.anchor = ClockAnchor.take(clock)
+    if npu_timing is None:
+        npu_timing = os.environ.get(ENV_NPU_TIMING, "").strip().lower() in ("1", "true", "yes", "on")
+    runtime = Runtime(recorder=recorder, run_id=run_id or default_run_id(), npu_timing_wanted=npu_timing)
+    installed = patches.install(targets, runtime)
+    resource_attrs = dict(resource or {})
+    resource_attrs.setdefault("kvtrace.run_id", runtime.run_id)
+    resource_attrs.setdefault("kvtrace.source", targets.source)
+    if targets.version:
+        resource_attrs.setdefault("vllm_ascend.version", targets.version)
+    export_worker = None
+    try:
+        if exporter == "auto":
+            from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK
+
+            export_worker = create_exporter(
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+            )
+        else:
+            export_worker = exporter
+    except BaseException:
+        patches.uninstall(installed)
+        raise
+    session = TracingSession(targets, recorder, runtime, installed, export_worker)
+    with _active_lock:
+        _active.append(session)
+    return session
+
+
+def active_sessions() -> list[TracingSession]:
+    with _active_lock:
+        return list(_active)

@@ -1,0 +1,198 @@
+"""Per-instance attachment: queue/worker state and the proxies that replace collaborators in place.
+
+Attachment happens once per object, off the per-task path: from the ``_start_kv_transfer_threads``
+post-hook when the worker is instrumented, otherwise lazily at a thread's first ``add_request`` or
+``_handle_request``. Everything replaced is remembered in ``QueueState.undo`` for an exact restore.
+"""
+
+from __future__ import annotations
+
+import os
+from threading import get_ident
+from typing import Any
+
+from otel_kvtrace.instrument.npu_timing import NpuTiming
+from otel_kvtrace.instrument.proxies import (
+    TracedBuilder,
+    TracedKeyStore,
+    TracedLoadEvent,
+    TracedNpuEvent,
+    TracedSaveEvent,
+    _Proxy,
+    traced_slot_waiter,
+)
+from otel_kvtrace.instrument.runtime import Runtime
+from otel_kvtrace.instrument.state import QueueState, WorkerState
+from otel_kvtrace.record.model import QueueInfo
+
+STATE_ATTR = "_kvtrace_state"
+WORKER_ATTR = "_kvtrace_worker"
+
+
+def thread_path(thread: Any) -> str:
+    """``key`` for the key-based recv/send threads, ``gva`` otherwise (upstream class naming)."""
+    override = getattr(thread, "kvtrace_path", None)
+    if override in ("gva", "key"):
+        return override
+    return "key" if "Key" in type(thread).__name__ else "gva"
+
+
+def is_send_thread(thread: Any) -> bool:
+    return "Send" in type(thread).__name__
+
+
+def worker_state(worker: Any, rt: Runtime) -> WorkerState:
+    state = worker.__dict__.get(WORKER_ATTR)
+    if state is None:
+        state = WorkerState()
+        setattr(worker, WORKER_ATTR, state)
+        rt.workers.append(worker)
+    return state
+
+
+def _ranks(owner: Any) -> dict[str, int]:
+    def rank(*names: str) -> int:
+        for name in names:
+            value = getattr(owner, name, None)
+            if isinstance(value, int):
+                return value
+        return 0
+
+    return {
+        "dp": rank("dp_rank"),
+        "pp": rank("pp_rank"),
+        "tp": rank("tp_rank"),
+        "pcp": rank("pcp_rank"),
+        "dcp": rank("dcp_rank"),
+    }
+
+
+def queue_state(thread: Any, rt: Runtime, worker: Any = None) -> QueueState:
+    """The thread's ``QueueState``, attaching the thread on first use."""
+    state = thread.__dict__.get(STATE_ATTR)
+    if state is not None:
+        return state
+    ws = worker_state(worker, rt) if worker is not None else WorkerState()
+    ranks = _ranks(worker if worker is not None else thread)
+    if worker is None:
+        ranks["tp"] = getattr(thread, "tp_rank", ranks["tp"]) or 0
+    num_layers = int(getattr(thread, "num_layers", 0) or getattr(worker, "num_layers", 0) or 0)
+    info = QueueInfo(
+        run_id=rt.run_id,
+        path=thread_path(thread),
+        thread_name=str(getattr(thread, "name", "recv")),
+        pid=os.getpid(),
+        num_layers=num_layers,
+        **ranks,
+    )
+    final_layer = getattr(thread, "final_layer_id", None)
+    state = QueueState(
+        info=info,
+        worker=ws,
+        is_send=is_send_thread(thread),
+        final_layer_id=int(final_layer) if isinstance(final_layer, int) else num_layers - 1,
+        consumer_tracking=worker is not None and not is_send_thread(thread),
+    )
+    setattr(thread, STATE_ATTR, state)
+    state.undo.append((thread, STATE_ATTR, None))
+    rt.queues.append(state)
+    _attach_thread_collaborators(thread, state, rt)
+    return state
+
+
+def bind_thread(state: QueueState, rt: Runtime) -> None:
+    """Remember which OS thread runs this queue (proxies act only on that thread)."""
+    ident = get_ident()
+    if state.thread_ident:
+        rt.state_by_thread.pop(state.thread_ident, None)
+    state.thread_ident = ident
+    rt.state_by_thread[ident] = state
+
+
+def gate_id(gate: Any, state: QueueState) -> int:
+    """The forward layer whose ``wait_for_layer_load`` created ``gate`` (or a per-queue counter)."""
+    existing = gate.__dict__.get("_kvtrace_gate_id")
+    if existing is not None:
+        return existing
+    layer = state.worker.forward_layer
+    if layer < 0:
+        layer = state.gates_seen
+    state.gates_seen += 1
+    gate._kvtrace_gate_id = layer
+    return layer
+
+
+def npu_timing_for(rt: Runtime, event_type: Any) -> NpuTiming | None:
+    """The session's device-time mapper, created from the first NPU event type seen."""
+    if not rt.npu_timing_wanted:
+        return None
+    if rt.npu_timing is None:
+        rt.npu_timing = NpuTiming(event_type, rt.recorder.clock)
+        rt.recorder.npu_resolver = rt.npu_timing.resolve
+    return rt.npu_timing
+
+
+def _replace_items(lst: Any, make: Any, state: QueueState) -> None:
+    if not isinstance(lst, list):
+        return
+    for index, item in enumerate(lst):
+        if isinstance(item, _Proxy):
+            continue
+        lst[index] = make(index, item)
+        state.undo.append((lst, index, item))
+
+
+def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) -> None:
+    _replace_items(
+        getattr(thread, "layer_save_finished_events", None),
+        lambda i, ev: TracedSaveEvent(ev, rt, state),
+        state,
+    )
+    if state.is_send:
+        return
+    _replace_items(
+        getattr(thread, "layer_load_finished_events", None),
+        lambda i, ev: TracedLoadEvent(ev, rt, state, i),
+        state,
+    )
+    sync_events = getattr(thread, "sync_save_events", None)
+    if isinstance(sync_events, list) and sync_events:
+        if rt.npu_timing_wanted:
+            npu_timing_for(rt, type(sync_events[0]))
+        _replace_items(sync_events, lambda i, ev: TracedNpuEvent(ev, rt, state), state)
+    builders = thread.__dict__.get("group_builders")
+    if isinstance(builders, list) and builders:
+        thread.group_builders = [TracedBuilder(b, rt, state) for b in builders]
+        state.undo.append((thread, "group_builders", builders))
+    waiter = thread.__dict__.get("external_slot_release_waiter")
+    if waiter is not None:
+        thread.external_slot_release_waiter = traced_slot_waiter(waiter, rt, state)
+        state.undo.append((thread, "external_slot_release_waiter", waiter))
+    if state.info.path == "key":
+        store = thread.__dict__.get("m_store")
+        if store is not None:
+            thread.m_store = TracedKeyStore(store, rt, state)
+            state.undo.append((thread, "m_store", store))
+
+
+def attach_worker(worker: Any, rt: Runtime) -> None:
+    """Post-hook of ``_start_kv_transfer_threads``: attach both transfer threads of a worker."""
+    worker_state(worker, rt)
+    for name in ("kv_recv_thread", "kv_send_thread"):
+        thread = getattr(worker, name, None)
+        if thread is not None and thread.__dict__.get(STATE_ATTR) is None:
+            queue_state(thread, rt, worker=worker)
+
+
+def detach(state: QueueState) -> None:
+    """Put back every object replaced for this queue, newest first."""
+    for owner, key, original in reversed(state.undo):
+        if isinstance(key, int):
+            current = owner[key]
+            if isinstance(current, _Proxy) and current._inner is original:
+                owner[key] = original
+        elif original is None:
+            owner.__dict__.pop(key, None)
+        else:
+            setattr(owner, key, original)
+    state.undo.clear()

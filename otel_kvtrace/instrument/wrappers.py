@@ -1,0 +1,386 @@
+"""Class-level wrappers: one factory per patch point, ``make(original, rt) -> replacement``.
+
+Every wrapper calls the original exactly once, with the same arguments, and lets its result and its
+exception through unchanged; our own bookkeeping runs in ``try/except`` blocks that turn a bug in the
+instrumentation into ``rt.fail`` (tracing off) rather than an error in the host thread. That keeps
+exception, ``task_done()``, shutdown and ``_fatal_error`` semantics identical with and without tracing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from threading import get_ident
+from typing import Any
+
+from otel_kvtrace.instrument import attach
+from otel_kvtrace.instrument.runtime import Runtime
+from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.record.model import NO_TIME, Dep, Outcome, Stage, TaskKind
+
+GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
+GATE_NPU_SYNC = int(Stage.GATE_NPU_SYNC)
+H2D_STAGGER = int(Stage.H2D_STAGGER)
+BACKEND_SUBMIT = int(Stage.BACKEND_SUBMIT)
+DEP_GATE_RECORD = int(Dep.GATE_RECORD)
+DEP_GATE_NPU = int(Dep.GATE_NPU)
+_FAR_FUTURE = 1 << 62
+_HOLD_RECV = 0
+_HOLD_CONSUMER = 1
+
+
+def _mark(wrapper: Callable, original: Callable) -> Callable:
+    functools.update_wrapper(wrapper, original)
+    wrapper.__kvtrace_wrapped__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def release(rt: Runtime, rec: Any) -> None:
+    """Drop one hold on a record; whoever drops the first-taken hold hands it to the exporter.
+
+    ``holds`` is ``[_HOLD_RECV]`` or ``[_HOLD_RECV, _HOLD_CONSUMER]``; ``list.pop`` is atomic under the
+    GIL, so exactly one of two racing holders pops ``_HOLD_RECV``, whatever the order.
+    """
+    try:
+        if rec.holds.pop() == _HOLD_RECV:
+            rt.recorder.submit(rec)
+    except IndexError:
+        pass
+
+
+# ---- recv / send thread ---------------------------------------------------------------------------
+
+
+def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
+    recorder = rt.recorder
+    clock = recorder.clock
+
+    def add_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+        if item is not None and recorder.enabled:
+            try:
+                st = attach.queue_state(self, rt)
+                _on_enqueue(st, self, item, clock)
+            except Exception as exc:
+                rt.fail(exc)
+        return original(self, item, *args, **kwargs)
+
+    def _on_enqueue(st: QueueState, thread: Any, item: Any, clock: Callable[[], int]) -> None:
+        rec = recorder.new_record()
+        worker = st.worker
+        rec.queue = st.info
+        rec.seq = st.enqueued
+        rec.queue_depth_at_enqueue = st.enqueued - st.dequeued
+        rec.inflight_at_enqueue = st.enqueued - st.completed
+        if st.is_send:
+            rec.kind = TaskKind.SEND
+            rec.layer_id = worker.forward_layer
+            rec.transfer_tasks = item
+        else:
+            layer_id = item.layer_id
+            if not worker.driven:  # no start_load_kv: a repeated layer starts a new step
+                seen = worker.seen_layers
+                if layer_id in seen:
+                    worker.step += 1
+                    seen.clear()
+                seen.add(layer_id)
+            rec.layer_id = layer_id
+            rec.final_layer = layer_id == st.final_layer_id
+            rec.wait_for_save_layer = item.wait_for_save_layer
+            gate = item.attention_start_gate
+            if gate is not None:
+                rec.gate_id = attach.gate_id(gate, st)
+            tasks = item.transfer_tasks
+            rec.transfer_tasks = list(tasks) if tasks else None
+        rec.step = worker.step
+        if st.consumer_tracking and not st.is_send:
+            rec.holds.append(_HOLD_RECV)
+            rec.holds.append(_HOLD_CONSUMER)
+            worker.step_records[rec.layer_id] = rec
+        else:
+            rec.holds.append(_HOLD_RECV)
+        if st.is_send:
+            st.send_fifo.append(rec)
+        else:
+            try:
+                item._kvtrace = rec
+            except AttributeError:  # slotted task type: the dequeue side makes a record instead
+                recorder.recycle([rec])
+                return
+        st.enqueued += 1
+        rec.t_enqueue = clock()
+
+    return _mark(add_request, original)
+
+
+def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
+    recorder = rt.recorder
+    clock = recorder.clock
+
+    def _handle_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+        if not recorder.enabled or item is None:
+            return original(self, item, *args, **kwargs)
+        t_dequeue = clock()
+        rec = None
+        st = None
+        try:
+            st = attach.queue_state(self, rt)
+            if st.thread_ident != get_ident():
+                attach.bind_thread(st, rt)
+            if st.is_send:
+                rec = st.send_fifo.popleft() if st.send_fifo else None
+            else:
+                try:
+                    rec = vars(item).pop("_kvtrace", None)
+                except TypeError:  # no __dict__
+                    rec = None
+            if rec is None:  # put() on request_queue directly, not through add_request
+                rec = _record_without_enqueue(st, item, t_dequeue)
+            rec.t_dequeue = t_dequeue
+            st.dequeued += 1
+            st.current = rec
+        except Exception as exc:
+            rt.fail(exc)
+            rec = None
+        try:
+            result = original(self, item, *args, **kwargs)
+        except BaseException as exc:
+            if rec is not None:
+                try:
+                    rec.outcome = Outcome.ERROR
+                    rec.error = exc
+                    if rec.t_complete == NO_TIME:
+                        rec.t_complete = clock()
+                except Exception as inner:
+                    rt.fail(inner)
+            raise
+        finally:
+            if rec is not None and st is not None:
+                try:
+                    t_exit = clock()
+                    st.current = None
+                    st.completed += 1
+                    if rec.outcome != Outcome.ERROR and rec.t_backend_return == NO_TIME:
+                        rec.outcome = Outcome.EMPTY
+                    if rec.t_complete == NO_TIME:
+                        rec.t_complete = t_exit
+                    release(rt, rec)
+                except Exception as exc:
+                    rt.fail(exc)
+        return result
+
+    def _record_without_enqueue(st: QueueState, item: Any, t_dequeue: int) -> Any:
+        rec = recorder.new_record()
+        rec.queue = st.info
+        rec.seq = st.enqueued
+        st.enqueued += 1
+        rec.step = st.worker.step
+        if st.is_send:
+            rec.kind = TaskKind.SEND
+            rec.layer_id = st.worker.forward_layer
+        else:
+            rec.layer_id = item.layer_id
+            rec.final_layer = item.layer_id == st.final_layer_id
+            rec.wait_for_save_layer = item.wait_for_save_layer
+            gate = item.attention_start_gate
+            if gate is not None:
+                rec.gate_id = attach.gate_id(gate, st)
+            tasks = item.transfer_tasks
+            rec.transfer_tasks = list(tasks) if tasks else None
+        rec.t_enqueue = t_dequeue
+        rec.holds.append(_HOLD_RECV)
+        return rec
+
+    return _mark(_handle_request, original)
+
+
+def _stage_wrapper(stage: int, rt: Runtime, original: Callable, name: str) -> Callable:
+    clock = rt.recorder.clock
+    state_by_thread = rt.state_by_thread
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = state_by_thread.get(get_ident())
+        if st is None or st.current is None:
+            return original(self, *args, **kwargs)
+        t0 = clock()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec = st.current
+            if rec is not None:
+                rec.stages.append((stage, t0, clock()))
+
+    wrapper.__name__ = name
+    return _mark(wrapper, original)
+
+
+def wrap_stagger(original: Callable, rt: Runtime) -> Callable:
+    return _stage_wrapper(H2D_STAGGER, rt, original, "_stagger_h2d_submit")
+
+
+def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
+    clock = rt.recorder.clock
+    state_by_thread = rt.state_by_thread
+
+    def _batch_copy_with_limits(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = state_by_thread.get(get_ident())
+        rec = st.current if st is not None else None
+        if rec is None:
+            return original(self, *args, **kwargs)
+        t0 = clock()
+        result = None
+        try:
+            result = original(self, *args, **kwargs)
+            return result
+        finally:
+            t1 = clock()
+            rec.stages.append((BACKEND_SUBMIT, t0, t1))
+            rec.t_backend_return = t1
+            try:
+                if isinstance(result, int):
+                    rec.backend_result = result
+                sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
+                if sizes is not None:
+                    rec.nbytes += int(sizes.sum()) if hasattr(sizes, "sum") else int(sum(sizes))
+            except Exception:
+                pass
+
+    return _mark(_batch_copy_with_limits, original)
+
+
+# ---- attention gate -------------------------------------------------------------------------------
+
+
+def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
+    clock = rt.recorder.clock
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> Any:
+        first = getattr(self, "_event", None) is None
+        t = clock()
+        result = original(self, *args, **kwargs)
+        if first and rt.recorder.enabled:
+            try:
+                event = getattr(self, "_event", None)
+                if event is not None and getattr(self, "_kvtrace_record_ns", NO_TIME) == NO_TIME:
+                    self._kvtrace_record_ns = t
+                    if rt.npu_timing_wanted:
+                        timing = attach.npu_timing_for(rt, type(event))
+                        if timing is not None:
+                            self._kvtrace_mark = timing.mark(*args, **kwargs)
+            except Exception as exc:
+                rt.fail(exc)
+        return result
+
+    return _mark(record, original)
+
+
+def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
+    clock = rt.recorder.clock
+    state_by_thread = rt.state_by_thread
+
+    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+        st = state_by_thread.get(get_ident())
+        if st is None or st.current is None:
+            return original(self, *args, **kwargs)
+        t0 = clock()
+        ok = original(self, *args, **kwargs)
+        t1 = clock()
+        try:
+            rec = st.current
+            if rec is not None:
+                stages = rec.stages
+                if not ok:
+                    stages.append((GATE_COND_WAIT, t0, t1))
+                else:
+                    recorded = getattr(self, "_kvtrace_record_ns", NO_TIME)
+                    cond_end = t0 if recorded < 0 else max(t0, min(recorded, t1))
+                    if cond_end > t0:
+                        stages.append((GATE_COND_WAIT, t0, cond_end))
+                    stages.append((GATE_NPU_SYNC, cond_end, t1))
+                    hi = getattr(self, "_kvtrace_sync_hi", _FAR_FUTURE)
+                    if t1 < hi:
+                        hi = t1
+                        self._kvtrace_sync_hi = t1
+                    if recorded >= 0:
+                        rec.dep_exact(DEP_GATE_RECORD, recorded)
+                        rec.dep_bounds(DEP_GATE_NPU, recorded, hi)
+                    else:
+                        rec.dep_bounds(DEP_GATE_RECORD, rec.t_enqueue, cond_end)
+                        rec.dep_bounds(DEP_GATE_NPU, rec.t_enqueue, hi)
+                    mark = getattr(self, "_kvtrace_mark", None)
+                    if mark is not None:
+                        rec.npu_marks.append((DEP_GATE_NPU, mark))
+        except Exception as exc:
+            rt.fail(exc)
+        return ok
+
+    return _mark(wait, original)
+
+
+# ---- KVPoolWorker (forward side) ------------------------------------------------------------------
+
+
+def wrap_start_load_kv(original: Callable, rt: Runtime) -> Callable:
+    def start_load_kv(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if rt.recorder.enabled:
+            try:
+                ws = attach.worker_state(self, rt)
+                if ws.driven:
+                    ws.step += 1
+                ws.driven = True
+                leftovers = list(ws.step_records.values())
+                ws.step_records.clear()
+                for rec in leftovers:  # the forward never waited for these: stop holding them
+                    release(rt, rec)
+            except Exception as exc:
+                rt.fail(exc)
+        return original(self, *args, **kwargs)
+
+    return _mark(start_load_kv, original)
+
+
+def wrap_wait_for_layer_load(original: Callable, rt: Runtime) -> Callable:
+    def wait_for_layer_load(self: Any, *args: Any, **kwargs: Any) -> Any:
+        ws = None
+        layer = -1
+        if rt.recorder.enabled:
+            try:
+                ws = attach.worker_state(self, rt)
+                layer = getattr(self, "current_layer", -1)
+                ws.forward_layer = layer
+            except Exception as exc:
+                rt.fail(exc)
+                ws = None
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if ws is not None:
+                rec = ws.step_records.pop(layer, None)
+                if rec is not None:
+                    release(rt, rec)
+
+    return _mark(wait_for_layer_load, original)
+
+
+def wrap_save_kv_layer(original: Callable, rt: Runtime) -> Callable:
+    def save_kv_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if rt.recorder.enabled:
+            try:
+                attach.worker_state(self, rt).forward_layer = getattr(self, "current_layer", -1)
+            except Exception as exc:
+                rt.fail(exc)
+        return original(self, *args, **kwargs)
+
+    return _mark(save_kv_layer, original)
+
+
+def wrap_start_threads(original: Callable, rt: Runtime) -> Callable:
+    def _start_kv_transfer_threads(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if rt.recorder.enabled:
+            try:
+                attach.attach_worker(self, rt)
+            except Exception as exc:
+                rt.fail(exc)
+        return result
+
+    return _mark(_start_kv_transfer_threads, original)
