@@ -13,6 +13,7 @@ import click
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: (module, attribute, short help shown by `kvtrace --help`)
+    "doctor": ("otel_kvtrace.doctor", "doctor_command", "Check every patch point against the installed vLLM-Ascend (or --source DIR)."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
 }
 

@@ -1,0 +1,127 @@
+"""``kvtrace doctor``: can tracing bind to this vLLM-Ascend? Per patch point: found, missing, changed.
+
+Run it on the machine that serves (it imports the installed ``vllm_ascend``), or against a checkout with
+``--source DIR`` (imported with torch/vllm stubbed, so it works on any laptop). The exit status is 0 when
+every required point is found, 1 when one is missing or its signature changed, 2 when vLLM-Ascend cannot
+be imported at all.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+
+from otel_kvtrace.instrument.upstream import (
+    FOUND,
+    UpstreamBinding,
+    UpstreamNotFound,
+    resolve_installed,
+    source_tree,
+)
+
+EXIT_OK = 0
+EXIT_MISSING_REQUIRED = 1
+EXIT_NOT_IMPORTABLE = 2
+
+
+@dataclass(slots=True)
+class DoctorReport:
+    """What ``doctor`` found: the binding (version, layout, per-point status) and the exit status."""
+
+    binding: UpstreamBinding
+    exit_code: int
+
+    def as_dict(self) -> dict[str, object]:
+        b = self.binding
+        return {
+            "version": b.version,
+            "layout": b.layout,
+            "source": b.source,
+            "ok": b.ok,
+            "modules": b.modules,
+            "flags": b.flags,
+            "import_errors": b.errors,
+            "points": [
+                {
+                    "id": p.point.id,
+                    "status": p.status,
+                    "required": p.point.required,
+                    "where": p.where,
+                    "what": p.point.what,
+                    "signature": p.signature,
+                    "missing_params": list(p.missing_params),
+                }
+                for p in b.points
+            ],
+        }
+
+
+def doctor(source: str | Path | None = None) -> DoctorReport:
+    """Bind to the installed vLLM-Ascend, or to the source tree ``source``, and report every patch point.
+
+    Raises :class:`~otel_kvtrace.instrument.upstream.UpstreamNotFound` when it cannot be imported.
+    """
+    if source is None:
+        binding = resolve_installed()
+    else:
+        with source_tree(source) as binding:
+            pass  # the binding keeps the report; the stubbed modules are removed on exit
+    return DoctorReport(binding, EXIT_OK if binding.ok else EXIT_MISSING_REQUIRED)
+
+
+def _print_report(report: DoctorReport) -> None:
+    from rich.console import Console
+    from rich.markup import escape
+
+    b = report.binding
+    console = Console(soft_wrap=True, highlight=False)
+    console.print(f"vLLM-Ascend [bold]{escape(b.version)}[/] (layout: {b.layout}) from {escape(b.source)}")
+    for role, module in sorted(b.modules.items()):
+        console.print(f"  module {role:12} {module}")
+    for role, error in sorted(b.errors.items()):
+        console.print(f"  [red]module {role:12} not importable[/]: {escape(error)}")
+    for p in b.points:
+        colour = "green" if p.status == FOUND else ("red" if p.point.required else "yellow")
+        kind = "required" if p.point.required else "optional"
+        member = ".".join(p.where.rsplit(".", 2)[-2:])
+        extra = f" [no {', '.join(p.missing_params)}]" if p.missing_params else ""
+        console.print(f"  {p.point.id:5} [{colour}]{p.status:17}[/] {kind:8} {member}{escape(extra)}  "
+                      f"[dim]{p.point.what}[/]")
+    console.print("feature flags: " + ", ".join(f"{k}={v}" for k, v in b.flags.items()))
+    if b.ok:
+        console.print("[green]all required patch points found: tracing can bind[/]")
+    else:
+        missing = ", ".join(p.point.id for p in b.missing_required())
+        console.print(f"[red]required patch points missing or changed: {missing}; tracing would stay off[/]")
+
+
+@click.command("doctor")
+@click.option("--source", "source", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Root of a vllm-ascend source tree (checkout or unpacked sdist) instead of the installed one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON instead of a table.")
+def doctor_command(source: Path | None, as_json: bool) -> None:
+    """Check that every patch point of the tracer exists in this vLLM-Ascend.
+
+    Prints, per patch point, found / missing / signature changed, the detected version and layout
+    (main or v0.23) and the feature flags the instrumentation branches on. Exits 1 when a required
+    point is missing, 2 when vLLM-Ascend is not importable.
+
+    \b
+    Example:
+      kvtrace doctor                              # the installed vllm-ascend
+      kvtrace doctor --source ~/src/vllm-ascend   # a checkout, torch/vllm not needed
+    """
+    try:
+        report = doctor(source)
+    except UpstreamNotFound as exc:
+        click.echo(f"kvtrace doctor: {exc}", err=True)
+        sys.exit(EXIT_NOT_IMPORTABLE)
+    if as_json:
+        click.echo(json.dumps(report.as_dict(), indent=2, default=str))
+    else:
+        _print_report(report)
+    sys.exit(report.exit_code)

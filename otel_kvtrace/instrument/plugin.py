@@ -1,0 +1,104 @@
+"""Auto-enable in every vLLM process: the ``vllm.general_plugins`` entry point.
+
+vLLM calls every general plugin in each process it starts (engine core, every worker), sometimes more
+than once. ``register`` therefore does nothing unless ``OTEL_KVTRACE_ENABLED=1``, binds at most once per
+process, and never lets an exception reach vLLM: a failure to bind logs one warning and leaves the host
+untouched. The ``opentelemetry_instrumentor`` entry point (:mod:`.instrumentor`) shares the same
+per-process session, so enabling both does not instrument twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+from otel_kvtrace.instrument.targets import Targets
+
+logger = logging.getLogger("otel_kvtrace")
+
+ENV_ENABLED = "OTEL_KVTRACE_ENABLED"
+"""``1`` turns tracing on in every vLLM process (default off: nothing is patched or started)."""
+
+_lock = threading.Lock()
+_session: Any = None  # the process's TracingSession, once started
+_attempted = False  # a failed attempt is not retried on every plugin call
+
+
+def enabled() -> bool:
+    """True when ``OTEL_KVTRACE_ENABLED`` is set to a true value (``1``, ``true``, ``yes``, ``on``)."""
+    return os.environ.get(ENV_ENABLED, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def upstream_resource(targets: Targets) -> dict[str, Any]:
+    """Per-process resource attributes known before any worker exists (ranks come per queue)."""
+    return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown"}
+
+
+def ensure_started(
+    targets: Targets | None = None,
+    *,
+    resource: Mapping[str, Any] | None = None,
+    **start_kwargs: Any,
+) -> Any:
+    """Start this process's tracing session once; later calls return it. Returns None on failure.
+
+    Without ``targets`` the installed vLLM-Ascend is bound (:func:`.upstream.resolve_installed`); tracing
+    stays off, with a warning, when a required patch point is missing.
+    """
+    global _session, _attempted
+    with _lock:
+        if _session is not None or _attempted:
+            return _session
+        _attempted = True
+        try:
+            if targets is None:
+                from otel_kvtrace.instrument.upstream import resolve_installed
+
+                binding = resolve_installed()
+                if not binding.ok:
+                    missing = ", ".join(f"{p.point.id} ({p.where})" for p in binding.missing_required())
+                    logger.warning("otel-kvtrace: tracing off, vLLM-Ascend %s lacks required patch points: %s "
+                                   "(run `kvtrace doctor`)", binding.version, missing)
+                    return None
+                targets = binding.to_targets()
+            from otel_kvtrace.api import start_tracing
+
+            attrs = upstream_resource(targets)
+            attrs.update(resource or {})
+            _session = start_tracing(targets, resource=attrs, **start_kwargs)
+            logger.info("otel-kvtrace: tracing vLLM-Ascend %s (pid %d)", targets.version, os.getpid())
+        except Exception as exc:  # never break the host process
+            logger.warning("otel-kvtrace: tracing off, could not instrument: %s: %s", type(exc).__name__, exc)
+            _session = None
+        return _session
+
+
+def stop() -> None:
+    """Shut the process's session down (uninstrument + flush) and allow a new start."""
+    global _session, _attempted
+    with _lock:
+        session, _session, _attempted = _session, None, False
+    if session is not None:
+        try:
+            session.shutdown()
+        except Exception as exc:
+            logger.warning("otel-kvtrace: shutdown failed: %s: %s", type(exc).__name__, exc)
+
+
+def current_session() -> Any:
+    return _session
+
+
+def register() -> None:
+    """vLLM general-plugin hook: instrument this process when ``OTEL_KVTRACE_ENABLED=1``.
+
+    Idempotent and exception-free, as vLLM may call it several times per process.
+    """
+    try:
+        if enabled():
+            ensure_started()
+    except Exception:  # pragma: no cover - ensure_started already catches; belt and braces for vLLM
+        pass
