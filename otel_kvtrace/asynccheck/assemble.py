@@ -1,0 +1,105 @@
+"""Raw engine-loop stamps -> engine steps, off the hot path.
+
+The engine loop is FIFO at every stage: the n-th ``schedule()`` call, the n-th ``execute_model``
+dispatch and the n-th ``update_from_output`` belong to step n. So the hot path stores only kinds and
+times, and the n-th stamp of each kind is matched here. ``get_output`` (device output ready) is optional
+and may be missing for some steps; a ready time is accepted for step n only when it lies between the
+step's launch and its update, otherwise the engine-observed time (update entry) stands in as an upper
+bound.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from otel_kvtrace.asynccheck.model import DONE_DEVICE_READY, DONE_ENGINE_OBSERVED
+from otel_kvtrace.asynccheck.recorder import Stamp, StampKind
+
+_RECENT_DONE = 16
+
+
+@dataclass(slots=True)
+class AssembledStep:
+    """One engine step in recorder clock ns (converted to epoch ns at span build)."""
+
+    step: int
+    schedule: tuple[int, int]
+    launch: tuple[int, int]
+    update: tuple[int, int]
+    done: int
+    done_precision: str
+    batch_queue: bool
+    queue_depth: int
+    dispatch_count: int
+    compute: list[tuple[int, int]] = field(default_factory=list)
+    comm: list[tuple[int, int]] = field(default_factory=list)
+
+
+class StepAssembler:
+    """Matches stamps by ordinal; keeps incomplete steps until their update ends."""
+
+    def __init__(self) -> None:
+        self._q: dict[StampKind, deque[Stamp]] = {k: deque() for k in StampKind}
+        self._device: dict[int, list[Stamp]] = {}
+        self._next_step = 0
+        self._recent_done: deque[int] = deque(maxlen=_RECENT_DONE)
+
+    def feed(self, stamps: Iterable[Stamp]) -> list[AssembledStep]:
+        """Add stamps; return the steps completed so far, in step order."""
+        for s in stamps:
+            if s.kind in (StampKind.COMPUTE, StampKind.COMM):
+                self._device.setdefault(s.b, []).append(s)
+            else:
+                self._q[s.kind].append(s)
+        out: list[AssembledStep] = []
+        q = self._q
+        needed = (
+            StampKind.SCHED_BEGIN,
+            StampKind.SCHED_END,
+            StampKind.LAUNCH_BEGIN,
+            StampKind.LAUNCH_END,
+            StampKind.UPDATE_BEGIN,
+            StampKind.UPDATE_END,
+        )
+        while all(q[k] for k in needed):
+            out.append(self._pop_step())
+        return out
+
+    @property
+    def pending_steps(self) -> int:
+        return len(self._q[StampKind.SCHED_BEGIN])
+
+    def _pop_step(self) -> AssembledStep:
+        q = self._q
+        sb, se = q[StampKind.SCHED_BEGIN].popleft(), q[StampKind.SCHED_END].popleft()
+        lb, le = q[StampKind.LAUNCH_BEGIN].popleft(), q[StampKind.LAUNCH_END].popleft()
+        ub, ue = q[StampKind.UPDATE_BEGIN].popleft(), q[StampKind.UPDATE_END].popleft()
+        done, precision = self._match_done(lb.t, ub.t)
+        in_flight = 1 + sum(1 for d in self._recent_done if d > lb.t)
+        self._recent_done.append(done)
+        step = self._next_step
+        self._next_step += 1
+        device = self._device.pop(step, [])
+        return AssembledStep(
+            step=step,
+            schedule=(sb.t, se.t),
+            launch=(lb.t, le.t),
+            update=(ub.t, ue.t),
+            done=done,
+            done_precision=precision,
+            batch_queue=bool(sb.a),
+            queue_depth=in_flight,
+            dispatch_count=step + 1,
+            compute=[(s.t, s.a) for s in device if s.kind == StampKind.COMPUTE],
+            comm=[(s.t, s.a) for s in device if s.kind == StampKind.COMM],
+        )
+
+    def _match_done(self, launch_begin: int, update_begin: int) -> tuple[int, str]:
+        ready = self._q[StampKind.DONE]
+        while ready and ready[0].t < launch_begin:
+            ready.popleft()  # belongs to no step we know (e.g. a warm-up call)
+        if ready and ready[0].t <= update_begin:
+            return ready.popleft().t, DONE_DEVICE_READY
+        return update_begin, DONE_ENGINE_OBSERVED

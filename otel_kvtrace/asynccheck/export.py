@@ -1,0 +1,194 @@
+"""Assembled engine steps -> OTel spans (SDK ``ReadableSpan``) -> OTLP JSON lines, plus OTel metrics.
+
+Runs off the hot path: ``AsyncTracer.flush()`` drains the stamp buffer, assembles steps, builds one
+trace per step (root ``kvtrace.async.step`` with ``batch_schedule``, ``model_execute``, ``execute_done``,
+``update_output``, ``compute``, ``communication`` children), appends one OTLP/JSON line per flush under
+``./kvtrace-data/async/`` and feeds the ``async.dispatch_count`` counter and ``async.queue_depth``
+histogram. A background daemon thread flushes periodically when started.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
+
+from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck.assemble import AssembledStep, StepAssembler
+from otel_kvtrace.asynccheck.recorder import StampBuffer
+from otel_kvtrace.export.otlp_json import request_to_json_line
+from otel_kvtrace.record.recorder import ClockAnchor
+
+logger = logging.getLogger("otel_kvtrace")
+
+DEFAULT_DIR = Path("kvtrace-data") / "async"
+SCOPE = InstrumentationScope("otel_kvtrace")
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str, Any] | None = None) -> Resource:
+    """Resource attributes of an async trace file (see docs/async_check.md)."""
+    attrs: dict[str, Any] = {
+        "service.name": os.environ.get("OTEL_SERVICE_NAME", "kvtrace"),
+        "kvtrace.run_id": run_id,
+        "kvtrace.source": source,
+        "kvtrace.cfg.label": label,
+        "process.pid": os.getpid(),
+        "host.name": socket.gethostname(),
+    }
+    attrs.update(extra or {})
+    return Resource(attrs)
+
+
+def _ids(key: str) -> tuple[int, int]:
+    digest = hashlib.sha256(key.encode()).digest()
+    return int.from_bytes(digest[:16], "big"), int.from_bytes(digest[16:24], "big")
+
+
+def _child_id(key: str, name: str, index: int) -> int:
+    return int.from_bytes(hashlib.sha256(f"{key}/{name}/{index}".encode()).digest()[:8], "big") or 1
+
+
+def build_step_spans(
+    step: AssembledStep, *, anchor: ClockAnchor, resource: Resource, lane: str, dropped: int = 0
+) -> list[ReadableSpan]:
+    """The spans of one engine step: a root and one child per phase (device intervals when known)."""
+    key = f"{lane}/s{step.step}"
+    trace_id, root_id = _ids(key)
+    epoch = anchor.to_epoch
+    root_ctx = SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
+    common = {m.ATTR_STEP: step.step}
+    phases: list[tuple[str, int, int, dict[str, Any]]] = [
+        (m.BATCH_SCHEDULE, *step.schedule, {m.ATTR_BATCH_QUEUE: step.batch_queue}),
+        (
+            m.MODEL_EXECUTE,
+            *step.launch,
+            {m.ATTR_QUEUE_DEPTH: step.queue_depth, m.ATTR_DISPATCH_COUNT: step.dispatch_count},
+        ),
+        (m.EXECUTE_DONE, step.launch[1], max(step.launch[1], step.done), {m.ATTR_DONE_PRECISION: step.done_precision}),
+        (m.UPDATE_OUTPUT, *step.update, {}),
+    ]
+    phases += [(m.COMPUTE, s, e, {}) for s, e in step.compute]
+    phases += [(m.COMMUNICATION, s, e, {}) for s, e in step.comm]
+    start = min(p[1] for p in phases)
+    end = max(p[2] for p in phases)
+    root_attrs = {
+        **common,
+        m.ATTR_BATCH_QUEUE: step.batch_queue,
+        m.ATTR_QUEUE_DEPTH: step.queue_depth,
+        m.ATTR_DONE_PRECISION: step.done_precision,
+        "kvtrace.exporter.dropped": dropped,
+    }
+    spans = [_span(m.STEP_SPAN, root_ctx, None, resource, root_attrs, epoch(start), epoch(end))]
+    for index, (name, s, e, attrs) in enumerate(phases):
+        ctx = SpanContext(trace_id, _child_id(key, name, index), is_remote=False, trace_flags=_SAMPLED)
+        spans.append(_span(name, ctx, root_ctx, resource, {**common, **attrs}, epoch(s), epoch(e)))
+    return spans
+
+
+def _span(
+    name: str,
+    ctx: SpanContext,
+    parent: SpanContext | None,
+    resource: Resource,
+    attrs: dict[str, Any],
+    start: int,
+    end: int,
+) -> ReadableSpan:
+    return ReadableSpan(
+        name=name,
+        context=ctx,
+        parent=parent,
+        resource=resource,
+        attributes=attrs,
+        kind=SpanKind.INTERNAL,
+        start_time=start,
+        end_time=end,
+        instrumentation_scope=SCOPE,
+    )
+
+
+class AsyncTracer:
+    """Owns the stamp buffer of one process and turns it into trace lines and metrics."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        resource: Resource,
+        buffer: StampBuffer | None = None,
+        anchor: ClockAnchor | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self.buffer = buffer if buffer is not None else StampBuffer()
+        self.anchor = anchor if anchor is not None else ClockAnchor.take(self.buffer.clock)
+        self.path = path
+        self.resource = resource
+        self.lane = f"{resource.attributes.get('kvtrace.run_id', 'run')}/pid{resource.attributes.get('process.pid', 0)}"
+        self._assembler = StepAssembler()
+        self._lock = threading.Lock()  # flushes only: the hot path never takes it
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.steps_written = 0
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace")
+        self._dispatch_counter = meter.create_counter(
+            m.METRIC_DISPATCH_COUNT, unit="{dispatch}", description="model_execute dispatches of the engine loop"
+        )
+        self._depth_histogram = meter.create_histogram(
+            m.METRIC_QUEUE_DEPTH, unit="{batch}", description="batches in flight at each dispatch (incl. this one)"
+        )
+
+    def flush(self, settle_s: float = 0.001) -> int:
+        """Export every completed step; return how many were written."""
+        with self._lock:
+            steps = self._assembler.feed(self.buffer.drain(settle_s))
+            if not steps:
+                return 0
+            self._write(steps)
+            self.steps_written += len(steps)
+            return len(steps)
+
+    def _write(self, steps: Sequence[AssembledStep]) -> None:
+        dropped = self.buffer.dropped
+        spans: list[ReadableSpan] = []
+        for step in steps:
+            spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped)
+            self._dispatch_counter.add(1)
+            self._depth_histogram.record(step.queue_depth)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("ab") as fh:
+            fh.write(request_to_json_line(encode_spans(spans)))
+
+    def start(self, interval_s: float = 2.0) -> None:
+        """Flush every ``interval_s`` from a daemon thread until ``shutdown``."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="kvtrace-async-export", daemon=True)
+        self._thread.start()
+
+    def _loop(self, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            try:
+                self.flush()
+            except Exception:  # noqa: BLE001 - exporting must never take the host down
+                logger.exception("otel-kvtrace: async trace export failed")
+
+    def shutdown(self, timeout_s: float = 5.0) -> None:
+        """Stop the flusher and write what is left. Idempotent."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            self._thread = None
+        self.flush()

@@ -1,0 +1,234 @@
+"""Engine-loop instrumentation for vLLM V1 / vLLM-Ascend: one patch table, both directions.
+
+Wrap points (``docs/async_check.md``, research §4.5): ``EngineCore.step`` / ``step_with_batch_queue``
+(which loop ran the step), ``Scheduler.schedule`` (``batch_schedule``), ``Executor.execute_model``
+(``model_execute``: host dispatch; returns a Future in async mode), ``AsyncGPUModelRunnerOutput
+.get_output`` (``execute_done``: device output ready, on the output thread) and
+``Scheduler.update_from_output`` (``update_output``). vLLM-Ascend's scheduler subclasses that override
+``schedule()`` are listed too; a re-entrancy flag keeps ``super().schedule()`` chains to one span.
+
+Nothing here imports vLLM or torch at module import; ``install_from_env`` does nothing unless
+``OTEL_KVTRACE_ENABLED=1`` and vLLM is importable. Wrappers only stamp ``perf_counter_ns`` into the
+bounded ``StampBuffer`` and call the original in ``try/finally``: no OTel objects, no formatting, no
+locks, no device synchronisation; the original's return value and exceptions pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import importlib.util
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import wrapt
+from opentelemetry.instrumentation.utils import unwrap
+
+from otel_kvtrace.asynccheck.export import DEFAULT_DIR, AsyncTracer, default_resource
+from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
+
+logger = logging.getLogger("otel_kvtrace")
+
+OwnerSpec = str | type
+"""``"module:Class"`` (imported lazily, skipped when missing) or the class itself."""
+
+VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
+    "engine": ("vllm.v1.engine.core:EngineCore",),
+    "scheduler": (
+        "vllm.v1.core.sched.scheduler:Scheduler",
+        "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+        "vllm_ascend.core.recompute_scheduler:RecomputeScheduler",
+        "vllm_ascend.core.dyntra_lb_scheduler:DyntraLBScheduler",
+        "vllm_ascend.core.scheduler_profiling_chunk:ProfilingChunkScheduler",
+        "vllm_ascend.core.batch_job_aware_scheduler:BatchJobAwareScheduler",
+    ),
+    "executor": (
+        "vllm.v1.executor.abstract:Executor",
+        "vllm.v1.executor.uniproc_executor:UniProcExecutor",
+        "vllm.v1.executor.multiproc_executor:MultiprocExecutor",
+    ),
+    "output": ("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",),
+}
+
+
+class LoopState:
+    """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
+
+    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled")
+
+    def __init__(self, buffer: StampBuffer) -> None:
+        self.buffer = buffer
+        self.batch_queue = 0
+        self.in_schedule = False
+        self.in_launch = False
+        self.in_update = False
+        self.enabled = True
+
+
+Wrapper = Callable[[Any, Any, tuple, dict], Any]
+
+
+def _step_wrapper(batch_queue: int) -> Callable[[LoopState], Wrapper]:
+    def make(state: LoopState) -> Wrapper:
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            state.batch_queue = batch_queue
+            return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    return make
+
+
+def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[LoopState], Wrapper]:
+    """Stamp begin/end around the outermost call of a phase (``flag`` guards super() chains)."""
+
+    def make(state: LoopState) -> Wrapper:
+        stamp = state.buffer.stamp
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            if not state.enabled or getattr(state, flag):
+                return wrapped(*args, **kwargs)
+            setattr(state, flag, True)
+            stamp(begin, state.batch_queue)
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                stamp(end)
+                setattr(state, flag, False)
+
+        return wrapper
+
+    return make
+
+
+def _done_wrapper(state: LoopState) -> Wrapper:
+    stamp = state.buffer.stamp
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        if state.enabled:
+            stamp(StampKind.DONE)
+        return result
+
+    return wrapper
+
+
+@dataclass(frozen=True, slots=True)
+class PatchPoint:
+    """One wrapped method: the owner key in an owner table, the attribute, the wrapper factory."""
+
+    owner: str
+    attr: str
+    make_wrapper: Callable[[LoopState], Wrapper]
+
+
+PATCH_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("engine", "step", _step_wrapper(0)),
+    PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
+    PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
+    PatchPoint("executor", "execute_model", _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
+    PatchPoint("output", "get_output", _done_wrapper),
+    PatchPoint(
+        "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
+    ),
+)
+
+
+def _resolve(spec: OwnerSpec) -> type | None:
+    if isinstance(spec, type):
+        return spec
+    module_name, _, qualname = spec.partition(":")
+    try:
+        obj: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except Exception:  # noqa: BLE001 - a missing optional class just is not patched
+        return None
+    return obj if isinstance(obj, type) else None
+
+
+class EngineLoopInstrumentation:
+    """Installs and removes every ``PATCH_POINTS`` wrapper on the classes of an owner table."""
+
+    def __init__(self, buffer: StampBuffer, owners: Mapping[str, Sequence[OwnerSpec]] = VLLM_OWNERS) -> None:
+        self.state = LoopState(buffer)
+        self.owners = owners
+        self.installed: list[tuple[type, str]] = []
+
+    def install(self) -> list[str]:
+        """Wrap every patch point whose class defines the attribute; return ``Class.attr`` names."""
+        if self.installed:
+            return self.names
+        for point in PATCH_POINTS:
+            for spec in self.owners.get(point.owner, ()):
+                cls = _resolve(spec)
+                if cls is None or point.attr not in vars(cls):
+                    continue
+                wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
+                self.installed.append((cls, point.attr))
+        return self.names
+
+    def uninstall(self) -> None:
+        """Restore every wrapped attribute. Idempotent."""
+        self.state.enabled = False
+        for cls, attr in reversed(self.installed):
+            unwrap(cls, attr)
+        self.installed.clear()
+
+    @property
+    def names(self) -> list[str]:
+        return [f"{cls.__module__}.{cls.__qualname__}.{attr}" for cls, attr in self.installed]
+
+
+def _run_id() -> str:
+    return os.environ.get("OTEL_KVTRACE_RUN_ID") or f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out: dict[str, str] = {}
+    for dist, key in (("vllm", "vllm.version"), ("vllm-ascend", "vllm_ascend.version")):
+        try:
+            out[key] = version(dist)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+_ACTIVE: tuple[EngineLoopInstrumentation, AsyncTracer] | None = None
+
+
+def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation | None:
+    """Turn engine-loop tracing on when ``OTEL_KVTRACE_ENABLED=1`` and vLLM is importable.
+
+    Called from the vLLM plugin entry point. Writes ``{out_dir}/kvtrace-async-{run_id}-{pid}.jsonl``;
+    ``OTEL_KVTRACE_ASYNC=0`` turns just this part off. Any failure logs and leaves vLLM untouched.
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        return _ACTIVE[0]
+    if os.environ.get("OTEL_KVTRACE_ENABLED") != "1" or os.environ.get("OTEL_KVTRACE_ASYNC", "1") == "0":
+        return None
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        run_id = _run_id()
+        resource = default_resource(run_id=run_id, source="upstream", label="engine-loop", extra=_versions())
+        tracer = AsyncTracer(path=Path(out_dir) / f"kvtrace-async-{run_id}-{os.getpid()}.jsonl", resource=resource)
+        inst = EngineLoopInstrumentation(tracer.buffer)
+        if not inst.install():
+            return None
+        tracer.start()
+        atexit.register(tracer.shutdown)
+        _ACTIVE = (inst, tracer)
+        return inst
+    except Exception:  # noqa: BLE001 - instrumentation failures disable tracing, never the host
+        logger.exception("otel-kvtrace: engine-loop instrumentation disabled")
+        return None

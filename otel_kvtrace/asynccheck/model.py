@@ -1,0 +1,149 @@
+"""Names and records shared by the async-scheduling check: span names, table rows, findings.
+
+The span names and the table columns are documented in ``docs/async_check.md``; every importer maps its
+format onto these canonical names so one analysis serves our own traces and msServiceProfiler captures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# ---- canonical span names (our traces write them; importers map onto them) -------------------------
+STEP_SPAN = "kvtrace.async.step"
+BATCH_SCHEDULE = "batch_schedule"
+MODEL_EXECUTE = "model_execute"
+EXECUTE_DONE = "execute_done"
+UPDATE_OUTPUT = "update_output"
+COMMUNICATION = "communication"
+COMPUTE = "compute"
+FORWARD = "forward"
+"""A device-synchronised forward window (MindIE sync mode, msServiceProfiler's vLLM hooks)."""
+
+STEP_CHILD_SPANS: tuple[str, ...] = (
+    BATCH_SCHEDULE,
+    MODEL_EXECUTE,
+    EXECUTE_DONE,
+    UPDATE_OUTPUT,
+    COMMUNICATION,
+    COMPUTE,
+)
+
+# ---- span attributes ---------------------------------------------------------------------------------
+ATTR_STEP = "async.step"
+ATTR_BATCH_QUEUE = "async.batch_queue"
+ATTR_QUEUE_DEPTH = "async.queue_depth"
+ATTR_DISPATCH_COUNT = "async.dispatch_count"
+ATTR_DONE_PRECISION = "async.done_precision"
+ATTR_MODE = "async.mode"
+
+# ---- OTel metric names ---------------------------------------------------------------------------------
+METRIC_DISPATCH_COUNT = "async.dispatch_count"
+METRIC_QUEUE_DEPTH = "async.queue_depth"
+
+# ---- done precision ----------------------------------------------------------------------------------
+DONE_DEVICE_READY = "device_ready"
+"""Output-ready time observed where the device result became available (``get_output`` return)."""
+DONE_ENGINE_OBSERVED = "engine_observed"
+"""Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
+DONE_SYNCED_FORWARD = "synced_forward"
+DONE_KERNELS = "kernels"
+
+# ---- markers of the async path ----------------------------------------------------------------------
+MARKER_BATCH_QUEUE = "vllm_batch_queue_step"
+MARKER_MINDIE_ASYNC_FORWARD = "mindie_forward_async_attr"
+MARKER_MINDIE_ASYNC_SPANS = "mindie_async_only_spans"
+MARKER_ASYNC_METRICS = "async_queue_metrics"
+
+MINDIE_ASYNC_ONLY_SPANS = frozenset(
+    {"get_from_output_queue", "put_into_input_queue", "wait_to_postprocess", "synchronize_processing_stream"}
+)
+
+# ---- capture warnings ----------------------------------------------------------------------------------
+WARN_NPU_SYNC_HOOKS = "npu_sync_hooks"
+WARN_SCHEDULE_DOMAIN_MISSING = "schedule_domain_missing"
+WARN_COMM_DOMAIN_NOT_HCCL = "communication_domain_not_hccl"
+WARN_UNIT_GUESS = "unit_convention"
+WARN_MULTI_PROCESS = "multi_process"
+WARN_DROPPED = "recorder_dropped"
+
+
+@dataclass(slots=True)
+class SpanRow:
+    """One span in canonical form (table ``async_spans``); times are epoch ns."""
+
+    run: str
+    file: str
+    lane: str
+    step: int | None
+    name: str
+    origin: str
+    start_ns: int
+    end_ns: int
+    attrs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class StepRow:
+    """One engine step (table ``async_steps``); ``None`` where the capture has no such time."""
+
+    run: str
+    lane: str
+    step: int
+    schedule_start: int | None = None
+    schedule_end: int | None = None
+    launch_start: int | None = None
+    launch_end: int | None = None
+    device_start: int | None = None
+    done: int | None = None
+    update_start: int | None = None
+    update_end: int | None = None
+    done_precision: str | None = None
+    batch_queue: bool | None = None
+    queue_depth: int | None = None
+
+
+@dataclass(slots=True)
+class ImportIssue:
+    """A malformed row that was skipped (table ``async_import_errors``)."""
+
+    run: str
+    file: str
+    line: int
+    reason: str
+
+
+@dataclass(slots=True)
+class CaptureWarning:
+    """Something about how a capture was made that limits what it can prove (table ``async_warnings``)."""
+
+    run: str
+    file: str
+    kind: str
+    message: str
+
+
+@dataclass(slots=True)
+class Marker:
+    """Evidence that the async path ran (table ``async_markers``)."""
+
+    run: str
+    file: str
+    marker: str
+    count: int
+
+
+@dataclass(slots=True)
+class ImportResult:
+    """Everything one importer produced for one file."""
+
+    spans: list[SpanRow] = field(default_factory=list)
+    issues: list[ImportIssue] = field(default_factory=list)
+    warnings: list[CaptureWarning] = field(default_factory=list)
+    markers: list[Marker] = field(default_factory=list)
+
+    def extend(self, other: ImportResult) -> None:
+        self.spans.extend(other.spans)
+        self.issues.extend(other.issues)
+        self.warnings.extend(other.warnings)
+        self.markers.extend(other.markers)
