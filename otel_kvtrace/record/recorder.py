@@ -76,7 +76,11 @@ class Recorder:
             return TaskRecord()
 
     def submit(self, record: TaskRecord) -> None:
-        """Hand a finished record to the exporter; drop and count it if the hand-off is full."""
+        """Hand a finished record to the exporter; drop and count it if the hand-off is full.
+
+        The length check and the append are not one atomic step, so with k recording threads the
+        hand-off can hold at most ``capacity + k - 1`` records: still bounded, and lock-free.
+        """
         if len(self._ready) >= self.capacity:
             next(self._drops)
             return
