@@ -1,0 +1,140 @@
+"""Layer layout and submission rules shared by both replica engines (research §2.2, §2.4).
+
+Everything here is a pure function of the configuration, so the threaded replica and the virtual-clock
+engine cannot disagree on which layer reuses which buffer, which tasks a ``wait_for_layer_load`` enqueues,
+or which attention gate each task gets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from otel_kvtrace.replica.config import ReplicaConfig
+
+
+@dataclass(slots=True, frozen=True)
+class ReuseLayout:
+    """Buffer owner chains: ``buffer_slots[i]`` lists the layers sharing one physical buffer, in order."""
+
+    buffer_slots: tuple[tuple[int, ...], ...]
+    prefetch_layer_map: dict[int, int]
+    """``layer -> layer whose save must finish before this layer's load may overwrite the buffer``."""
+    has_layer_reuse: bool
+
+    def storage_index(self, layer: int) -> int:
+        """Index of the buffer slot holding ``layer``."""
+        for i, slot in enumerate(self.buffer_slots):
+            if layer in slot:
+                return i
+        raise KeyError(layer)
+
+
+def build_layout(cfg: ReplicaConfig) -> ReuseLayout:
+    """The reuse layout for ``cfg``: none on ``v0.23``, on the key path or with reuse off.
+
+    Single bucket (research §2.2 simple layout): reused layers are the non-independent ones, slot ``s`` of
+    ``B`` holds ``reused[s::B]``. Multi-bucket: non-independent layers are grouped by kind
+    (``bucket_pattern``); each bucket gets ``min(B, len(bucket))`` slots laid out the same way. In both, a
+    layer's source is its predecessor in its slot.
+    """
+    n = cfg.num_layers
+    independent = set(cfg.resolved_independent)
+    if not cfg.reuse_enabled:
+        slots = tuple((layer,) for layer in range(n))
+        return ReuseLayout(slots, {}, False)
+    reused = [layer for layer in range(n) if layer not in independent]
+    buckets: dict[str, list[int]] = {}
+    pattern = cfg.bucket_pattern or "a"
+    for layer in reused:
+        buckets.setdefault(pattern[layer % len(pattern)], []).append(layer)
+    b = cfg.resolved_buffers
+    slots: list[tuple[int, ...]] = [(layer,) for layer in sorted(independent)]
+    mapping: dict[int, int] = {}
+    has_reuse = False
+    for kind in sorted(buckets):
+        members = buckets[kind]
+        nb = min(b, len(members))
+        if len(members) > nb:
+            has_reuse = True
+        for s in range(nb):
+            chain = tuple(members[s::nb])
+            slots.append(chain)
+            for prev, nxt in zip(chain, chain[1:], strict=False):
+                mapping[nxt] = prev
+    return ReuseLayout(tuple(slots), dict(sorted(mapping.items())), has_reuse)
+
+
+@dataclass(slots=True, frozen=True)
+class Submission:
+    """One ``LayerLoadTask`` enqueued by ``wait_for_layer_load(current_layer)``."""
+
+    layer_id: int
+    wait_for_save_layer: int | None
+    gate_layer: int | None
+    """Forward layer whose gate the task waits on (the ``c`` of ``G_c``), or ``None``."""
+    has_transfer: bool
+
+
+class SubmitWindow:
+    """The prefetch window of one step: which tasks each ``wait_for_layer_load(c)`` enqueues.
+
+    Mirrors upstream's ``_submit_ready_layer_loads``: ``P`` submissions at ``c == 0``, one afterwards; a
+    layer with no transfer (and, on ``main``, no reuse source) is skipped without counting; a task gets
+    the gate ``G_c`` iff it is not layer ``c`` itself (and, on ``main``, has a transfer).
+    """
+
+    __slots__ = ("_n", "_p", "_map", "_main", "_has_transfer", "next_layer_to_submit")
+
+    def __init__(
+        self,
+        num_layers: int,
+        prefetch_layers: int,
+        prefetch_layer_map: dict[int, int],
+        behaviour: str,
+        has_transfer: Callable[[int], bool],
+    ) -> None:
+        self._n = num_layers
+        self._p = prefetch_layers
+        self._map = prefetch_layer_map
+        self._main = behaviour == "main"
+        self._has_transfer = has_transfer
+        self.next_layer_to_submit = 0
+
+    def submit(self, current_layer: int) -> list[Submission]:
+        """Advance the window for ``wait_for_layer_load(current_layer)``."""
+        out: list[Submission] = []
+        count = self._p if current_layer == 0 else 1
+        while len(out) < count and self.next_layer_to_submit < self._n:
+            layer = self.next_layer_to_submit
+            self.next_layer_to_submit += 1
+            has = self._has_transfer(layer)
+            src = self._map.get(layer) if self._main else None
+            if not has and src is None:
+                continue
+            if self._main:
+                gate = current_layer if (has and layer != current_layer) else None
+            else:
+                gate = current_layer if layer != current_layer else None
+            out.append(Submission(layer, src, gate, has))
+        return out
+
+
+def enqueue_plan(cfg: ReplicaConfig, has_transfer: Callable[[int], bool] | None = None) -> list[list[Submission]]:
+    """Per forward layer ``c``, the submissions its ``wait_for_layer_load`` makes in one step."""
+    layout = build_layout(cfg)
+    window = SubmitWindow(
+        cfg.num_layers,
+        cfg.resolved_prefetch,
+        layout.prefetch_layer_map,
+        cfg.behaviour,
+        has_transfer if has_transfer is not None else (lambda layer: cfg.requests_per_step > 0),
+    )
+    return [window.submit(c) for c in range(cfg.num_layers)]
+
+
+def should_wait(cfg: ReplicaConfig, layout: ReuseLayout, layer: int, has_transfer: bool) -> bool:
+    """Whether the forward blocks on ``layer``'s load event (research §2.4)."""
+    if cfg.behaviour == "main":
+        return has_transfer or layer in layout.prefetch_layer_map
+    return has_transfer
