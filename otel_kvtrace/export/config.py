@@ -1,0 +1,135 @@
+"""Exporter settings: every ``OTEL_KVTRACE_*`` variable the exporter reads, plus the standard OTel ones.
+
+Resolution order for each setting: explicit argument, then environment variable, then the default
+below. A bad value is logged (naming the variable) and the default is used: a typo in an environment
+variable must never take down the host process.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+
+logger = logging.getLogger("otel_kvtrace")
+
+OTEL_KVTRACE_DATA_DIR = "OTEL_KVTRACE_DATA_DIR"
+"""Directory of the embedded file sink. Traces go to ``{dir}/traces/kvtrace-{run_id}-{pid}.jsonl``.
+Default: ``./kvtrace-data``."""
+
+OTEL_KVTRACE_RUN_ID = "OTEL_KVTRACE_RUN_ID"
+"""Run id shared by every rank of one deployment (part of the correlation id and the file name).
+Default: ``{host}-{pid}-{start_epoch_s}`` of the process."""
+
+OTEL_KVTRACE_EXPORT_INTERVAL_MS = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
+"""How often the exporter thread wakes to drain the recorder, in ms. Default: 200."""
+
+OTEL_KVTRACE_EXPORT_BATCH_SIZE = "OTEL_KVTRACE_EXPORT_BATCH_SIZE"
+"""Tasks per export request (one JSON line or one OTLP request; ~12 spans per task). Default: 256,
+which keeps an OTLP/gRPC request well under the Collector's default 4 MiB receive limit."""
+
+OTEL_KVTRACE_EXPORT_TIMEOUT_MS = "OTEL_KVTRACE_EXPORT_TIMEOUT_MS"
+"""Default time ``force_flush`` and ``shutdown`` (also at interpreter exit) may take, in ms. Default: 10000."""
+
+OTEL_KVTRACE_DROP_LOG_INTERVAL_S = "OTEL_KVTRACE_DROP_LOG_INTERVAL_S"
+"""Minimum seconds between two "records dropped" warnings. Default: 10."""
+
+DEFAULT_DATA_DIR = "./kvtrace-data"
+DEFAULT_EXPORT_INTERVAL_MS = 200
+DEFAULT_EXPORT_BATCH_SIZE = 256
+DEFAULT_EXPORT_TIMEOUT_MS = 10_000
+DEFAULT_DROP_LOG_INTERVAL_S = 10.0
+
+# Standard OpenTelemetry variables the exporter honours.
+OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
+OTEL_SERVICE_NAME = "OTEL_SERVICE_NAME"
+OTEL_EXPORTER_OTLP_ENDPOINT = "OTEL_EXPORTER_OTLP_ENDPOINT"
+OTEL_EXPORTER_OTLP_TRACES_ENDPOINT = "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"
+OTEL_EXPORTER_OTLP_PROTOCOL = "OTEL_EXPORTER_OTLP_PROTOCOL"
+OTEL_EXPORTER_OTLP_TRACES_PROTOCOL = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
+
+PROTOCOL_GRPC = "grpc"
+PROTOCOL_HTTP_PROTOBUF = "http/protobuf"
+PROTOCOLS = (PROTOCOL_GRPC, PROTOCOL_HTTP_PROTOBUF)
+DEFAULT_PROTOCOL = PROTOCOL_HTTP_PROTOBUF
+"""The OTel spec default; also the safer choice for forking servers (gRPC channels are not fork-safe)."""
+
+_PROCESS_START_S = int(time.time())
+
+
+def env_int(name: str, default: int, *, minimum: int = 1, environ: Mapping[str, str] | None = None) -> int:
+    """Integer setting from the environment; logs and returns ``default`` when unset-invalid."""
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        logger.warning("otel-kvtrace: %s=%r is not an integer; using %d", name, raw, default)
+        return default
+    if value < minimum:
+        logger.warning("otel-kvtrace: %s=%d must be >= %d; using %d", name, value, minimum, default)
+        return default
+    return value
+
+
+def env_float(name: str, default: float, *, environ: Mapping[str, str] | None = None) -> float:
+    raw = (os.environ if environ is None else environ).get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        logger.warning("otel-kvtrace: %s=%r is not a number; using %s", name, raw, default)
+        return default
+    if value < 0:
+        logger.warning("otel-kvtrace: %s=%s must be >= 0; using %s", name, value, default)
+        return default
+    return value
+
+
+def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``OTEL_SDK_DISABLED=true`` (case-insensitive), as the SDK reads it."""
+    raw = (os.environ if environ is None else environ).get(OTEL_SDK_DISABLED, "").strip().lower()
+    if raw and raw not in ("true", "false"):
+        logger.warning("otel-kvtrace: %s=%r is not 'true' or 'false'; using false", OTEL_SDK_DISABLED, raw)
+    return raw == "true"
+
+
+def otlp_endpoint(environ: Mapping[str, str] | None = None) -> str | None:
+    """The traces endpoint from ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_ENDPOINT``."""
+    env = os.environ if environ is None else environ
+    for name in (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, OTEL_EXPORTER_OTLP_ENDPOINT):
+        value = env.get(name, "").strip()
+        if value:
+            return value
+    return None
+
+
+def otlp_protocol(environ: Mapping[str, str] | None = None) -> str:
+    """``grpc`` or ``http/protobuf`` from the OTLP protocol variables (traces-specific first)."""
+    env = os.environ if environ is None else environ
+    for name in (OTEL_EXPORTER_OTLP_TRACES_PROTOCOL, OTEL_EXPORTER_OTLP_PROTOCOL):
+        value = env.get(name, "").strip().lower()
+        if not value:
+            continue
+        if value in PROTOCOLS:
+            return value
+        logger.warning(
+            "otel-kvtrace: %s=%r is not supported (use %s); using %s", name, value, " or ".join(PROTOCOLS), DEFAULT_PROTOCOL
+        )
+        return DEFAULT_PROTOCOL
+    return DEFAULT_PROTOCOL
+
+
+def data_dir(environ: Mapping[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    return env.get(OTEL_KVTRACE_DATA_DIR, "").strip() or DEFAULT_DATA_DIR
+
+
+def run_id(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_KVTRACE_RUN_ID`` or ``{host}-{pid}-{start_epoch_s}`` (see docs/schema.md)."""
+    env = os.environ if environ is None else environ
+    return env.get(OTEL_KVTRACE_RUN_ID, "").strip() or f"{socket.gethostname()}-{os.getpid()}-{_PROCESS_START_S}"

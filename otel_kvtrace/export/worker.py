@@ -1,0 +1,346 @@
+"""The background exporter: drains the recorder on a schedule, builds spans, hands batches to a sink.
+
+Modelled on the SDK's ``BatchProcessor``, with one difference that matters on the hot path: recording
+threads never signal this thread (no ``Event.set()``, no lock); it wakes on its own schedule. When the
+sink is slow or down, the recorder's bounded hand-off fills and new records are dropped and counted
+there; failed batches are counted too. Nothing here ever raises into a host thread.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import metrics
+from opentelemetry.instrumentation.utils import suppress_instrumentation
+
+from otel_kvtrace.export import config
+from otel_kvtrace.export.sinks import JsonLinesFileSink, NullSink, OtlpGrpcSink, OtlpHttpSink, SpanSink
+from otel_kvtrace.export.spans import JsonSpan, SpanBuilder
+from otel_kvtrace.record.model import TaskRecord
+from otel_kvtrace.record.recorder import Recorder
+
+logger = logging.getLogger("otel_kvtrace")
+
+THREAD_NAME = "kvtrace-exporter"
+DROPPED_METRIC = "kvtrace.exporter.dropped_records"
+DEFAULT_SERVICE_NAME = "kvtrace"
+
+
+class BackgroundExporter:
+    """Owns the ``kvtrace-exporter`` daemon thread that turns recorded tasks into exported spans.
+
+    Example::
+
+        recorder = Recorder()
+        exporter = BackgroundExporter(recorder, JsonLinesFileSink("./kvtrace-data", "run1", resource))
+        ...  # instrumented threads call recorder.new_record()/submit()
+        exporter.shutdown()  # drains everything still pending
+    """
+
+    def __init__(
+        self,
+        recorder: Recorder,
+        sink: SpanSink,
+        *,
+        interval_s: float | None = None,
+        batch_size: int | None = None,
+        timeout_s: float | None = None,
+        drop_log_interval_s: float | None = None,
+        start: bool = True,
+    ) -> None:
+        if interval_s is not None and interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        if batch_size is not None and batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.recorder = recorder
+        self.sink = sink
+        self.interval_s = (
+            interval_s
+            if interval_s is not None
+            else config.env_int(config.OTEL_KVTRACE_EXPORT_INTERVAL_MS, config.DEFAULT_EXPORT_INTERVAL_MS) / 1000
+        )
+        self.batch_size = batch_size or config.env_int(
+            config.OTEL_KVTRACE_EXPORT_BATCH_SIZE, config.DEFAULT_EXPORT_BATCH_SIZE
+        )
+        self.timeout_s = (
+            timeout_s
+            if timeout_s is not None
+            else config.env_int(config.OTEL_KVTRACE_EXPORT_TIMEOUT_MS, config.DEFAULT_EXPORT_TIMEOUT_MS) / 1000
+        )
+        self.drop_log_interval_s = (
+            drop_log_interval_s
+            if drop_log_interval_s is not None
+            else config.env_float(config.OTEL_KVTRACE_DROP_LOG_INTERVAL_S, config.DEFAULT_DROP_LOG_INTERVAL_S)
+        )
+        self._builder = SpanBuilder(recorder.anchor)
+        self._export_lock = threading.Lock()  # one export cycle at a time (worker or force_flush caller)
+        self._stopping = threading.Event()  # set by shutdown only, never by a recording thread
+        self._shutdown_lock = threading.Lock()
+        self._shutdown_done = False
+        self._broken = False  # span building failed once: tracing is disabled, records are discarded
+        self._thread: threading.Thread | None = None
+        self._deadline: float | None = None
+        self.exported_tasks = 0
+        self.failed_batches = 0
+        self._dropped_reported = 0  # pushed to the metric counter
+        self._dropped_logged = 0
+        self._last_drop_log = float("-inf")
+        self._drop_counter = metrics.get_meter("otel_kvtrace").create_counter(
+            DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
+        )
+        self._atexit = _weak_callback(self, "_shutdown_at_exit")
+        atexit.register(self._atexit)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
+        if start:
+            self.start()
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the worker thread (done by the constructor unless ``start=False``)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def force_flush(self, timeout_s: float | None = None) -> bool:
+        """Export what is pending now, on the caller's thread. True if nothing was left behind."""
+        if self._shutdown_done:
+            return self.recorder.pending == 0
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        if not self._export_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+            return False
+        try:
+            self._export_pending(deadline, limit=self.recorder.pending)
+        finally:
+            self._export_lock.release()
+        return self.recorder.pending == 0
+
+    def shutdown(self, timeout_s: float | None = None) -> bool:
+        """Drain everything pending, stop the thread, close the sink. Idempotent; never raises.
+
+        Returns True when every pending record was delivered in time. Records still pending at the
+        deadline are counted as dropped.
+        """
+        with self._shutdown_lock:
+            if self._shutdown_done:
+                return self.recorder.pending == 0
+            self._shutdown_done = True
+        try:
+            atexit.unregister(self._atexit)
+        except Exception:  # noqa: BLE001 - interpreter teardown
+            pass
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self._deadline = time.monotonic() + timeout
+        self._stopping.set()
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                self._safe_sink_shutdown()  # aborts retry back-off of the OTLP exporters
+                thread.join(1.0)
+        else:  # never started (or called from the worker): drain here
+            with self._export_lock:
+                self._export_pending(self._deadline)
+        left = self.recorder.pending
+        if left and (thread is None or not thread.is_alive()):
+            self._discard(self.recorder.drain(left), count=True)
+        self._safe_sink_shutdown()
+        self._report_drops(final=True)
+        return left == 0
+
+    def _shutdown_at_exit(self) -> None:
+        self.shutdown()
+
+    def _after_fork_in_child(self) -> None:
+        # The parent's records and thread are not ours: discard the records, start a fresh thread.
+        self._export_lock = threading.Lock()
+        self._shutdown_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._thread = None
+        pending = self.recorder.pending
+        if pending:
+            self.recorder.recycle(self.recorder.drain(pending))
+        if not self._shutdown_done:
+            self.start()
+
+    # ---- worker ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping.wait(self.interval_s):
+                with self._export_lock:
+                    self._export_pending(None)
+            with self._export_lock:
+                self._export_pending(self._deadline)
+        except BaseException as exc:  # noqa: BLE001 - the worker must never die loudly in a host process
+            self._fail_internal(f"exporter thread: {exc!r}")
+
+    def _export_pending(self, deadline: float | None, limit: int | None = None) -> None:
+        """Export batches until the recorder is empty, ``limit`` records were taken, or the deadline."""
+        recorder = self.recorder
+        taken = 0
+        while recorder.pending and (limit is None or taken < limit):
+            if deadline is None and self._stopping.is_set():
+                break  # shutdown: the final drain (with its deadline) takes over
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            n = self.batch_size if limit is None else min(self.batch_size, limit - taken)
+            batch = recorder.drain(n)
+            if not batch:
+                break
+            taken += len(batch)
+            self._export_batch(batch)
+        self._report_drops()
+
+    def _export_batch(self, records: list[TaskRecord]) -> None:
+        if self._broken:
+            self._discard(records, count=True)
+            return
+        spans: list[JsonSpan] = []
+        build = self._builder.build
+        try:
+            for rec in records:
+                spans.extend(build(rec))
+        except Exception as exc:  # noqa: BLE001 - a builder bug: stop tracing, keep the host running
+            self._broken = True
+            self._fail_internal(f"building spans failed: {exc!r}")
+            self._discard(records, count=True)
+            return
+        ok = False
+        try:
+            with suppress_instrumentation():
+                ok = bool(self.sink.export(spans, self.recorder.dropped))
+        except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
+            logger.debug("otel-kvtrace: export failed: %r", exc)
+        if ok:
+            self.exported_tasks += len(records)
+            self.recorder.recycle(records)
+        else:
+            self.failed_batches += 1
+            self._discard(records, count=True)
+
+    def _discard(self, records: list[TaskRecord], *, count: bool) -> None:
+        if count and records:
+            self.recorder.count_drop(len(records))
+        self.recorder.recycle(records)
+
+    def _fail_internal(self, reason: str) -> None:
+        try:
+            self.recorder.disable(reason)  # logs once
+        except Exception:  # noqa: BLE001
+            pass
+
+    def _report_drops(self, *, final: bool = False) -> None:
+        """Push new drops to the metric counter; warn at most once per ``drop_log_interval_s``."""
+        total = self.recorder.dropped
+        delta = total - self._dropped_reported
+        if delta > 0:
+            try:
+                self._drop_counter.add(delta)
+            except Exception:  # noqa: BLE001 - a broken MeterProvider must not stop exporting
+                pass
+            self._dropped_reported = total
+        now = time.monotonic()
+        if total > self._dropped_logged and (final or now - self._last_drop_log >= self.drop_log_interval_s):
+            logger.warning(
+                "otel-kvtrace: %d task records dropped (%d since last report): exporter behind or endpoint "
+                "unreachable; recording threads were not blocked",
+                total,
+                total - self._dropped_logged,
+            )
+            self._dropped_logged = total
+            self._last_drop_log = now
+
+    def _safe_sink_shutdown(self) -> None:
+        try:
+            with suppress_instrumentation():
+                self.sink.shutdown()
+        except Exception as exc:  # noqa: BLE001
+            logger.debug("otel-kvtrace: sink shutdown failed: %r", exc)
+
+
+def _weak_callback(obj: Any, method: str) -> Any:
+    ref = weakref.WeakMethod(getattr(obj, method))
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+def build_resource(attributes: Mapping[str, Any]) -> dict[str, Any]:
+    """Resource attributes per docs/schema.md: the caller's, ``OTEL_RESOURCE_ATTRIBUTES``,
+    ``OTEL_SERVICE_NAME`` (default ``kvtrace``), ``kvtrace.run_id``, ``process.pid``, ``host.name``.
+
+    Precedence is the SDK's (``Resource.create``): attributes passed in code win over the environment.
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    merged = dict(Resource.create(dict(attributes)).attributes)
+    service = merged.get("service.name")
+    if not service or str(service).startswith("unknown_service"):
+        merged["service.name"] = DEFAULT_SERVICE_NAME
+    merged.setdefault("kvtrace.run_id", config.run_id())
+    merged.setdefault("process.pid", os.getpid())
+    merged.setdefault("host.name", socket.gethostname())
+    return merged
+
+
+def create_sink(
+    resource: Mapping[str, Any],
+    *,
+    out_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    protocol: str | None = None,
+) -> SpanSink:
+    """The sink the arguments and the standard OTel environment select (see ``create_exporter``)."""
+    if protocol is not None and protocol not in config.PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(config.PROTOCOLS)}, got {protocol!r}")
+    if config.sdk_disabled():
+        return NullSink()
+    env_endpoint = config.otlp_endpoint()
+    if endpoint or env_endpoint:
+        chosen = protocol or config.otlp_protocol()
+        sink_class = OtlpGrpcSink if chosen == config.PROTOCOL_GRPC else OtlpHttpSink
+        # With only an environment endpoint, let the SDK resolve it (it knows the per-signal rules).
+        return sink_class(resource, endpoint or None)
+    directory = Path(out_dir) if out_dir is not None else Path(config.data_dir())
+    run_id = str(resource.get("kvtrace.run_id") or config.run_id())
+    return JsonLinesFileSink(directory, run_id, resource)
+
+
+def create_exporter(
+    recorder: Recorder,
+    resource: Mapping[str, Any],
+    *,
+    out_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    protocol: str | None = None,
+) -> BackgroundExporter:
+    """A started ``BackgroundExporter`` for ``recorder``, its sink chosen like any OTel SDK would.
+
+    - ``endpoint`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``) set:
+      OTLP with ``protocol`` (or ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``),
+      ``grpc`` or ``http/protobuf`` (default).
+    - no endpoint: OTLP/JSON lines in ``{out_dir}/traces/kvtrace-{run_id}-{pid}.jsonl``, ``out_dir``
+      defaulting to ``OTEL_KVTRACE_DATA_DIR`` or ``./kvtrace-data``.
+    - ``OTEL_SDK_DISABLED=true``: records are drained and discarded.
+
+    Example::
+
+        exporter = create_exporter(recorder, {"kvtrace.source": "replica", "kvtrace.run_id": "r1"})
+    """
+    full_resource = build_resource(resource)
+    sink = create_sink(full_resource, out_dir=out_dir, endpoint=endpoint, protocol=protocol)
+    return BackgroundExporter(recorder, sink)
