@@ -182,8 +182,9 @@ class FakeMemcacheClient:
 class FakeBackend:
     """``m_store`` stand-in with the calls the recv threads make; every call is logged with its thread."""
 
-    def __init__(self, copy_s: float = 0.0) -> None:
+    def __init__(self, copy_s: float = 0.0, get_error: BaseException | None = None) -> None:
         self.copy_s = copy_s
+        self.get_error = get_error
         self.results: list[int] = []
         self.calls: list[BackendCall] = []
         self._lock = threading.Lock()
@@ -201,6 +202,8 @@ class FakeBackend:
         if self.copy_s > 0:
             time.sleep(self.copy_s)
         self.log("get", start, (list(keys),))
+        if self.get_error is not None:
+            raise self.get_error
 
     def batch_remove_lease(self, keys: list[str]) -> int:
         self.log("batch_remove_lease", time.perf_counter(), (list(keys),))
@@ -371,3 +374,91 @@ def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.001) ->
             return True
         time.sleep(interval)
     return bool(predicate())
+
+
+# ---- reading the trace back ------------------------------------------------------------------------
+
+
+def otlp_value(value: dict[str, Any]) -> Any:
+    """Plain Python value of an OTLP/JSON ``AnyValue``."""
+    (kind, raw), = value.items()
+    if kind == "intValue":
+        return int(raw)
+    if kind == "arrayValue":
+        return [otlp_value(v) for v in raw.get("values", [])]
+    return raw
+
+
+def otlp_attrs(attributes: list[dict[str, Any]]) -> dict[str, Any]:
+    return {a["key"]: otlp_value(a["value"]) for a in attributes}
+
+
+@dataclass(slots=True)
+class SpanView:
+    name: str
+    start: int  # epoch ns
+    end: int
+    attrs: dict[str, Any]
+    status_code: int
+
+
+@dataclass(slots=True)
+class TaskTrace:
+    """One exported task: the root span and its children by name."""
+
+    root: SpanView
+    children: dict[str, SpanView]
+
+    @property
+    def attrs(self) -> dict[str, Any]:
+        return self.root.attrs
+
+    def stage_names(self) -> list[str]:
+        """Child span names in start order."""
+        return [s.name for s in sorted(self.children.values(), key=lambda s: (s.start, s.end))]
+
+
+def task_traces(spans: list[dict[str, Any]]) -> list[TaskTrace]:
+    """Group OTLP/JSON spans into tasks (root ``kvtrace.recv.task`` + children sharing its trace id)."""
+    views: dict[str, list[tuple[dict[str, Any], SpanView]]] = {}
+    for span in spans:
+        view = SpanView(span["name"], int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]),
+                        otlp_attrs(span.get("attributes", [])), int(span.get("status", {}).get("code", 0) or 0))
+        views.setdefault(span["traceId"], []).append((span, view))
+    tasks = []
+    for members in views.values():
+        roots = [v for s, v in members if not s.get("parentSpanId")]
+        if len(roots) != 1 or roots[0].name != "kvtrace.recv.task":
+            continue
+        tasks.append(TaskTrace(roots[0], {v.name: v for s, v in members if s.get("parentSpanId")}))
+    return sorted(tasks, key=lambda t: t.attrs["kvtrace.seq"])
+
+
+def records_to_spans(session: Any) -> list[dict[str, Any]]:
+    """Drain the session's recorder and build the spans with the exporter's own span builder."""
+    from otel_kvtrace.export.spans import build_task_spans
+
+    spans: list[dict[str, Any]] = []
+    for record in session.recorder.drain(1 << 20):
+        spans.extend(build_task_spans(record, session.recorder.anchor))
+    return spans
+
+
+def exported_spans(out_dir: Path) -> list[dict[str, Any]]:
+    """Every span in the OTLP/JSON lines files the embedded sink wrote under ``out_dir``."""
+    import json
+
+    spans: list[dict[str, Any]] = []
+    for path in sorted(Path(out_dir).rglob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                for rs in json.loads(line).get("resourceSpans", []):
+                    for ss in rs.get("scopeSpans", []):
+                        spans.extend(ss.get("spans", []))
+    return spans
+
+
+def epoch_of(session: Any, perf_s: float) -> int:
+    """A ``time.perf_counter()`` reading (the fakes' clock) as epoch ns on the trace's timeline."""
+    anchor = session.recorder.anchor
+    return anchor.to_epoch(int(perf_s * 1e9))
