@@ -141,9 +141,12 @@ class ImportResult:
     issues: list[ImportIssue] = field(default_factory=list)
     warnings: list[CaptureWarning] = field(default_factory=list)
     markers: list[Marker] = field(default_factory=list)
+    seen: set[str] = field(default_factory=set)
+    """Raw span names and ``domain:<d>`` seen (for capture warnings)."""
 
     def extend(self, other: ImportResult) -> None:
         self.spans.extend(other.spans)
         self.issues.extend(other.issues)
         self.warnings.extend(other.warnings)
         self.markers.extend(other.markers)
+        self.seen |= other.seen

@@ -1,0 +1,143 @@
+"""Canonical spans -> one row per engine step, plus the run-level capture warnings.
+
+Our own traces carry ``async.step``; captures from msServiceProfiler do not, so their spans are
+matched by ordinal (the n-th schedule, the n-th dispatch, the n-th forward are step n) after keeping
+one origin per phase (``classify.ORIGIN_PRIORITY``) and one process per phase (the busiest pid).
+The device-completion time of a step is, by preference: ``execute_done`` (ours), a device-synchronised
+``forward`` span, or the last kernel that started between this step's launch and the next one's.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections import Counter, defaultdict
+
+from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck.classify import MINDIE_PD_MESSAGES, ORIGIN_PRIORITY, VLLM_PATCHER_SPANS
+
+
+def build_steps(spans: list[m.SpanRow], run: str) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
+    """Steps of one run and warnings about how they were matched."""
+    ours = [s for s in spans if s.step is not None]
+    capture = [s for s in spans if s.step is None]
+    steps = _steps_from_ours(ours, run)
+    warnings: list[m.CaptureWarning] = []
+    if capture:
+        capture_steps, warnings = _steps_from_capture(capture, run)
+        steps += capture_steps
+    return steps, warnings
+
+
+def _steps_from_ours(spans: list[m.SpanRow], run: str) -> list[m.StepRow]:
+    rows: dict[tuple[str, int], m.StepRow] = {}
+    for s in spans:
+        assert s.step is not None
+        row = rows.setdefault((s.lane, s.step), m.StepRow(run, s.lane, s.step))
+        if s.name == m.BATCH_SCHEDULE:
+            row.schedule_start, row.schedule_end = s.start_ns, s.end_ns
+            row.batch_queue = bool(s.attrs.get(m.ATTR_BATCH_QUEUE))
+        elif s.name == m.MODEL_EXECUTE:
+            row.launch_start, row.launch_end = s.start_ns, s.end_ns
+            row.queue_depth = s.attrs.get(m.ATTR_QUEUE_DEPTH)
+        elif s.name == m.EXECUTE_DONE:
+            row.done, row.done_precision = s.end_ns, s.attrs.get(m.ATTR_DONE_PRECISION)
+        elif s.name == m.UPDATE_OUTPUT:
+            row.update_start, row.update_end = s.start_ns, s.end_ns
+        elif s.name == m.COMPUTE:
+            row.device_start = s.start_ns if row.device_start is None else min(row.device_start, s.start_ns)
+    return [rows[k] for k in sorted(rows)]
+
+
+def _best_origin(spans: list[m.SpanRow]) -> list[m.SpanRow]:
+    if not spans:
+        return spans
+    best = min(ORIGIN_PRIORITY.get(s.origin, 9) for s in spans)
+    return [s for s in spans if ORIGIN_PRIORITY.get(s.origin, 9) == best]
+
+
+def _busiest_pid(spans: list[m.SpanRow], run: str, what: str) -> tuple[list[m.SpanRow], list[m.CaptureWarning]]:
+    counts = Counter(s.attrs.get("pid") for s in spans)
+    if len(counts) <= 1:
+        return spans, []
+    pid = sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))[0][0]
+    warning = m.CaptureWarning(
+        run, spans[0].file, m.WARN_MULTI_PROCESS,
+        f"{what} spans come from {len(counts)} processes; analysed pid {pid} only ({counts[pid]} spans)",
+    )
+    return [s for s in spans if s.attrs.get("pid") == pid], [warning]
+
+
+def _steps_from_capture(spans: list[m.SpanRow], run: str) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
+    by_name: dict[str, list[m.SpanRow]] = defaultdict(list)
+    for s in spans:
+        by_name[s.name].append(s)
+    warnings: list[m.CaptureWarning] = []
+    phases: dict[str, list[m.SpanRow]] = {}
+    for name in (m.BATCH_SCHEDULE, m.MODEL_EXECUTE, m.FORWARD):
+        chosen, warns = _busiest_pid(_best_origin(by_name.get(name, [])), run, name)
+        phases[name] = sorted(chosen, key=lambda s: s.start_ns)
+        warnings += warns
+    n = max(len(v) for v in phases.values())
+    rows = [m.StepRow(run, "capture", i) for i in range(n)]
+    for i, s in enumerate(phases[m.BATCH_SCHEDULE]):
+        rows[i].schedule_start, rows[i].schedule_end = s.start_ns, s.end_ns
+    for i, s in enumerate(phases[m.MODEL_EXECUTE]):
+        rows[i].launch_start, rows[i].launch_end = s.start_ns, s.end_ns
+    for i, s in enumerate(phases[m.FORWARD]):
+        rows[i].device_start, rows[i].done, rows[i].done_precision = s.start_ns, s.end_ns, m.DONE_SYNCED_FORWARD
+    if not phases[m.FORWARD]:
+        _done_from_kernels(rows, by_name.get(m.COMPUTE, []))
+    _fill_queue_depth(rows)
+    return rows, warnings
+
+
+def _done_from_kernels(rows: list[m.StepRow], kernels: list[m.SpanRow]) -> None:
+    launched = [r for r in rows if r.launch_start is not None]
+    if not kernels or not launched:
+        return
+    starts = [r.launch_start for r in launched]
+    for k in kernels:
+        i = bisect_right(starts, k.start_ns) - 1
+        if i < 0:
+            continue
+        r = launched[i]
+        r.device_start = k.start_ns if r.device_start is None else min(r.device_start, k.start_ns)
+        r.done = k.end_ns if r.done is None else max(r.done, k.end_ns)
+        r.done_precision = m.DONE_KERNELS
+
+
+def _fill_queue_depth(rows: list[m.StepRow]) -> None:
+    for i, r in enumerate(rows):
+        if r.launch_start is None:
+            continue
+        r.queue_depth = 1 + sum(
+            1 for prev in rows[max(0, i - 8):i] if prev.done is not None and prev.done > r.launch_start
+        )
+
+
+def run_warnings(spans: list[m.SpanRow], seen: set[str], run: str) -> list[m.CaptureWarning]:
+    """Warnings about the capture as a whole: synchronising hooks, dropped domains, comm sources."""
+    out: list[m.CaptureWarning] = []
+    names = {s.name for s in spans}
+    origins = {s.origin for s in spans}
+    if origins & VLLM_PATCHER_SPANS and m.FORWARD in names:
+        out.append(m.CaptureWarning(
+            run, "", m.WARN_NPU_SYNC_HOOKS,
+            "msServiceProfiler's vLLM hooks synchronize the NPU around 'forward' (and logits/sampler); "
+            "device/host overlap cannot be judged from this capture. Remove those handlers from the symbols "
+            "file and collect again.",
+        ))
+    msprof_seen = {x for x in seen if not x.startswith("domain:")} - set(m.STEP_CHILD_SPANS)
+    if m.BATCH_SCHEDULE not in names and (msprof_seen or m.FORWARD in names):
+        out.append(m.CaptureWarning(
+            run, "", m.WARN_SCHEDULE_DOMAIN_MISSING,
+            "no BatchSchedule/batchFrameworkProcessing spans: the domain filter dropped 'Schedule' (MindIE emits "
+            "BatchSchedule under domain 'Schedule'). Collect with domain \"\" or include Schedule.",
+        ))
+    if ("domain:Communication" in seen or seen & MINDIE_PD_MESSAGES) and m.COMMUNICATION not in names:
+        out.append(m.CaptureWarning(
+            run, "", m.WARN_COMM_DOMAIN_NOT_HCCL,
+            "the 'Communication' domain holds P/D request messages, not HCCL/LCCL time; collective time needs "
+            "acl_task_time=2 (MSPTI Communication table) or acl_task_time=1 (msprof).",
+        ))
+    return out
