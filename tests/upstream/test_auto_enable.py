@@ -1,0 +1,92 @@
+"""Auto-enable paths on the real upstream classes: the vLLM plugin, the OTel instrumentor, the JSON export.
+
+Inside the ``upstream`` fixture ``vllm_ascend`` is importable (from the fetched source tree under stubs),
+so ``register()`` binds exactly as it would in a vLLM worker process, and what it exports is read back
+from the OTLP/JSON lines file the embedded sink writes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from pathlib import Path
+
+import pytest
+
+from otel_kvtrace.instrument import plugin
+from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
+
+from .harness import FakeBackend, Upstream, exported_spans, task_traces, wait_until
+
+pytestmark = pytest.mark.upstream
+
+
+@pytest.fixture(autouse=True)
+def _no_session_leak():
+    plugin.stop()
+    yield
+    plugin.stop()
+
+
+def _run_one_task(up: Upstream, layer: int = 0) -> None:
+    env = up.gva_thread(4, FakeBackend())
+    env.thread.add_request(up.gva_task(layer, [up.request("r1", 2)]))
+    assert wait_until(lambda: env.load_done[layer].is_set())
+
+
+def test_entry_points_are_declared() -> None:
+    plugins = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    assert plugins.get("otel_kvtrace") == "otel_kvtrace.instrument.plugin:register"
+    instrumentors = {ep.name: ep for ep in importlib.metadata.entry_points(group="opentelemetry_instrumentor")}
+    assert instrumentors["kvtrace"].load() is KVTraceInstrumentor
+
+
+def test_plugin_is_off_by_default(upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(plugin.ENV_ENABLED, raising=False)
+    handle = upstream.binding.classes["recv_gva"].__dict__["_handle_request"]
+    plugin.register()
+    assert plugin.current_session() is None
+    assert upstream.binding.classes["recv_gva"].__dict__["_handle_request"] is handle
+
+
+def test_plugin_instruments_once_and_exports_json_lines(upstream: Upstream, tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", "plugin-test")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    plugin.register()
+    session = plugin.current_session()
+    assert session is not None, "register() must bind to the importable vllm_ascend"
+    plugin.register()  # vLLM may call it again in the same process
+    assert plugin.current_session() is session
+    _run_one_task(upstream)
+    assert wait_until(lambda: session.stats().submitted == 1)
+    plugin.stop()
+
+    (task,) = task_traces(exported_spans(tmp_path / "kvtrace-data"))
+    assert task.attrs["kvtrace.correlation_id"].startswith("plugin-test/")
+    assert task.stage_names()[0] == "queue_wait" and "backend_submit" in task.children
+    lines = list((tmp_path / "kvtrace-data").rglob("*.jsonl"))
+    assert lines and b'"vllm_ascend.version"' in lines[0].read_bytes()
+    assert b'"upstream"' in lines[0].read_bytes()
+
+
+def test_instrumentor_follows_the_switch_and_uninstruments(upstream: Upstream, monkeypatch: pytest.MonkeyPatch,
+                                                           tmp_path: Path) -> None:
+    monkeypatch.delenv(plugin.ENV_ENABLED, raising=False)
+    cls = upstream.binding.classes["recv_gva"]
+    original = cls.__dict__["_handle_request"]
+    off = KVTraceInstrumentor()
+    off.instrument()  # what `opentelemetry-instrument` does: respects OTEL_KVTRACE_ENABLED (off)
+    assert off.session is None and cls.__dict__["_handle_request"] is original
+    off.uninstrument()
+
+    on = KVTraceInstrumentor()
+    on.instrument(targets=upstream.binding, out_dir=tmp_path)
+    assert on.session is not None and cls.__dict__["_handle_request"] is not original
+    _run_one_task(upstream, layer=1)
+    on.uninstrument()
+    assert cls.__dict__["_handle_request"] is original
+    (task,) = task_traces(exported_spans(tmp_path))
+    assert task.attrs["kvtrace.layer_id"] == 1

@@ -1,0 +1,103 @@
+"""``kvtrace doctor`` and the source-tree binding on the fetched upstream sources.
+
+The negative cases edit a scratch copy of the KV-pool sources (never committed): one with a required
+method renamed, one with a parameter renamed, so the report must say missing / signature changed.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from otel_kvtrace.cli import main
+from otel_kvtrace.doctor import EXIT_MISSING_REQUIRED, EXIT_NOT_IMPORTABLE, EXIT_OK, doctor
+from otel_kvtrace.instrument.upstream import SIGNATURE_CHANGED, source_tree
+
+pytestmark = pytest.mark.upstream
+
+KV_POOL = Path("vllm_ascend/distributed/kv_transfer/kv_pool/ascend_store")
+
+
+def _copy_kv_pool(root: Path, dest: Path) -> Path:
+    """The minimal slice of a tree doctor imports: the KV-pool package and the fence module."""
+    shutil.copytree(root / KV_POOL, dest / KV_POOL)
+    fence = root / "vllm_ascend/memcache_comm_fence.py"
+    if fence.exists():
+        shutil.copy(fence, dest / "vllm_ascend/memcache_comm_fence.py")
+    return dest
+
+
+def _points(report: dict) -> dict[str, dict]:
+    return {p["id"]: p for p in report["points"]}
+
+
+def test_doctor_cli_reports_every_point_found_with_version_and_layout(upstream_root: Path) -> None:
+    result = CliRunner().invoke(main, ["doctor", "--source", str(upstream_root), "--json"])
+    assert result.exit_code == EXIT_OK, result.output
+    report = json.loads(result.output)
+    points = _points(report)
+    assert report["ok"] and all(p["status"] == "found" for p in points.values() if p["required"])
+    if report["layout"] == "main":
+        assert report["flags"]["recv_save_npu_sync"] and points["P6"]["status"] == "found"
+        assert report["modules"]["gate"].endswith(".attention_fence")
+    else:
+        assert report["layout"] == "v0.23" and report["version"] == "0.23.0.post1"
+        assert points["P6"]["status"] == "missing" and points["P6"]["missing_params"] == ["sync_save_events"]
+        assert report["modules"]["gate"] == "vllm_ascend.memcache_comm_fence"
+        assert report["modules"]["metadata"].endswith(".config_data")
+
+
+def test_doctor_table_output_names_points(upstream_root: Path) -> None:
+    result = CliRunner().invoke(main, ["doctor", "--source", str(upstream_root)])
+    assert result.exit_code == EXIT_OK
+    assert "P11" in result.output and "_batch_copy_with_limits" in result.output
+    assert "tracing can bind" in result.output
+
+
+def test_doctor_fails_on_a_missing_required_point(upstream_root: Path, tmp_path: Path) -> None:
+    tree = _copy_kv_pool(upstream_root, tmp_path / "renamed")
+    kv_transfer = tree / KV_POOL / "kv_transfer.py"
+    kv_transfer.write_text(kv_transfer.read_text().replace("def _batch_copy_with_limits(", "def _batch_copy_v2("))
+    result = CliRunner().invoke(main, ["doctor", "--source", str(tree), "--json"])
+    assert result.exit_code == EXIT_MISSING_REQUIRED
+    points = _points(json.loads(result.output))
+    assert points["P11"]["status"] == "missing"
+
+
+def test_doctor_reports_a_changed_signature(upstream_root: Path, tmp_path: Path) -> None:
+    tree = _copy_kv_pool(upstream_root, tmp_path / "changed")
+    kv_transfer = tree / KV_POOL / "kv_transfer.py"
+    text = kv_transfer.read_text()
+    start = text.index("    def build_addrs(")
+    end = text.index(")", start)
+    kv_transfer.write_text(text[:start] + text[start:end].replace("layer_id", "layer_index") + text[end:])
+    report = doctor(tree)
+    assert report.exit_code == EXIT_MISSING_REQUIRED
+    (p8,) = [p for p in report.binding.points if p.point.id == "P8"]
+    assert p8.status == SIGNATURE_CHANGED and p8.missing_params == ("layer_id",)
+
+
+def test_doctor_says_clearly_when_nothing_is_importable(tmp_path: Path) -> None:
+    runner = CliRunner()
+    result = runner.invoke(main, ["doctor", "--source", str(tmp_path)])
+    assert result.exit_code == EXIT_NOT_IMPORTABLE
+    assert "no vllm_ascend/ package directory" in result.output
+    result = runner.invoke(main, ["doctor"])  # the test venv has no vllm-ascend installed
+    assert result.exit_code == EXIT_NOT_IMPORTABLE
+    assert "vllm_ascend is not importable" in result.output and "--source" in result.output
+
+
+def test_source_tree_leaves_no_stub_behind(upstream_root: Path) -> None:
+    before = set(sys.modules)
+    meta_path = list(sys.meta_path)
+    with source_tree(upstream_root) as binding:
+        assert binding.ok
+        assert "torch" in sys.modules and "vllm" in sys.modules
+    leaked = {m for m in set(sys.modules) - before if m.split(".")[0] in ("torch", "torch_npu", "vllm", "vllm_ascend")}
+    assert not leaked
+    assert sys.meta_path == meta_path

@@ -1,0 +1,31 @@
+"""The vLLM plugin in a process without vLLM-Ascend: it must log once and never raise.
+
+Kept apart from the other upstream modules because their module-scoped fixture makes ``vllm_ascend``
+importable (from the fetched tree) while it is active.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from otel_kvtrace.instrument import plugin
+
+
+@pytest.fixture(autouse=True)
+def _no_session_leak():
+    plugin.stop()
+    yield
+    plugin.stop()
+
+
+def test_plugin_never_raises_when_vllm_ascend_is_missing(monkeypatch: pytest.MonkeyPatch,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    with caplog.at_level(logging.WARNING, logger="otel_kvtrace"):
+        plugin.register()  # no upstream fixture: vllm_ascend is not importable here
+        plugin.register()
+    assert plugin.current_session() is None
+    assert [r for r in caplog.records if "vllm_ascend is not importable" in r.getMessage()]
+    assert len([r for r in caplog.records if "tracing off" in r.getMessage()]) == 1  # tried once
