@@ -55,6 +55,7 @@ class BackgroundExporter:
         batch_size: int | None = None,
         timeout_s: float | None = None,
         drop_log_interval_s: float | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
         start: bool = True,
     ) -> None:
         if interval_s is not None and interval_s <= 0:
@@ -94,7 +95,9 @@ class BackgroundExporter:
         self._dropped_reported = 0  # pushed to the metric counter
         self._dropped_logged = 0
         self._last_drop_log = float("-inf")
-        self._drop_counter = metrics.get_meter("otel_kvtrace").create_counter(
+        # The global provider is a proxy until the application sets one, so this works either way.
+        meter = (meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace")
+        self._drop_counter = meter.create_counter(
             DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
         )
         self._atexit = _weak_callback(self, "_shutdown_at_exit")
