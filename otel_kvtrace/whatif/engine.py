@@ -1,0 +1,436 @@
+"""The replay engine: one recv queue, one policy, a small event loop over plain lists and heaps.
+
+Model (docs/whatif.md):
+- One server (the recv thread), non-preemptive. A served task runs ``work[0]``, waits for its save
+  (H1), runs ``work[1]``, waits for its gate (S1), runs ``work[2]``, waits for its external slot (H2),
+  runs ``work[3]``; it completes (sets its load event) at the end.
+- Dependency times are the recorded ones, moved by first-order feedback through the forward: the
+  gate ``G_c`` and the save of layer ``s`` come after the forward passed layer ``c`` (``s``); the forward
+  keeps its recorded compute gaps between load waits, so when a replayed load completes earlier or
+  later than recorded, the forward and every dependency behind it move by the same amount
+  (``feedback="delay_only"``: only later). This also enforces the slot chain (H1) and the attention
+  boundary: nothing behind a layer's pass can happen before the replayed pass.
+- Times are rebased to the queue's first arrival (small ints); ``NONE`` marks "no such time".
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from otel_kvtrace.whatif.policy import INF, Policy
+from otel_kvtrace.whatif.task import ReplayTask
+
+NONE = -(1 << 62)
+
+
+class ReplayStalled(RuntimeError):
+    """The policy asked to wait but nothing can ever happen (a policy bug or inconsistent input)."""
+
+
+@dataclass(slots=True)
+class QueueArrays:
+    """Policy-independent columns of one queue, indexed by position in ``seq`` order."""
+
+    tasks: list[ReplayTask]
+    t0: int
+    n: int
+    arr: list[int]
+    rs: list[int]
+    rg: list[int]
+    rl: list[int]
+    w0: list[int]
+    w1: list[int]
+    w2: list[int]
+    w3: list[int]
+    done: list[int]
+    final: list[bool]
+    step: list[int]
+    step_values: list[int]
+    gate: list[int]
+    layer: list[int]
+    rec_complete: list[int]
+    ks: list[int]
+    kg: list[int]
+    need: list[int]
+    chain: list[list[int]]
+    chain_pos: list[int]
+    rec_arrive: list[list[int]]
+    rec_end: list[list[int]]
+    gap: list[list[int | None]]
+    step_count: list[int]
+    call_overhead_ns: int
+
+    @classmethod
+    def from_tasks(cls, tasks: list[ReplayTask]) -> QueueArrays:
+        """Columns of one queue; ``tasks`` must share a queue and be in ``seq`` order."""
+        if not tasks:
+            raise ValueError("tasks: empty queue")
+        n = len(tasks)
+        t0 = min(t.arrival_ns for t in tasks)
+
+        def rb(v: int | None) -> int:
+            return NONE if v is None else v - t0
+
+        arr = [t.arrival_ns - t0 for t in tasks]
+        for i in range(1, n):
+            if arr[i] < arr[i - 1]:
+                arr[i] = arr[i - 1]  # seq is enqueue order; clamp clock noise
+        step_index: dict[int, int] = {}
+        step = []
+        for t in tasks:
+            s = step_index.setdefault(t.step, len(step_index))
+            step.append(s)
+        nsteps = len(step_index)
+        chain: list[list[int]] = [[] for _ in range(nsteps)]
+        for i, t in enumerate(tasks):
+            chain[step[i]].append(i)
+        chain_pos = [0] * n
+        rec_arrive: list[list[int]] = []
+        rec_end: list[list[int]] = []
+        gap: list[list[int | None]] = []
+        layers_of: list[list[int]] = []
+        for s in range(nsteps):
+            c = sorted(chain[s], key=lambda i: (tasks[i].layer_id, i))
+            chain[s] = c
+            for p, i in enumerate(c):
+                chain_pos[i] = p
+            ra = [rb(tasks[i].consumer_wait_start_ns) for i in c]
+            re = []
+            for i in c:
+                t = tasks[i]
+                end = t.consumer_wait_end_ns if t.consumer_wait_end_ns is not None else t.recorded_complete_ns
+                re.append(rb(end))
+            gp: list[int | None] = []
+            for p in range(len(c) - 1):
+                gp.append(ra[p + 1] - re[p] if ra[p + 1] != NONE and re[p] != NONE else None)
+            gp.append(None)
+            rec_arrive.append(ra)
+            rec_end.append(re)
+            gap.append(gp)
+            layers_of.append([tasks[i].layer_id for i in c])
+
+        def kpos(s: int, layer: int | None) -> int:
+            if layer is None:
+                return -1
+            k = -1
+            for p, lay in enumerate(layers_of[s]):
+                if lay <= layer:
+                    k = p
+                else:
+                    break
+            return k
+
+        ks = [kpos(step[i], t.wait_for_save_layer) if t.ready_save_ns is not None or t.wait_for_save_layer is not None
+              else -1 for i, t in enumerate(tasks)]
+        kg = [kpos(step[i], t.gate_id) if t.gate_id is not None else -1 for i, t in enumerate(tasks)]
+        # a dependency on the task itself or a later one is inconsistent input: drop the link
+        for i in range(n):
+            if ks[i] >= 0 and chain[step[i]][ks[i]] >= i:
+                ks[i] = -1
+            if kg[i] >= 0 and chain[step[i]][kg[i]] >= i:
+                kg[i] = -1
+        need = [max(ks[i], kg[i]) for i in range(n)]
+        step_count = [len(c) for c in chain]
+        return cls(
+            tasks=tasks, t0=t0, n=n, arr=arr,
+            rs=[rb(t.ready_save_ns) for t in tasks],
+            rg=[rb(t.ready_gate_ns) for t in tasks],
+            rl=[rb(t.ready_slot_ns) for t in tasks],
+            w0=[t.work_ns[0] for t in tasks], w1=[t.work_ns[1] for t in tasks],
+            w2=[t.work_ns[2] for t in tasks], w3=[t.work_ns[3] for t in tasks],
+            done=[min(t.completion_ns, t.work_ns[3] + t.work_ns[2]) for t in tasks],
+            final=[t.final_layer for t in tasks],
+            step=step, step_values=list(step_index),
+            gate=[-1 if t.gate_id is None else t.gate_id for t in tasks],
+            layer=[t.layer_id for t in tasks],
+            rec_complete=[rb(t.recorded_complete_ns) for t in tasks],
+            ks=ks, kg=kg, need=need, chain=chain, chain_pos=chain_pos,
+            rec_arrive=rec_arrive, rec_end=rec_end, gap=gap, step_count=step_count,
+            call_overhead_ns=estimate_call_overhead(tasks),
+        )
+
+
+def estimate_call_overhead(tasks: list[ReplayTask]) -> int:
+    """Fixed cost of one backend call: intercept of ``backend_submit_ns ~ a + b*bytes`` (least squares).
+
+    Clamped to ``[0, min(backend_submit_ns)]``; 0 when bytes do not vary (not identifiable). Batching k
+    tasks into one call (``gate_group``) saves ``(k-1)`` of it.
+    """
+    pts = [(t.bytes, t.backend_submit_ns) for t in tasks if t.backend_submit_ns > 0 and t.bytes > 0]
+    if len(pts) < 3:
+        return 0
+    xs = [p[0] for p in pts]
+    ys = [p[1] for p in pts]
+    mx = sum(xs) / len(xs)
+    my = sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx == 0:
+        return 0
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sxx
+    a = my - b * mx
+    return int(max(0.0, min(a, float(min(ys)))))
+
+
+class QueueState:
+    """Mutable replay state of one queue under one policy; what ``Policy.select`` reads."""
+
+    __slots__ = (
+        "q", "n", "start", "complete", "passed", "eff_rs", "eff_rg", "served", "n_served", "n_arrived",
+        "head_ptr", "step_left", "prog", "fwd_end", "fwd_arrive", "index", "waiting", "ready", "blocked",
+        "held_final", "batches", "delay_only",
+    )
+
+    def __init__(self, q: QueueArrays, index: bool, feedback: str = "full") -> None:
+        if feedback not in FEEDBACKS:
+            raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
+        self.delay_only = feedback == "delay_only"
+        n = q.n
+        self.q = q
+        self.n = n
+        self.start = [NONE] * n
+        self.complete = [NONE] * n
+        self.passed = [NONE] * n
+        self.eff_rs = list(q.rs)
+        self.eff_rg = list(q.rg)
+        self.served = bytearray(n)
+        self.n_served = 0
+        self.n_arrived = 0
+        self.head_ptr = 0
+        self.step_left = list(q.step_count)
+        self.prog = [0] * len(q.chain)
+        self.fwd_end = [[NONE] * len(c) for c in q.chain]
+        self.fwd_arrive = [[NONE] * len(c) for c in q.chain]
+        self.index = index
+        self.waiting: list[tuple[int, int]] = []
+        self.ready: list[int] = []
+        self.blocked: list[list[int]] = [[] for _ in q.chain]
+        self.held_final = [-1] * len(q.chain)
+        self.batches = 0
+
+    # ---- what policies read ---------------------------------------------------------------------
+    def head(self) -> int:
+        """Lowest-seq unserved task (may not have arrived yet; compare with ``n_arrived``)."""
+        p = self.head_ptr
+        served = self.served
+        n = self.n
+        while p < n and served[p]:
+            p += 1
+        self.head_ptr = p
+        return p
+
+    def refresh(self, now: int) -> None:
+        """Move arrived tasks whose readiness has come (``<= now``) from ``waiting`` to ``ready``."""
+        waiting = self.waiting
+        ready = self.ready
+        served = self.served
+        while waiting and waiting[0][0] <= now:
+            i = heapq.heappop(waiting)[1]
+            if not served[i]:
+                heapq.heappush(ready, i)
+
+    def next_ready_time(self) -> int:
+        """Earliest readiness among arrived, not-yet-ready tasks (``INF`` when none)."""
+        return self.waiting[0][0] if self.waiting else INF
+
+    def hold_final(self, i: int) -> None:
+        """Park a final-layer task until it is the last unserved task of its step (H3)."""
+        self.held_final[self.q.step[i]] = i
+
+    def ready_at(self, i: int) -> int:
+        """max(arrival, effective dependency times) of task ``i`` (uses what has completed so far)."""
+        q = self.q
+        self._effective(i)
+        t = q.arr[i]
+        for r in (self.eff_rs[i], self.eff_rg[i], q.rl[i]):
+            if r > t:
+                t = r
+        return t
+
+    def determinable(self, i: int) -> bool:
+        """Every load the forward must pass before ``i``'s save/gate dependency has completed."""
+        q = self.q
+        return q.need[i] < self.prog[q.step[i]]
+
+    # ---- engine side ----------------------------------------------------------------------------
+    def _effective(self, i: int) -> None:
+        q = self.q
+        s = q.step[i]
+        prog = self.prog[s]
+        k = q.ks[i]
+        if 0 <= k < prog:
+            self.eff_rs[i] = _shifted(q.rs[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+        k = q.kg[i]
+        if 0 <= k < prog:
+            self.eff_rg[i] = _shifted(q.rg[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+
+    def admit(self, now: int) -> None:
+        arr = self.q.arr
+        n = self.n
+        while self.n_arrived < n and arr[self.n_arrived] <= now:
+            i = self.n_arrived
+            self.n_arrived = i + 1
+            if self.index:
+                self._enlist(i)
+
+    def _enlist(self, i: int) -> None:
+        if self.determinable(i):
+            heapq.heappush(self.waiting, (self.ready_at(i), i))
+        else:
+            self.blocked[self.q.step[i]].append(i)
+
+    def serve(self, batch: list[int], now: int) -> int:
+        """Run ``batch`` from ``now``; return the time the thread is free again."""
+        q = self.q
+        if len(batch) == 1:
+            i = batch[0]
+            if self.served[i]:
+                raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
+            self._effective(i)
+            t = now + q.w0[i]
+            r = self.eff_rs[i]
+            if t < r:
+                t = r
+            t += q.w1[i]
+            r = self.eff_rg[i]
+            if t < r:
+                t = r
+            t += q.w2[i]
+            r = q.rl[i]
+            if t < r:
+                t = r
+            self.passed[i] = t
+            t += q.w3[i]
+            self.start[i] = now
+            self.complete[i] = t
+            self._after(i)
+            return t
+        return self._serve_batch(batch, now)
+
+    def _serve_batch(self, batch: list[int], now: int) -> int:
+        q = self.q
+        W = [0, 0, 0, 0]
+        RS = RG = RL = NONE
+        done_total = 0
+        for i in batch:
+            if self.served[i]:
+                raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
+            self._effective(i)
+            W[0] += q.w0[i]
+            W[1] += q.w1[i]
+            W[2] += q.w2[i]
+            W[3] += q.w3[i]
+            done_total += q.done[i]
+            RS = max(RS, self.eff_rs[i])
+            RG = max(RG, self.eff_rg[i], q.arr[i])
+            RL = max(RL, q.rl[i])
+        saving = (len(batch) - 1) * q.call_overhead_ns + done_total
+        for seg in (3, 2, 1, 0):
+            take = min(saving, W[seg])
+            W[seg] -= take
+            saving -= take
+        t = now + W[0]
+        t = max(t, RS) + W[1]
+        t = max(t, RG) + W[2]
+        t = max(t, RL)
+        passed = t
+        t += W[3]
+        self.batches += 1
+        for i in batch:
+            t += q.done[i]
+            self.start[i] = now
+            self.passed[i] = passed
+            self.complete[i] = t
+            self._after(i)
+        return t
+
+    def _after(self, i: int) -> None:
+        q = self.q
+        self.served[i] = 1
+        self.n_served += 1
+        s = q.step[i]
+        left = self.step_left[s] - 1
+        self.step_left[s] = left
+        if left == 1 and self.held_final[s] >= 0:
+            heapq.heappush(self.ready, self.held_final[s])
+            self.held_final[s] = -1
+        p = self.prog[s]
+        if q.chain_pos[i] != p:
+            return
+        chain = q.chain[s]
+        ends = self.fwd_end[s]
+        arrives = self.fwd_arrive[s]
+        rec_arrive = q.rec_arrive[s]
+        gaps = q.gap[s]
+        complete = self.complete
+        while p < len(chain) and complete[chain[p]] != NONE:
+            g = gaps[p - 1] if p > 0 else None
+            arrive = ends[p - 1] + g if g is not None else rec_arrive[p]
+            c = complete[chain[p]]
+            arrives[p] = arrive
+            ends[p] = c if c > arrive else arrive
+            p += 1
+        self.prog[s] = p
+        if self.index and self.blocked[s]:
+            still = []
+            for j in self.blocked[s]:
+                if q.need[j] < p:
+                    heapq.heappush(self.waiting, (self.ready_at(j), j))
+                else:
+                    still.append(j)
+            self.blocked[s] = still
+
+
+FEEDBACKS = ("full", "delay_only")
+
+
+def _shifted(recorded: int, fwd_end: int, rec_fwd_end: int, delay_only: bool) -> int:
+    """A dependency behind the forward's pass of a layer: the recorded time moved by the forward's
+    shift at that layer (only later when ``delay_only``), never before the replayed pass itself."""
+    r = recorded
+    if r != NONE and rec_fwd_end != NONE and (fwd_end > rec_fwd_end or not delay_only):
+        r += fwd_end - rec_fwd_end
+    return r if r > fwd_end else fwd_end
+
+
+@dataclass(slots=True)
+class QueueReplay:
+    """Result of replaying one queue under one policy (times rebased to ``arrays.t0``)."""
+
+    policy: str
+    arrays: QueueArrays
+    start: list[int]
+    complete: list[int]
+    passed: list[int]
+    eff_rs: list[int]
+    eff_rg: list[int]
+    fwd_arrive: list[list[int]]
+    fwd_end: list[list[int]]
+    batches: int
+
+
+def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> QueueReplay:
+    """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
+
+    ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
+    replayed forward (assumes a host-bound device); ``delay_only`` only moves them later (conservative).
+    """
+    state = QueueState(q, policy.uses_ready_index, feedback)
+    n = q.n
+    arr = q.arr
+    select = policy.select
+    now = arr[0]
+    while state.n_served < n:
+        state.admit(now)
+        choice = select(state, now)
+        if choice.__class__ is list:
+            now = state.serve(choice, now)  # type: ignore[arg-type]
+            continue
+        nxt = arr[state.n_arrived] if state.n_arrived < n else INF
+        wake = choice if choice < nxt else nxt  # type: ignore[operator]
+        if wake >= INF or wake <= now:
+            raise ReplayStalled(
+                f"policy {policy.name!r} waits at t={now} with {n - state.n_served} task(s) left (wake={wake})")
+        now = wake  # type: ignore[assignment]
+    return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
+                       state.fwd_arrive, state.fwd_end, state.batches)

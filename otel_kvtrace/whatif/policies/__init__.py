@@ -1,0 +1,1 @@
+"""Built-in policies, one module each; every module here is imported by ``policy.get_policy``."""

@@ -1,0 +1,40 @@
+"""``gate_group``: tasks sharing a gate are served as one batch (one backend call).
+
+The head is taken in FIFO order. If it has a gate and is not the step's final-layer task, the thread
+waits for that gate to open (it would block on it anyway), then takes the head and every queued task of
+the same step and gate as one batch. The batch waits for every member's save and slot, runs the members'
+work with one backend call fewer per extra member (``QueueArrays.call_overhead_ns``), and sets the
+members' load events in seq order. The final-layer task never joins a batch (H3), nor does a task whose
+save or gate depends on a load not yet completed (e.g. a slot-chain successor of another member, H1).
+"""
+
+from __future__ import annotations
+
+from otel_kvtrace.whatif.engine import QueueState
+from otel_kvtrace.whatif.policy import INF, Policy
+
+
+class GateGroup(Policy):
+    name = "gate_group"
+
+    def select(self, state: QueueState, now: int) -> list[int] | int:
+        head = state.head()
+        if head >= state.n_arrived:
+            return INF
+        q = state.q
+        gate = q.gate[head]
+        if gate < 0 or q.final[head]:
+            return [head]
+        state.ready_at(head)
+        opens = state.eff_rg[head]
+        if opens > now:
+            return opens
+        batch = [head]
+        step = q.step[head]
+        served, final = state.served, q.final
+        for j in range(head + 1, state.n_arrived):
+            if q.step[j] != step or q.gate[j] != gate or final[j]:
+                break
+            if not served[j] and state.determinable(j):  # a member never depends on another member
+                batch.append(j)
+        return batch
