@@ -76,15 +76,38 @@ class Submission:
     has_transfer: bool
 
 
+def submit_count(current_layer: int, prefetch_layers: int) -> int:
+    """How many tasks ``wait_for_layer_load(current_layer)`` submits: ``P`` at layer 0, then 1."""
+    return prefetch_layers if current_layer == 0 else 1
+
+
+def plan_submission(
+    layer: int, current_layer: int, has_transfer: bool, prefetch_layer_map: dict[int, int], behaviour: str
+) -> Submission | None:
+    """The task for ``layer`` if it is submittable, else ``None`` (skipped, not counted).
+
+    Submittable iff it has a transfer or (``main``) a reuse source. The gate is ``G_current_layer`` iff the
+    layer is not the current one and (``main``) it has a transfer, so empty reuse tasks never get a gate.
+    """
+    main = behaviour == "main"
+    src = prefetch_layer_map.get(layer) if main else None
+    if not has_transfer and src is None:
+        return None
+    if layer == current_layer or (main and not has_transfer):
+        gate = None
+    else:
+        gate = current_layer
+    return Submission(layer, src, gate, has_transfer)
+
+
 class SubmitWindow:
     """The prefetch window of one step: which tasks each ``wait_for_layer_load(c)`` enqueues.
 
-    Mirrors upstream's ``_submit_ready_layer_loads``: ``P`` submissions at ``c == 0``, one afterwards; a
-    layer with no transfer (and, on ``main``, no reuse source) is skipped without counting; a task gets
-    the gate ``G_c`` iff it is not layer ``c`` itself (and, on ``main``, has a transfer).
+    Mirrors upstream's ``_submit_ready_layer_loads`` (research §2.4) through ``submit_count`` and
+    ``plan_submission``, which the threaded ``KVPoolWorker`` calls too.
     """
 
-    __slots__ = ("_n", "_p", "_map", "_main", "_has_transfer", "next_layer_to_submit")
+    __slots__ = ("_n", "_p", "_map", "_behaviour", "_has_transfer", "next_layer_to_submit")
 
     def __init__(
         self,
@@ -97,26 +120,20 @@ class SubmitWindow:
         self._n = num_layers
         self._p = prefetch_layers
         self._map = prefetch_layer_map
-        self._main = behaviour == "main"
+        self._behaviour = behaviour
         self._has_transfer = has_transfer
         self.next_layer_to_submit = 0
 
     def submit(self, current_layer: int) -> list[Submission]:
         """Advance the window for ``wait_for_layer_load(current_layer)``."""
         out: list[Submission] = []
-        count = self._p if current_layer == 0 else 1
+        count = submit_count(current_layer, self._p)
         while len(out) < count and self.next_layer_to_submit < self._n:
             layer = self.next_layer_to_submit
             self.next_layer_to_submit += 1
-            has = self._has_transfer(layer)
-            src = self._map.get(layer) if self._main else None
-            if not has and src is None:
-                continue
-            if self._main:
-                gate = current_layer if (has and layer != current_layer) else None
-            else:
-                gate = current_layer if layer != current_layer else None
-            out.append(Submission(layer, src, gate, has))
+            sub = plan_submission(layer, current_layer, self._has_transfer(layer), self._map, self._behaviour)
+            if sub is not None:
+                out.append(sub)
         return out
 
 

@@ -35,6 +35,8 @@ class SharedBlockData:
     is_last_chunks: list[bool]
     load_keys: list[str]
     block_ids_arr: list[int]
+    step: int = 0
+    """Replica only: the step this data belongs to (the fake backend derives copy times from it)."""
 
 
 @dataclass
@@ -44,6 +46,8 @@ class LayerTransferTask:
     group_id: int = 0
     layer_idx_in_group: int = 0
     shared_block_data: SharedBlockData | None = None
+    step: int = 0
+    """Replica only: the step this task belongs to."""
 
 
 @dataclass

@@ -1,0 +1,242 @@
+"""``KVPoolWorker`` of the replica: the producer side (research §2), same names as upstream.
+
+The forward thread calls ``start_load_kv`` once per step, then per layer ``wait_for_layer_load`` (before
+attention) and ``save_kv_layer`` (after attention). ``current_layer`` only advances in ``save_kv_layer``.
+Which tasks are enqueued, with which source layer and gate, comes from ``layout`` (shared with the
+virtual engine).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from otel_kvtrace.replica import gate as gate_module
+from otel_kvtrace.replica.backend import FakeMStore, FakeTokenDatabase
+from otel_kvtrace.replica.config import ReplicaConfig
+from otel_kvtrace.replica.fake_npu import FakeNPU
+from otel_kvtrace.replica.kv_transfer import (
+    KVCacheStoreKeyLayerRecvingThread,
+    KVCacheStoreKeyLayerSendingThread,
+    KVCacheStoreLayerRecvingThread,
+    KVCacheStoreLayerSendingThread,
+    KVTransferThread,
+    LayerBatchBuilder,
+)
+from otel_kvtrace.replica.layout import build_layout, plan_submission, should_wait, submit_count
+from otel_kvtrace.replica.metadata import LayerBlockRange, LayerLoadTask, LayerTransferTask, ReqMeta
+from otel_kvtrace.replica.plan import PlannedRequest, WorkPlan
+
+
+@dataclass(slots=True, frozen=True)
+class EnqueueLogEntry:
+    """Replica bookkeeping (not upstream): what ``_submit_ready_layer_loads`` enqueued."""
+
+    step: int
+    current_layer: int
+    layer_id: int
+    wait_for_save_layer: int | None
+    gate: object
+
+
+class KVPoolWorker:
+    """Producer side of the layerwise pipeline for one rank."""
+
+    def __init__(self, cfg: ReplicaConfig, plan: WorkPlan, npu: FakeNPU, *, wait_timeout_s: float = 10.0) -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.plan = plan
+        self.npu = npu
+        self.num_layers = cfg.num_layers
+        self.tp_rank, self.tp_size = cfg.tp_rank, cfg.tp_size
+        self.pp_rank = self.pcp_rank = self.dcp_rank = self.dp_rank = self.local_rank = 0
+        self.dcp_size = 1
+        self.kv_role = "kv_both"
+        self.model_name = "replica"
+        self.use_gva_layerwise = cfg.path == "gva"
+        self.num_prefetch_layers = cfg.resolved_prefetch
+        self._layerwise_reuse_layout = build_layout(cfg)
+        self.prefetch_layer_map = dict(self._layerwise_reuse_layout.prefetch_layer_map)
+        self.independent_layers = list(cfg.resolved_independent)
+        self.current_layer = 0
+        self.next_layer_to_submit = 0
+        self.layer_load_tasks: list[list[LayerTransferTask]] = [[] for _ in range(cfg.num_layers)]
+        self.layer_save_tasks: list[list[LayerTransferTask]] = [[] for _ in range(cfg.num_layers)]
+        self.block_size = 128
+        self.page_size_bytes = 4096
+        self.token_database = FakeTokenDatabase(plan, npu, self.page_size_bytes)
+        self.m_store = FakeMStore(plan, npu, lease_release_ns=int(cfg.timing.copy_call_us * 500))
+        self.wait_timeout_s = wait_timeout_s
+        self.external_slot_release_waiter = self._slot_release if plan.has_slot_release_waiter else None
+        self.kv_recv_thread: KVTransferThread | None = None
+        self.kv_send_thread: KVTransferThread | None = None
+        self._step = -1
+        self.enqueue_log: list[EnqueueLogEntry] = []
+        self.gates_by_layer: dict[tuple[int, int], object] = {}
+
+    # -- setup ---------------------------------------------------------------------------------------
+    def register_kv_caches(self) -> None:
+        self._start_kv_transfer_threads()
+
+    def _build_group_layer_builders(self) -> list[LayerBatchBuilder]:
+        return [LayerBatchBuilder(self.token_database, self.page_size_bytes, self.num_layers, 0)]
+
+    def _start_kv_transfer_threads(self) -> None:
+        n = self.num_layers
+        behaviour = self.cfg.behaviour
+        self.get_event = threading.Event()
+        self.layer_load_finished_events = [threading.Event() for _ in range(n)]
+        self.layer_save_finished_events = [threading.Event() for _ in range(n)]
+        self.sync_save_events = [self.npu.Event() for _ in range(n)]
+        send_ready, recv_ready = threading.Event(), threading.Event()
+        common = (self.m_store, self.token_database, self.block_size, self.tp_rank, self.tp_size, self.dcp_size)
+        if self.use_gva_layerwise:
+            self.kv_send_thread = KVCacheStoreLayerSendingThread(
+                *common, self.page_size_bytes, send_ready, self.layer_save_finished_events,
+                self.sync_save_events, n, group_builders=self._build_group_layer_builders(),
+                behaviour=behaviour, wait_timeout_s=self.wait_timeout_s)
+            self.kv_recv_thread = KVCacheStoreLayerRecvingThread(
+                *common, self.page_size_bytes, recv_ready, self.get_event, self.layer_load_finished_events,
+                self.layer_save_finished_events, self.sync_save_events, n,
+                h2d_stagger_us=self.cfg.timing.h2d_stagger_us,
+                group_builders=self._build_group_layer_builders(),
+                external_slot_release_waiter=self.external_slot_release_waiter if behaviour == "main" else None,
+                save_failure_checker=self.kv_send_thread.raise_if_failed if behaviour == "main" else None,
+                behaviour=behaviour, wait_timeout_s=self.wait_timeout_s)
+        else:
+            self.kv_send_thread = KVCacheStoreKeyLayerSendingThread(
+                *common, self.page_size_bytes, send_ready, self.layer_save_finished_events,
+                self.sync_save_events, n, behaviour=behaviour, wait_timeout_s=self.wait_timeout_s)
+            self.kv_recv_thread = KVCacheStoreKeyLayerRecvingThread(
+                *common, recv_ready, self.get_event, self.layer_load_finished_events,
+                self.layer_save_finished_events, n, behaviour=behaviour, wait_timeout_s=self.wait_timeout_s)
+        self.kv_send_thread.start()
+        self.kv_recv_thread.start()
+        send_ready.wait()
+        recv_ready.wait()
+
+    def shutdown(self, timeout_s: float = 5.0) -> bool:
+        """Stop both threads with the ``None`` sentinel; True when both ended in time."""
+        ok = True
+        for thread in (self.kv_recv_thread, self.kv_send_thread):
+            if thread is None:
+                continue
+            if thread.is_alive():
+                thread.stop()
+                thread.join(timeout_s)
+            ok = ok and not thread.is_alive()
+        return ok
+
+    def _slot_release(self, layer_id: int) -> None:
+        """External slot release waiter (a sibling connector's send of the same slot)."""
+        cost = self.plan.slot_release[self._step * self.num_layers + layer_id]
+        if cost:
+            clock = self.npu.clock
+            clock.sleep_until(clock.now_ns() + cost)
+
+    # -- per step ------------------------------------------------------------------------------------
+    def start_load_kv(self, requests: list[PlannedRequest]) -> None:
+        """Step entry (research §2.3): reset the window, fresh task lists, new gate, build the tasks."""
+        self._step += 1
+        self.current_layer = 0
+        self.next_layer_to_submit = 0
+        if self.cfg.behaviour == "main":
+            self.layer_save_tasks = [[] for _ in range(self.num_layers)]
+            self.layer_load_tasks = [[] for _ in range(self.num_layers)]
+        else:
+            for lst in self.layer_save_tasks:
+                lst.clear()
+            for lst in self.layer_load_tasks:
+                lst.clear()
+        gate_module.reset_attention_compute_start_gate()
+        if not requests:
+            return
+        self.process_layer_data(requests)
+
+    def process_layer_data(self, requests: list[PlannedRequest]) -> None:
+        ranges = [
+            LayerBlockRange(ReqMeta(r.req_id, r.is_last_chunk, r.num_blocks), r.start_block, r.start_block + r.num_blocks)
+            for r in requests
+        ]
+        builder = self._build_group_layer_builders()[0]
+        shared = None
+        for layer in range(self.num_layers):
+            for lists in (self.layer_save_tasks, self.layer_load_tasks):
+                task = LayerTransferTask(layer, ranges, 0, layer, step=self._step)
+                if shared is None:
+                    shared = builder.build_shared(task)
+                task.shared_block_data = shared
+                lists[layer].append(task)
+
+    def wait_for_layer_load(self) -> None:
+        """Before layer ``current_layer``'s attention: new gate, submit the window, wait for the load."""
+        main = self.cfg.behaviour == "main"
+        recv = self.kv_recv_thread
+        assert recv is not None
+        c = self.current_layer
+        if main:
+            recv.raise_if_failed()
+        gate = gate_module.reset_attention_compute_start_gate()
+        self.gates_by_layer[(self._step, c)] = gate
+        self._submit_ready_layer_loads()
+        has = bool(self.layer_load_tasks[c])
+        event = self.layer_load_finished_events[c]
+        if not should_wait(self.cfg, self._layerwise_reuse_layout, c, has):
+            event.clear()
+            if main and self.external_slot_release_waiter is not None:
+                self.external_slot_release_waiter(c)
+            return
+        if main:
+            while not event.wait(timeout=self.wait_timeout_s):
+                recv.raise_if_failed()
+        elif not event.wait(timeout=self.wait_timeout_s):
+            return  # v0.23 proceeds on stale KV after one timeout
+        event.clear()
+
+    def _submit_ready_layer_loads(self) -> None:
+        recv = self.kv_recv_thread
+        assert recv is not None
+        c = self.current_layer
+        count = submit_count(c, self.num_prefetch_layers)
+        submitted = 0
+        while submitted < count and self.next_layer_to_submit < self.num_layers:
+            layer = self.next_layer_to_submit
+            self.next_layer_to_submit += 1
+            sub = plan_submission(layer, c, bool(self.layer_load_tasks[layer]), self.prefetch_layer_map,
+                                  self.cfg.behaviour)
+            if sub is None:
+                continue
+            gate = gate_module.get_attention_compute_start_gate() if sub.gate_layer is not None else None
+            task = LayerLoadTask(sub.wait_for_save_layer, self.layer_load_tasks[layer], layer, gate)
+            self.enqueue_log.append(EnqueueLogEntry(self._step, c, layer, sub.wait_for_save_layer, gate))
+            recv.add_request(task)
+            submitted += 1
+
+    def save_kv_layer(self, connector_metadata: object = None) -> None:
+        """After layer ``current_layer``'s attention: record the save point, hand over the save."""
+        main = self.cfg.behaviour == "main"
+        send = self.kv_send_thread
+        assert send is not None
+        c = self.current_layer
+        if main:
+            send.raise_if_failed()
+        self.sync_save_events[c].record()
+        tasks = self.layer_save_tasks[c]
+        if tasks:
+            send.add_request(list(tasks))
+        else:
+            self.layer_save_finished_events[c].set()
+        if c == self.num_layers - 1:
+            last = self.layer_save_finished_events[c]
+            if main:
+                while not last.wait(timeout=self.wait_timeout_s):
+                    send.raise_if_failed()
+                sources = set(self.prefetch_layer_map.values())
+                for layer, event in enumerate(self.layer_save_finished_events):
+                    if layer not in sources:
+                        event.clear()
+            else:
+                last.wait(timeout=self.wait_timeout_s)
+                for event in self.layer_save_finished_events:
+                    event.clear()
+        self.current_layer += 1
