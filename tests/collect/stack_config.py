@@ -77,11 +77,16 @@ def schema_root_span() -> str:
     return re.search(r"### Root span `([^`]+)`", _schema_text()).group(1)  # type: ignore[union-attr]
 
 
+def schema_root_spans() -> set[str]:
+    """Every root span name (recv tasks, producer save tasks)."""
+    return set(re.findall(r"### (?:Root span|.*root) `(kvtrace\.[a-z.]+)`", _schema_text()))
+
+
 def schema_child_spans() -> list[str]:
     text = _schema_text()
     section = text[text.index("### Child spans") :]
     section = section[: section.index("\n### ", 5)]
-    return re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.M)
+    return re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.M)
 
 
 def schema_paths() -> list[str]:
@@ -93,7 +98,7 @@ def schema_attributes() -> set[str]:
 
 
 def schema_exporter_counter() -> str:
-    return re.search(r"OTel counter `([^`]+)`", _schema_text()).group(1)  # type: ignore[union-attr]
+    return re.search(r"OTel counter\s+`([^`]+)`", _schema_text()).group(1)  # type: ignore[union-attr]
 
 
 # --- dashboards -------------------------------------------------------------------------------
