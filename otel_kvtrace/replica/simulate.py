@@ -16,7 +16,7 @@ from __future__ import annotations
 import gc
 import heapq
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -470,18 +470,30 @@ def simulate_to_recorder(cfg: ReplicaConfig, recorder: Recorder | None = None, *
     return result, recorder
 
 
-ExportFn = Callable[[Recorder, dict[str, object], Path], object]
+def simulate_to_traces(
+    cfg: ReplicaConfig,
+    out_dir: str | Path = "kvtrace-data",
+    *,
+    run_id: str | None = None,
+    epoch_ns: int | None = None,
+    timeout_s: float = 300.0,
+) -> tuple[SimResult, Path]:
+    """Simulate, then write every record through the package exporter as OTLP/JSON lines.
 
-
-def simulate_to_traces(cfg: ReplicaConfig, out_dir: str | Path = "kvtrace-data", *, run_id: str | None = None,
-                       epoch_ns: int | None = None) -> tuple[SimResult, Path]:
-    """Simulate and write the records as OTLP/JSON traces under ``out_dir/traces/`` via the exporter."""
-    from otel_kvtrace.replica._export import export_recorder  # exporter lives in otel_kvtrace.export
+    The file is ``{out_dir}/traces/kvtrace-{run_id}-{pid}.jsonl`` (schema.md "Files"); the resource
+    carries ``cfg.resource_attributes()`` and ``kvtrace.run_id``. Virtual time 0 maps to ``epoch_ns``
+    (default: now). Returns the result and the file written.
+    """
+    from otel_kvtrace.export.sinks import JsonLinesFileSink  # deferred: pulls in the OTel SDK
+    from otel_kvtrace.export.worker import BackgroundExporter, build_resource
 
     run = run_id or f"replica-sim-s{cfg.seed}-{time.time_ns() // 1_000_000}"
     result, recorder = simulate_to_recorder(
         cfg, run_id=run, epoch_ns=epoch_ns if epoch_ns is not None else time.time_ns())
     resource = dict(cfg.resource_attributes())
     resource["kvtrace.run_id"] = run
-    path = export_recorder(recorder, resource, Path(out_dir), run)
-    return result, path
+    sink = JsonLinesFileSink(Path(out_dir), run, build_resource(resource))
+    exporter = BackgroundExporter(recorder, sink)
+    if not exporter.shutdown(timeout_s):
+        raise TimeoutError(f"exporting {result.num_tasks} records took longer than timeout_s={timeout_s}")
+    return result, sink.path

@@ -20,23 +20,20 @@ from otel_kvtrace.replica.kv_transfer import (
     KVCacheStoreKeyLayerSendingThread,
     KVCacheStoreLayerRecvingThread,
     KVCacheStoreLayerSendingThread,
-    KVTransferThread,
-    LayerBatchBuilder,
 )
 from otel_kvtrace.replica.plan import build_plan
 from otel_kvtrace.replica.pool_worker import EnqueueLogEntry, KVPoolWorker
 
 
-def replica_targets() -> dict[str, object]:
-    """The replica's classes by role, for the instrumentation to patch (a plain mapping)."""
+def replica_targets(behaviour: str = "main") -> dict[str, object]:
+    """The replica's classes by role (the keys of ``otel_kvtrace.instrument.targets.Targets``)."""
     return {
         "worker_class": KVPoolWorker,
         "recv_thread_classes": (KVCacheStoreLayerRecvingThread, KVCacheStoreKeyLayerRecvingThread),
         "send_thread_classes": (KVCacheStoreLayerSendingThread, KVCacheStoreKeyLayerSendingThread),
-        "transfer_thread_base": KVTransferThread,
         "gate_class": gate_module.AttentionComputeStartGate,
-        "gate_module": gate_module,
-        "builder_class": LayerBatchBuilder,
+        "source": "replica",
+        "version": f"replica-{behaviour}",
     }
 
 
