@@ -1,0 +1,130 @@
+"""Added latency per task on the REAL vLLM-Ascend recv thread: untraced vs traced, same run.
+
+The released sdist (or ``KVTRACE_UPSTREAM_SRC``) is obtained and imported like the conformance tests do
+(``tests/upstream/harness.py``). One producer loop plays the forward: per task it records a fresh
+attention gate, sets the source layer's save event, enqueues a ``LayerLoadTask`` through
+``add_request`` and waits for the layer's load event, so every patched stage runs (queue, save wait,
+main's NPU sync, gate wait, address build, stagger, batch_copy, completion). The latency is enqueue ->
+``layer_load_finished_events[layer].set()`` seen by the producer, in ns.
+
+Modes, interleaved in rounds so that drift hits all of them alike:
+  untraced        the upstream classes as they are
+  traced          start_tracing(..., exporter=None): wrappers + recorder, records drained between rounds
+  traced+export   start_tracing(..., out_dir=tmp): the background exporter writes OTLP/JSON lines
+
+Usage::
+
+    .venv/bin/python bench/upstream_overhead.py                 # 0.23.0.post1 sdist
+    KVTRACE_UPSTREAM_SRC=/tmp/vllm-ascend-main .venv/bin/python bench/upstream_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("untraced", "traced", "traced+export")
+
+
+def _load_harness() -> Any:
+    path = REPO / "tests" / "upstream" / "harness.py"
+    spec = importlib.util.spec_from_file_location("kvtrace_upstream_harness", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run_tasks(h: Any, up: Any, env: Any, count: int, num_layers: int, blocks: int) -> list[int]:
+    """``count`` tasks through the real thread, one at a time; per-task latency in ns."""
+    latencies = []
+    request = up.request("r-bench", blocks)
+    for i in range(count):
+        layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
+        gate = up.gate_class()
+        gate.record()  # the forward already passed attention: the gate is open
+        env.save_done[layer - 1].set()  # the source layer's save is done
+        task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+        t0 = time.perf_counter_ns()
+        env.thread.add_request(task)
+        env.load_done[layer].wait()
+        latencies.append(time.perf_counter_ns() - t0)
+        env.load_done[layer].clear()  # what the forward does after its wait
+        env.save_done[layer - 1].clear()  # in case the version left it set
+    return latencies
+
+
+def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[list[int]]]:
+    """Per mode, one list of per-task latencies (ns) per round."""
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    root = h.upstream_source_dir()
+    results: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+    with h.upstream_session(root) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as out:
+        version = f"{up.binding.version} ({up.binding.layout})"
+        print(f"vllm-ascend {version} from {root}", file=sys.stderr)
+        targets = up.binding.to_targets()
+        for round_no in range(rounds):
+            for mode in MODES:
+                session = None
+                if mode == "traced":
+                    session = start_tracing(targets, exporter=None, run_id="bench")
+                elif mode == "traced+export":
+                    session = start_tracing(targets, out_dir=out, run_id="bench")
+                env = up.gva_thread(num_layers, h.FakeBackend())
+                _run_tasks(h, up, env, 50, num_layers, blocks)  # warm-up: attach, pools, caches
+                if session is not None:
+                    session.recorder.drain(1 << 20) if mode == "traced" else session.flush()
+                results[mode].append(_run_tasks(h, up, env, tasks_per_round, num_layers, blocks))
+                if session is not None:
+                    stats = session.shutdown()
+                    if stats.disabled_reason:
+                        raise RuntimeError(f"tracing disabled itself during the bench: {stats.disabled_reason}")
+            print(f"  round {round_no + 1}/{rounds} done", file=sys.stderr, flush=True)
+    return results
+
+
+def _pct(values: list[int], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=200, help="tasks per mode per round (default 200)")
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the recv thread (default 8)")
+    parser.add_argument("--blocks", type=int, default=16, help="blocks per task (default 16)")
+    args = parser.parse_args()
+    for name in ("tasks", "rounds", "blocks"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1")
+    if args.layers < 2:
+        parser.error("--layers must be >= 2 (layer l waits for the save of layer l-1)")
+    results = measure(args.tasks, args.rounds, args.layers, args.blocks)
+    # The machine is shared: compare modes within each round (they ran back to back), then take the
+    # median over rounds of those per-round figures.
+    round_medians = {mode: [statistics.median(r) for r in results[mode]] for mode in MODES}
+    pooled = {mode: [x for r in results[mode] for x in r] for mode in MODES}
+    print(f"\nper-task latency, enqueue -> load event set; {args.rounds} rounds x {args.tasks} tasks per mode")
+    print(f"{'mode':15} {'median us':>10} {'p90 us':>9} {'added us':>9} {'ratio':>6} {'ratio range':>14}")
+    for mode in MODES:
+        added = [m - b for m, b in zip(round_medians[mode], round_medians["untraced"])]
+        ratios = [m / b for m, b in zip(round_medians[mode], round_medians["untraced"])]
+        print(f"{mode:15} {statistics.median(pooled[mode]) / 1e3:10.1f} {_pct(pooled[mode], 0.9) / 1e3:9.1f} "
+              f"{statistics.median(added) / 1e3:9.1f} {statistics.median(ratios):6.2f} "
+              f"{min(ratios):6.2f}-{max(ratios):<6.2f}")
+    print("(added us and ratio: median over rounds of the per-round difference / ratio to untraced)")
+
+
+if __name__ == "__main__":
+    main()
