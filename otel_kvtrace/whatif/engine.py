@@ -178,7 +178,7 @@ class QueueState:
     __slots__ = (
         "q", "n", "start", "complete", "passed", "eff_rs", "eff_rg", "served", "n_served", "n_arrived",
         "head_ptr", "step_left", "prog", "fwd_end", "fwd_arrive", "index", "waiting", "ready", "blocked",
-        "held_final", "batches", "delay_only",
+        "held_final", "batches", "delay_only", "call_of", "calls",
     )
 
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full") -> None:
@@ -207,6 +207,8 @@ class QueueState:
         self.blocked: list[list[int]] = [[] for _ in q.chain]
         self.held_final = [-1] * len(q.chain)
         self.batches = 0
+        self.call_of = [-1] * n
+        self.calls = 0
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -303,6 +305,8 @@ class QueueState:
             t += q.w3[i]
             self.start[i] = now
             self.complete[i] = t
+            self.call_of[i] = self.calls
+            self.calls += 1
             self._after(i)
             return t
         return self._serve_batch(batch, now)
@@ -336,7 +340,10 @@ class QueueState:
         passed = t
         t += W[3]
         self.batches += 1
+        call = self.calls
+        self.calls += 1
         for i in batch:
+            self.call_of[i] = call
             t += q.done[i]
             self.start[i] = now
             self.passed[i] = passed
@@ -407,6 +414,8 @@ class QueueReplay:
     fwd_arrive: list[list[int]]
     fwd_end: list[list[int]]
     batches: int
+    call_of: list[int]
+    """Serve call of each task (members of one ``gate_group`` batch share it)."""
 
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> QueueReplay:
@@ -433,4 +442,4 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> Q
                 f"policy {policy.name!r} waits at t={now} with {n - state.n_served} task(s) left (wake={wake})")
         now = wake  # type: ignore[assignment]
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
-                       state.fwd_arrive, state.fwd_end, state.batches)
+                       state.fwd_arrive, state.fwd_end, state.batches, state.call_of)

@@ -206,15 +206,15 @@ def check_constraints(rep: QueueReplay) -> list[str]:
     if any(c == NONE for c in rep.complete):
         bad.append("a task was never served")
         return bad
-    order = sorted(range(n), key=lambda i: (rep.start[i], rep.complete[i]))
-    prev_end = NONE  # latest completion of tasks that started strictly earlier
-    group_start, group_end = NONE, NONE
+    order = sorted(range(n), key=lambda i: (rep.start[i], rep.call_of[i], rep.complete[i]))
+    prev_end = NONE  # latest completion of earlier serve calls
+    call, call_end = None, NONE
     for i in order:
         seq = q.tasks[i].seq
-        if rep.start[i] != group_start:  # members of one batch share a start
-            prev_end = max(prev_end, group_end)
-            group_start = rep.start[i]
-        group_end = max(group_end, rep.complete[i])
+        if rep.call_of[i] != call:  # members of one batch share a serve call
+            prev_end = max(prev_end, call_end)
+            call = rep.call_of[i]
+        call_end = max(call_end, rep.complete[i])
         if rep.start[i] < q.arr[i]:
             bad.append(f"seq {seq}: starts before it arrived")
         if rep.start[i] < prev_end:
