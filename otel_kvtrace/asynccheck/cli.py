@@ -1,0 +1,109 @@
+"""``kvtrace async``: thin click shells over ``asynccheck.check`` / ``compare`` / ``doctor``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import click
+import orjson
+from rich.console import Console
+
+from otel_kvtrace.asynccheck.analysis import check, compare
+from otel_kvtrace.asynccheck.doctor import DoctorError, doctor
+
+
+class InputError(click.ClickException):
+    """Bad input or an unreadable target: exit status 2."""
+
+    exit_code = 2
+
+
+@click.group("async")
+def async_group() -> None:
+    """Did async scheduling (异步调度) really take effect?
+
+    `check` judges timelines (our traces or msServiceProfiler outputs); `doctor` checks a live
+    process's real environment and command line.
+    """
+
+
+def _parse_compare(items: Sequence[str]) -> dict[str, list[str]]:
+    runs: dict[str, list[str]] = {}
+    for item in items:
+        label, sep, path = item.rpartition("=")
+        if not sep or not label or not path:
+            raise click.BadParameter(f"expected LABEL=PATH, got {item!r}", param_hint="--compare")
+        if not Path(path).exists():
+            raise click.BadParameter(f"{path}: no such file or directory", param_hint="--compare")
+        runs.setdefault(label, []).append(path)
+    return runs
+
+
+@async_group.command("check")
+@click.argument("paths", nargs=-1, type=click.Path(exists=True))
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the result as JSON here.")
+@click.option(
+    "--compare",
+    "compare_runs",
+    multiple=True,
+    metavar="LABEL=PATH",
+    help="A labelled run (repeat; same label twice = more files of that run). Rows keep this order.",
+)
+def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: tuple[str, ...]) -> None:
+    """Decide from timelines whether schedule(n+1) overlaps execute(n).
+
+    PATHS are files or directories of one capture: our traces (./kvtrace-data/async/*.jsonl) and/or
+    msServiceProfiler outputs (chrome_tracing.json, forward.csv, batch.csv, profiler.db,
+    ms_service_*.db, ascend_service_profiler_*.db, service_profiling_symbols*.yaml). Verdict:
+    effective / not effective / cannot tell, with reasons.
+
+    \b
+    Example:
+      kvtrace async check ./kvtrace-data/async
+      kvtrace async check --compare baseline=run0/ --compare +TASK_QUEUE_ENABLE=2=run1/ \\
+                          --compare +--async-scheduling=run2/ --json ladder.json
+    """
+    console = Console()
+    if compare_runs and paths:
+        raise click.UsageError("give PATHS for one run or --compare LABEL=PATH for several, not both")
+    if not compare_runs and not paths:
+        raise click.UsageError("give capture PATHS or --compare LABEL=PATH")
+    from otel_kvtrace.asynccheck.render import render_check, render_compare
+
+    if compare_runs:
+        results = compare(_parse_compare(compare_runs), json_path=json_path)
+        render_compare(results, console)
+    else:
+        render_check(check(list(paths), json_path=json_path), console)
+
+
+@async_group.command("doctor")
+@click.option("--pid", type=int, help="Live process to inspect (reads /proc/PID/environ and cmdline).")
+@click.option("--cmdline", help='Command line to inspect instead, e.g. "vllm serve M --async-scheduling".')
+@click.option("--env-file", type=click.Path(dir_okay=False), help="KEY=VALUE environment (added on top).")
+@click.option("--log", type=click.Path(dir_okay=False), help="Server log to scan for async confirmation lines.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the report as JSON here.")
+def doctor_command(
+    pid: int | None, cmdline: str | None, env_file: str | None, log: str | None, json_path: str | None
+) -> None:
+    """Check a serving process's real async-scheduling configuration, with a fix per finding.
+
+    Reports MINDIE_ASYNC_SCHEDULING_ENABLE, TASK_QUEUE_ENABLE, ASCEND_LAUNCH_BLOCKING,
+    --async-scheduling / --no-async-scheduling, conflicts (splitfuse, profiler hooks), installed versions
+    and the log lines that confirm async is on. Exit status 2 for a missing or unreadable process.
+
+    \b
+    Example:
+      kvtrace async doctor --pid $(pgrep -f "vllm serve") --log server.log
+      kvtrace async doctor --cmdline "vllm serve Qwen3 --no-async-scheduling" --env-file deploy.env
+    """
+    try:
+        report = doctor(pid=pid, cmdline=cmdline, env_file=env_file, log=log)
+    except DoctorError as exc:
+        raise InputError(str(exc)) from None
+    from otel_kvtrace.asynccheck.render import render_doctor
+
+    render_doctor(report, Console())
+    if json_path:
+        Path(json_path).write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))

@@ -1,0 +1,94 @@
+"""Rich terminal rendering of check, compare and doctor results (analysis returns data; this draws it)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from otel_kvtrace.asynccheck.analysis import EFFECTIVE, NOT_EFFECTIVE, CheckResult
+from otel_kvtrace.asynccheck.doctor import DoctorReport
+
+_VERDICT_STYLE = {EFFECTIVE: "bold green", NOT_EFFECTIVE: "bold red"}
+_STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
+
+
+def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+    return "-" if value is None else fmt.format(value)
+
+
+def _pct(value: float | None) -> str:
+    return _num(value, "{:.0%}")
+
+
+def render_check(result: CheckResult, console: Console) -> None:
+    style = _VERDICT_STYLE.get(result.verdict, "bold yellow")
+    console.print(f"[{style}]async scheduling: {result.verdict}[/]  ({result.run}: {', '.join(result.paths)})")
+    for reason in result.reasons:
+        console.print(f"  - {reason}")
+    mt = result.metrics
+    table = Table(title="metrics", show_header=True)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    rows = [
+        ("steps", str(mt.steps)),
+        ("step pairs with schedule + output-ready", str(mt.pairs)),
+        ("overlap schedule(n+1) / execute(n)", _pct(mt.overlap_ratio)),
+        ("pairs overlapped >= 50%", _pct(mt.overlapped_pairs_share)),
+        ("forward gap p50 (ms)", _num(mt.gap_p50_ms)),
+        ("forward gap p95 (ms)", _num(mt.gap_p95_ms)),
+        ("launches that waited for the device", _pct(mt.blocking_launch_share)),
+        ("max batches in flight", _num(mt.max_queue_depth, "{}")),
+        ("communication total (ms)", _num(mt.comm_total_ms)),
+        ("communication exposed", _pct(mt.comm_exposed_share)),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    if result.markers:
+        console.print("async markers: " + ", ".join(f"{k} x{v}" for k, v in sorted(result.markers.items())))
+    for w in result.warnings:
+        console.print(f"[yellow]warning[/] {w['kind']}: {w['message']}")
+    if result.import_errors:
+        console.print(f"[yellow]{result.import_errors} malformed rows skipped[/]")
+        for issue in result.import_error_samples[:10]:
+            console.print(f"  {issue['file']}:{issue['line']}: {issue['reason']}")
+
+
+def render_compare(results: Sequence[CheckResult], console: Console) -> None:
+    table = Table(title="async scheduling, step by step", show_header=True)
+    for col in ("step", "verdict", "overlap", "gap p50 ms", "gap p95 ms", "Δ gap p50", "comm exposed",
+                "waiting launches", "max in flight", "markers"):
+        table.add_column(col, justify="left" if col in ("step", "verdict", "markers") else "right")
+    previous: float | None = None
+    for r in results:
+        mt = r.metrics
+        delta = "-" if previous is None or mt.gap_p50_ms is None else f"{mt.gap_p50_ms - previous:+.3f}"
+        style = _VERDICT_STYLE.get(r.verdict, "yellow")
+        table.add_row(
+            r.run, f"[{style}]{r.verdict}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms), _num(mt.gap_p95_ms),
+            delta, _pct(mt.comm_exposed_share), _pct(mt.blocking_launch_share), _num(mt.max_queue_depth, "{}"),
+            ", ".join(sorted(k for k, v in r.markers.items() if v)) or "-",
+        )
+        previous = mt.gap_p50_ms if mt.gap_p50_ms is not None else previous
+    console.print(table)
+    for r in results:
+        for reason in r.reasons:
+            console.print(f"[bold]{r.run}[/]: {reason}")
+        for w in r.warnings:
+            console.print(f"[bold]{r.run}[/]: [yellow]warning[/] {w['kind']}: {w['message']}")
+
+
+def render_doctor(report: DoctorReport, console: Console) -> None:
+    console.print(f"[bold]{report.target}[/]: {' '.join(report.argv)[:200]}")
+    table = Table(show_header=True)
+    for col in ("status", "setting", "finding", "fix"):
+        table.add_column(col)
+    for f in report.findings:
+        table.add_row(f"[{_STATUS_STYLE[f.status]}]{f.status}[/]", f.key, f.message, f.fix or "")
+    console.print(table)
+    versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in report.versions.items())
+    console.print(f"versions ({report.versions_from}): {versions}")
+    for match in report.log_matches:
+        console.print(f"  log line {match['line']}: {match['text']}")
