@@ -106,12 +106,9 @@ class HttpEndpoint:
     def _handle_post(self, h: _Handler) -> None:
         content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         reply_type = _JSON if content_type == _JSON else _PROTOBUF
-        if h.path.split("?")[0] != TRACES_PATH:
-            self._malformed(h, HTTPStatus.NOT_FOUND, f"unknown path {h.path!r}; OTLP traces go to {TRACES_PATH}", reply_type)
-            return
         length_header = h.headers.get("Content-Length")
         if length_header is None or not length_header.isdigit():
-            h.close_connection = True
+            h.close_connection = True  # the body's end is unknown, so the connection cannot be reused
             self._malformed(h, HTTPStatus.LENGTH_REQUIRED, "Content-Length is required", reply_type)
             return
         length = int(length_header)
@@ -124,7 +121,11 @@ class HttpEndpoint:
                 reply_type,
             )
             return
-        body = h.rfile.read(length)
+        body = h.rfile.read(length)  # read even when refusing, so a keep-alive connection stays in sync
+        if h.path.split("?")[0] != TRACES_PATH:
+            message = f"unknown path {h.path!r}; OTLP traces go to {TRACES_PATH}"
+            self._malformed(h, HTTPStatus.NOT_FOUND, message, reply_type)
+            return
         if content_type not in (_PROTOBUF, _JSON):
             self._malformed(
                 h,
