@@ -462,3 +462,43 @@ def epoch_of(session: Any, perf_s: float) -> int:
     """A ``time.perf_counter()`` reading (the fakes' clock) as epoch ns on the trace's timeline."""
     anchor = session.recorder.anchor
     return anchor.to_epoch(int(perf_s * 1e9))
+
+
+def pool_worker(up: Upstream, num_layers: int, prefetch: int, backend: FakeBackend) -> Any:
+    """A real ``KVPoolWorker`` (made with ``__new__``, like upstream's unit tests) for the layerwise GVA
+    path, kv_both role, whose real ``_start_kv_transfer_threads`` builds and starts the real threads."""
+    import importlib
+
+    pw = importlib.import_module(up.binding.modules["pool_worker"])
+    worker = pw.KVPoolWorker.__new__(pw.KVPoolWorker)
+    db = up.token_database(num_layers)
+    builder_kwargs = dict(token_database=db, my_key_index=0, num_ranks_per_layer=1,
+                          page_size_bytes=BLOCK_LEN * CACHES_PER_LAYER, num_layers=num_layers, group_id=0)
+    attrs = dict(
+        _transfer_threads_started=False, use_layerwise=True, use_gva_layerwise=True, num_layers=num_layers,
+        num_prefetch_layers=prefetch, kv_role="kv_both", consumer_is_to_put=False, kv_send_thread=None,
+        kv_recv_thread=None, m_store=backend, token_database=db, block_size=BLOCK_SIZE, tp_rank=0, tp_size=1,
+        dcp_size=1, pcp_rank=0, dcp_rank=0, pp_rank=0, dp_rank=0, put_step=1, my_key_index=0,
+        num_ranks_per_layer=1, page_size_bytes=BLOCK_LEN * CACHES_PER_LAYER, h2d_stagger_us=0,
+        layerwise_max_transfer_blocks=0, layerwise_max_transfer_bytes=0, external_slot_release_waiter=None,
+        prefetch_layer_map={}, current_layer=0, next_layer_to_submit=0,
+        layer_load_tasks=[[] for _ in range(num_layers)], layer_save_tasks=[[] for _ in range(num_layers)],
+    )
+    for name, value in attrs.items():
+        setattr(worker, name, value)
+    worker._build_group_layer_builders = lambda: [
+        _call_with_supported(up.kv_transfer.LayerBatchBuilder, **builder_kwargs)]
+    worker._start_kv_transfer_threads()
+    up.threads.extend(t for t in (worker.kv_recv_thread, worker.kv_send_thread) if t is not None)
+    return worker
+
+
+def drive_step(up: Upstream, worker: Any, loads: dict[int, list[SimpleNamespace]]) -> None:
+    """One forward step as vLLM runs it: start_load_kv, then per layer wait -> attention -> save."""
+    worker.start_load_kv(SimpleNamespace(requests=[]))
+    for layer, requests in loads.items():  # what process_layer_data would have prepared
+        worker.layer_load_tasks[layer][:] = up.gva_task(layer, requests).transfer_tasks
+    for _ in range(worker.num_layers):
+        worker.wait_for_layer_load()
+        up.gate_module.record_attention_compute_start()
+        worker.save_kv_layer(None)

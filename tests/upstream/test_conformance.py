@@ -273,3 +273,30 @@ def test_trace_shows_ready_task_stuck_behind_a_head_waiting_for_its_save(upstrea
     assert behind.attrs["kvtrace.ts.ready"] < head.attrs["kvtrace.ts.ready"]
     assert behind.attrs["kvtrace.ts.dequeue"] >= head.attrs["kvtrace.ts.complete"], "FIFO: served after the head"
     assert behind.children["queue_wait"].end > head_dep_met
+
+
+# ---- forward side on the real KVPoolWorker ----------------------------------------------------------
+
+
+def test_real_worker_steps_gates_and_consumer_waits(upstream: Upstream, tracing: Any) -> None:
+    """The real ``KVPoolWorker`` starts the real threads (P0 post-hook) and drives two steps (P1, P2, P13)."""
+    from .harness import drive_step, pool_worker
+
+    num_layers, prefetch = 4, 2
+    worker = pool_worker(upstream, num_layers, prefetch, FakeBackend(copy_s=0.003))
+    for _ in range(2):
+        drive_step(upstream, worker, {layer: [upstream.request("r1", 2)] for layer in range(num_layers)})
+    tasks = traces_after(tracing, 2 * num_layers)
+
+    assert [(t.attrs["kvtrace.step"], t.attrs["kvtrace.layer_id"]) for t in tasks] == [
+        (step, layer) for step in range(2) for layer in range(num_layers)]
+    assert all(t.attrs["kvtrace.correlation_id"].endswith(f"/gva/s{t.attrs['kvtrace.step']}/l{t.attrs['kvtrace.layer_id']}")
+               for t in tasks)
+    # P=2: T0 has no gate, T1 gets G0 at c=0, then T(c+1) gets G(c) (research note 2.4)
+    assert [t.attrs.get("kvtrace.gate_id") for t in tasks[:num_layers]] == [None, 0, 1, 2]
+    for t in tasks:
+        wait = t.children["consumer_wait"]
+        assert wait.attrs["kvtrace.thread"] == "forward"
+        assert wait.end >= t.attrs["kvtrace.ts.complete"] - TOL_NS, "the forward returns after the load is set"
+        assert t.root.end >= wait.end
+    assert tasks[-1].attrs["kvtrace.final_layer"] is True
