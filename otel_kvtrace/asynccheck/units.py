@@ -8,6 +8,8 @@ unit its magnitude shows, and the importer reports the correction.
 
 from __future__ import annotations
 
+import math
+
 NS_PER = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 
 FORMAT_UNITS: dict[str, str] = {
@@ -35,4 +37,6 @@ def epoch_unit(value: float) -> str | None:
 
 
 def to_ns(value: float, unit: str) -> int:
-    return round(value * NS_PER[unit])
+    """Exact for the integer part: ``value * 1e3`` as one float would round epoch µs to 256 ns."""
+    whole = math.floor(value)
+    return int(whole) * NS_PER[unit] + round((value - whole) * NS_PER[unit])
