@@ -1,0 +1,106 @@
+"""Layout and submission rules (research §2.2, §2.4), shared by both engines."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from otel_kvtrace.replica.config import ReplicaConfig
+from otel_kvtrace.replica.layout import build_layout, enqueue_plan
+
+
+def _plan(cfg: ReplicaConfig, has=None) -> list[list[tuple[int, int | None, int | None]]]:
+    return [[(s.layer_id, s.wait_for_save_layer, s.gate_layer) for s in subs] for subs in enqueue_plan(cfg, has)]
+
+
+def test_simple_layout_chains() -> None:
+    lay = build_layout(ReplicaConfig(num_layers=6, num_shared_buffers=2))
+    assert lay.prefetch_layer_map == {3: 1, 4: 2, 5: 3}
+    assert lay.buffer_slots == ((0,), (1, 3, 5), (2, 4))
+    assert lay.has_layer_reuse
+    assert lay.storage_index(5) == 1
+
+
+def test_independent_layers_not_a_prefix() -> None:
+    lay = build_layout(ReplicaConfig(num_layers=8, num_shared_buffers=2, independent_layers=(0, 4)))
+    assert lay.prefetch_layer_map == {3: 1, 5: 2, 6: 3, 7: 5}  # research §3, observed on CPU
+
+
+def test_no_reuse_when_buffers_cover_the_reused_layers() -> None:
+    assert build_layout(ReplicaConfig(num_layers=6, num_shared_buffers=5)).prefetch_layer_map == {}
+    assert not build_layout(ReplicaConfig(num_layers=6)).has_layer_reuse  # default B = N
+    assert build_layout(ReplicaConfig(num_layers=6, num_shared_buffers=2, buffer_reuse=False)).prefetch_layer_map == {}
+
+
+def test_no_reuse_on_v023_and_key_path() -> None:
+    for cfg in (ReplicaConfig(behaviour="v0.23", num_layers=6, num_shared_buffers=2),
+                ReplicaConfig(path="key", num_layers=6, num_shared_buffers=2)):
+        assert build_layout(cfg).prefetch_layer_map == {}
+
+
+def test_multi_bucket_layout_has_per_bucket_chains() -> None:
+    # kinds a,b alternate; bucket a = [2,4,6,8], bucket b = [1,3,5,7,9]; B=2 slots per bucket
+    lay = build_layout(ReplicaConfig(num_layers=10, num_shared_buffers=2, bucket_pattern="ab"))
+    assert lay.prefetch_layer_map == {6: 2, 8: 4, 5: 1, 7: 3, 9: 5}
+    assert (2, 6) in lay.buffer_slots and (1, 5, 9) in lay.buffer_slots
+
+
+def test_documented_main_ordering() -> None:
+    # research §2.6: N=6, B=2, P=3 -> 0(None), 1(G0), 2(G0) then 3(src1,G1), 4(src2,G2), 5(src3,G3)
+    plan = _plan(ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3))
+    assert plan == [
+        [(0, None, None), (1, None, 0), (2, None, 0)],
+        [(3, 1, 1)],
+        [(4, 2, 2)],
+        [(5, 3, 3)],
+        [],
+        [],
+    ]
+
+
+def test_prefetch_one_loads_synchronously_without_gates() -> None:
+    plan = _plan(ReplicaConfig(behaviour="v0.23", num_layers=4))
+    assert plan == [[(0, None, None)], [(1, None, None)], [(2, None, None)], [(3, None, None)]]
+
+
+def test_window_skips_empty_layers_without_counting_them() -> None:
+    cfg = ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=2)
+    plan = _plan(cfg, has=lambda layer: layer not in (1, 2))
+    assert plan == [[(0, None, None), (3, None, 0)], [(4, None, 1)], [(5, None, 2)], [], [], []]
+
+
+def test_main_empty_reuse_tasks_are_submitted_without_gate() -> None:
+    cfg = ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3)
+    plan = _plan(cfg, has=lambda layer: False)
+    # only reuse layers are submittable; they never get a gate; layer 3 fills the c=0 window alone
+    assert plan == [[(3, 1, None), (4, 2, None), (5, 3, None)], [], [], [], [], []]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 24),
+    b=st.integers(1, 24),
+    p=st.integers(1, 10),
+    indep=st.lists(st.integers(0, 23), max_size=4),
+    behaviour=st.sampled_from(["main", "v0.23"]),
+    pattern=st.sampled_from([None, "ab", "aab"]),
+)
+def test_window_invariants(n: int, b: int, p: int, indep: list[int], behaviour: str, pattern: str | None) -> None:
+    cfg = ReplicaConfig(behaviour=behaviour, num_layers=n, num_shared_buffers=b, prefetch_layers=p,
+                        independent_layers=tuple(x for x in indep if x < n) or (0,), bucket_pattern=pattern)
+    cfg.validate()
+    lay = build_layout(cfg)
+    mapping = lay.prefetch_layer_map
+    assert len(set(mapping.values())) == len(mapping)  # injective: each source consumed once
+    for layer, src in mapping.items():
+        assert src < layer and lay.storage_index(src) == lay.storage_index(layer)
+        assert layer not in cfg.resolved_independent and src not in cfg.resolved_independent
+    plan = _plan(cfg)
+    flat = [(c, *t) for c, subs in enumerate(plan) for t in subs]
+    assert [t[1] for t in flat] == list(range(n))  # every layer once, in layer order
+    for c, layer, src, gate in flat:
+        assert layer >= c  # never submitted after its own forward layer
+        assert gate is None if layer == c else gate == c
+        assert src == (mapping.get(layer) if behaviour == "main" else None)
+        # a task is always submitted no later than its own wait_for_layer_load
+    assert all(len(subs) <= (p if c == 0 else 1) for c, subs in enumerate(plan))
