@@ -177,6 +177,9 @@ class Receiver:
             return AcceptResult(None, message="receiver is shutting down; retry against the next one")
         rejected = drop_invalid_spans(req)
         spans = count_spans(req)
+        if spans == 0:  # nothing to keep: answer success without writing an empty line
+            self._stats.add(spans_rejected=rejected, **{f"{protocol}_requests": 1})
+            return AcceptResult(export_response(rejected))
         if not self._queue.offer(req, size):
             self._stats.add(refused_full=1)
             return AcceptResult(None, queue_full=True, message="write queue full; retry later")

@@ -127,7 +127,7 @@ def test_spans_with_bad_id_lengths_are_rejected_as_partial_success(rx: Receiver,
     resp = ExportTraceServiceResponse.FromString(_grpc_export(rx, req.SerializeToString()))
     assert resp.partial_success.rejected_spans == 2
     stats = rx.stop()
-    assert (stats.spans_rejected, stats.spans_written) == (2, 1)
+    assert (stats.spans_rejected, stats.spans_written, stats.lines_written) == (2, 1, 1)
     assert len(collected_span_ids(tmp_path)) == 1
 
 
@@ -165,3 +165,11 @@ def test_port_taken_api_raises_and_releases_the_other_port(tmp_path: Path) -> No
         assert err.value.option == "--http-port" and err.value.port == port
     finally:
         taken.close()
+
+
+def test_request_without_spans_is_answered_but_writes_no_line(rx: Receiver, tmp_path: Path) -> None:
+    r = requests.post(f"http://127.0.0.1:{rx.http_port}/v1/traces", data=b"", headers=PROTO)
+    assert r.status_code == 200
+    stats = rx.stop()
+    assert (stats.http_requests, stats.lines_written) == (1, 0)
+    assert rx.path.read_bytes() == b""
