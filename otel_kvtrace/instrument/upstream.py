@@ -492,3 +492,68 @@ def source_tree(root: str | Path) -> Iterator[UpstreamBinding]:
             del sys.modules[name]
         sys.modules.update(saved)
         importlib.invalidate_caches()
+
+
+# ---- per-worker resource attributes --------------------------------------------------------------
+
+
+def _first_int(owner: Any, *names: str, default: int = 0) -> int:
+    for name in names:
+        value = getattr(owner, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
+
+def worker_resource_attributes(worker: Any, layout: str = "") -> dict[str, Any]:
+    """Resource attributes (docs/schema.md) of one ``KVPoolWorker``: ranks, role, layerwise config.
+
+    Read from the worker's own fields once its transfer threads exist (the P0 post-hook), never on the
+    hot path. ``num_shared_buffers`` comes from the ``layerwise_num_shared_buffers`` extra config, else
+    the reuse layout's slot count, else main's ``build_layerwise_cache_layout`` default, else
+    ``num_layers`` (no reuse). 0.23 has no
+    buffer reuse, so its independent layers are empty and ``buffer_reuse`` is false.
+    """
+    num_layers = _first_int(worker, "num_layers")
+    extra = getattr(worker, "_extra_config", None)
+    extra = extra if isinstance(extra, dict) else {}
+    reuse_layout = getattr(worker, "_layerwise_reuse_layout", None)
+    shared = extra.get("layerwise_num_shared_buffers")
+    build_layout = getattr(sys.modules.get(type(worker).__module__), "build_layerwise_cache_layout", None)
+    if isinstance(shared, int) and shared > 0:
+        num_shared = shared
+    elif reuse_layout is not None and getattr(reuse_layout, "buffer_slots", None):
+        num_shared = len(reuse_layout.buffer_slots)
+    elif callable(build_layout) and getattr(worker, "use_gva_layerwise", False):
+        try:  # main's own default (min(B, N) rules live there, not here)
+            num_shared = int(build_layout(num_layers, extra).num_shared_buffers)
+        except Exception:
+            num_shared = num_layers
+    else:
+        num_shared = num_layers
+    independent = getattr(worker, "independent_layers", None) or []
+    if extra.get("layerwise_independent_layers") == "all":
+        independent_text = "all"
+    else:
+        independent_text = ",".join(str(int(x)) for x in independent)
+    reuse = bool(getattr(worker, "layerwise_offload", False) or getattr(reuse_layout, "has_layer_reuse", False))
+    prefetch = _first_int(worker, "num_prefetch_layers", default=1)
+    path = "gva" if getattr(worker, "use_gva_layerwise", False) else "key"
+    label = f"{layout or 'upstream'} {path} N={num_layers} B={num_shared} P={prefetch}"
+    if independent_text:
+        label += f" indep={independent_text}"
+    return {
+        "kvtrace.cfg.label": label,
+        "kvtrace.cfg.num_layers": num_layers,
+        "kvtrace.cfg.prefetch_layers": prefetch,
+        "kvtrace.cfg.num_shared_buffers": num_shared,
+        "kvtrace.cfg.independent_layers": independent_text,
+        "kvtrace.cfg.buffer_reuse": reuse,
+        "kvtrace.rank.tp": _first_int(worker, "tp_rank"),
+        "kvtrace.rank.tp_size": _first_int(worker, "tp_size", default=1),
+        "kvtrace.rank.dp": _first_int(worker, "dp_rank"),
+        "kvtrace.rank.pp": _first_int(worker, "pp_rank"),
+        "kvtrace.rank.pcp": _first_int(worker, "pcp_rank"),
+        "kvtrace.rank.dcp": _first_int(worker, "dcp_rank"),
+        "kvtrace.role": str(getattr(worker, "kv_role", "") or ""),
+    }
