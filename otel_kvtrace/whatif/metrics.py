@@ -90,6 +90,11 @@ def validate_fifo(reps: list[QueueReplay]) -> Validation:
                 continue
             errors.append(abs(rep.complete[i] - rec))
             services.append(q.w0[i] + q.w1[i] + q.w2[i] + q.w3[i])
+    return validation_from(errors, services)
+
+
+def validation_from(errors: list[int], services: list[int]) -> Validation:
+    """``Validation`` from per-task absolute errors and service times (ns)."""
     if not errors:
         return Validation(0, 0.0, 0.0, 0.0, float("inf"), float("inf"), float("inf"))
     med_service = max(quantile(services, 0.5), 1.0)

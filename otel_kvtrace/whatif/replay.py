@@ -1,0 +1,180 @@
+"""Replay a set of recorded tasks under every policy: per run (repeat), per queue, per policy.
+
+``replay_run`` is the unit the verdict compares: one independent run of one configuration, all of its
+queues replayed under each policy, summarised into ``RunFigures`` (what the consumer sees).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_kvtrace.whatif.engine import NONE, QueueArrays, QueueReplay, replay_queue
+from otel_kvtrace.whatif.metrics import (
+    HolEvent,
+    QueueFigures,
+    Validation,
+    quantile,
+    queue_figures,
+    validate_fifo,
+    validation_from,
+)
+from otel_kvtrace.whatif.policy import get_policy, policy_names
+from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
+
+
+@dataclass(slots=True)
+class RunFigures:
+    """One run under one policy, in ms (means and tails over every (queue, step))."""
+
+    policy: str
+    tasks: int
+    steps: int
+    ttft_ms_mean: float
+    ttft_ms_p99: float
+    consumer_wait_ms_per_step: float
+    consumer_wait_ms_p99_layer: float
+    task_latency_ms_p99: float
+    peak_inflight: int
+    throughput_tasks_per_s: float
+    batches: int
+
+    def to_dict(self) -> dict[str, float | int | str]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class RunReplay:
+    """Every queue of one run replayed under every policy."""
+
+    run_id: str
+    cfg_label: str
+    replays: dict[str, dict[str, QueueReplay]]
+    """queue -> policy -> replay."""
+    figures: dict[str, RunFigures]
+    validation: Validation
+    hol: list[HolEvent] = field(default_factory=list)
+
+    @property
+    def hol_ms(self) -> float:
+        return sum(h.duration_ns for h in self.hol) / 1e6
+
+    def summary(self) -> RunSummary:
+        """The serialisable part the verdict needs (what the sweep stores per finished cell run)."""
+        errors: list[int] = []
+        services: list[int] = []
+        for per in self.replays.values():
+            rep = per["fifo"]
+            q = rep.arrays
+            for i in range(q.n):
+                if q.rec_complete[i] != NONE:
+                    errors.append(abs(rep.complete[i] - q.rec_complete[i]))
+                    services.append(q.w0[i] + q.w1[i] + q.w2[i] + q.w3[i])
+        first = self.hol[0] if self.hol else None
+        return RunSummary(
+            run_id=self.run_id, cfg_label=self.cfg_label,
+            figures={name: f.to_dict() for name, f in self.figures.items()},
+            fifo_errors_ns=errors, service_ns=services, hol_events=len(self.hol), hol_ms=self.hol_ms,
+            hol_example=(f"seq {first.seq} (step {first.step} layer {first.layer_id}) blocked seq "
+                         f"{first.evidence_seq} for {first.duration_ns / 1e6:.3f} ms") if first else "",
+        )
+
+
+@dataclass(slots=True)
+class RunSummary:
+    """One run's figures per policy, FIFO errors and HOL totals; JSON round-trips through ``to_dict``."""
+
+    run_id: str
+    cfg_label: str
+    figures: dict[str, dict[str, Any]]
+    fifo_errors_ns: list[int]
+    service_ns: list[int]
+    hol_events: int
+    hol_ms: float
+    hol_example: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RunSummary:
+        return cls(**{k: data[k] for k in cls.__slots__})  # type: ignore[attr-defined]
+
+    @property
+    def validation(self) -> Validation:
+        return validation_from(self.fifo_errors_ns, self.service_ns)
+
+
+def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
+    """Pool per-queue figures of one policy into run figures."""
+    ttft = [s.ttft_ns for f in figs for s in f.steps]
+    waits = [s.consumer_wait_ns for f in figs for s in f.steps]
+    layer_waits = [w for f in figs for s in f.steps for w in s.layer_wait_ns]
+    tasks = sum(f.tasks for f in figs)
+    return RunFigures(
+        policy=policy,
+        tasks=tasks,
+        steps=len(ttft),
+        ttft_ms_mean=sum(ttft) / len(ttft) / 1e6 if ttft else 0.0,
+        ttft_ms_p99=quantile(ttft, 0.99) / 1e6,
+        consumer_wait_ms_per_step=sum(waits) / len(waits) / 1e6 if waits else 0.0,
+        consumer_wait_ms_p99_layer=quantile(layer_waits, 0.99) / 1e6,
+        task_latency_ms_p99=max((f.task_latency_p99_ns for f in figs), default=0.0) / 1e6,
+        peak_inflight=max((f.peak_inflight for f in figs), default=0),
+        throughput_tasks_per_s=sum(f.throughput_tasks_per_s for f in figs),
+        batches=sum(f.batches for f in figs),
+    )
+
+
+def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
+               run_id: str = "", cfg_label: str = "") -> RunReplay:
+    """Replay every queue of one run under each policy (``fifo`` always included, first)."""
+    names = list(policies) if policies else policy_names()
+    if "fifo" in names:
+        names.remove("fifo")
+    names.insert(0, "fifo")
+    instances = {name: get_policy(name) for name in names}
+    replays: dict[str, dict[str, QueueReplay]] = {}
+    figs: dict[str, list[QueueFigures]] = {name: [] for name in names}
+    hol: list[HolEvent] = []
+    for queue, qtasks in group_by_queue(tasks).items():
+        arrays = QueueArrays.from_tasks(qtasks)
+        replays[queue] = {}
+        for name, policy in instances.items():
+            rep = replay_queue(arrays, policy, feedback=feedback)
+            replays[queue][name] = rep
+            f = queue_figures(rep, with_hol=name == "fifo")
+            hol.extend(f.hol)
+            figs[name].append(f)
+    validation = validate_fifo([per["fifo"] for per in replays.values()])
+    if replays:
+        first = next(iter(replays.values()))["fifo"].arrays.tasks[0]
+        run_id = run_id or first.run_id
+        cfg_label = cfg_label or first.cfg_label
+    figures = {name: summarise(name, figs[name]) for name in names}
+    return RunReplay(run_id, cfg_label, replays, figures, validation, hol)
+
+
+def group_runs(tasks: Iterable[ReplayTask]) -> dict[str, dict[str, list[ReplayTask]]]:
+    """Tasks per configuration label, then per run id (a run is one independent repeat)."""
+    out: dict[str, dict[str, list[ReplayTask]]] = {}
+    for t in tasks:
+        out.setdefault(t.cfg_label or "(unlabelled)", {}).setdefault(t.run_id or "(run)", []).append(t)
+    return out
+
+
+def task_times(rep: QueueReplay) -> list[dict[str, int | str]]:
+    """Per task start/complete (absolute ns, same clock as the input) of one queue replay."""
+    q = rep.arrays
+    return [
+        {"correlation_id": t.correlation_id, "queue": t.queue, "seq": t.seq, "step": t.step,
+         "layer_id": t.layer_id, "start_ns": rep.start[i] + q.t0, "complete_ns": rep.complete[i] + q.t0}
+        for i, t in enumerate(q.tasks)
+    ]
+
+
+def layer_completion(rep: QueueReplay) -> dict[tuple[int, int], int]:
+    """(step, layer) -> load completion (absolute ns) of one queue replay."""
+    q = rep.arrays
+    return {(t.step, t.layer_id): rep.complete[i] + q.t0 for i, t in enumerate(q.tasks)}

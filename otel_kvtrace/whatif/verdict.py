@@ -1,0 +1,137 @@
+"""The decision per configuration: keep FIFO, or switch, from >= 3 independent runs.
+
+Rules (design §5), checked in this order:
+1. FIFO replay must reproduce the recorded completions: median |error| <= 5% of the median service
+   time, pooled over every task of every run (p95 reported). Otherwise "keep FIFO", no policy compared.
+2. At least ``MIN_REPEATS`` independent runs.
+3. HOL must be stable: at least one HOL event in every run. Otherwise "no stable HOL".
+4. Per policy, the gain is the paired per-run reduction of the mean TTFT estimate (FIFO minus policy,
+   same recorded input). Its lower bound is the minimum over runs; the noise is the run-to-run standard
+   deviation of FIFO's mean TTFT. A policy qualifies when lower bound > 0 and lower bound > noise.
+5. A qualifying policy must not regress the tail (p99 TTFT, any run, beyond ``P99_TOLERANCE``) or the
+   peak in-flight task count (any run).
+The best qualifying policy (largest lower bound) wins; otherwise "keep FIFO" with the reason.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_kvtrace.whatif.metrics import validation_from
+from otel_kvtrace.whatif.replay import RunSummary
+
+MIN_REPEATS = 3
+MAX_FIFO_ERROR_PCT = 5.0
+P99_TOLERANCE = 0.01
+KEEP = "keep FIFO"
+METRICS = ("ttft_ms_mean", "ttft_ms_p99", "consumer_wait_ms_per_step", "consumer_wait_ms_p99_layer",
+           "peak_inflight", "throughput_tasks_per_s")
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    """mean/min/max/stdev and the per-run values."""
+    return {
+        "mean": statistics.fmean(values) if values else 0.0,
+        "min": min(values, default=0.0),
+        "max": max(values, default=0.0),
+        "stdev": statistics.stdev(values) if len(values) >= 2 else 0.0,
+        "per_run": values,
+    }
+
+
+@dataclass(slots=True)
+class ConfigVerdict:
+    """Verdict and evidence for one configuration (all its runs)."""
+
+    cfg_label: str
+    config: dict[str, Any]
+    run_ids: list[str]
+    fifo_median_error_pct: float
+    fifo_p95_error_pct: float
+    validated: bool
+    hol_events: list[int]
+    hol_ms: list[float]
+    policies: dict[str, dict[str, dict[str, Any]]]
+    gains: dict[str, dict[str, Any]]
+    noise_ms: float
+    verdict: str
+    reason: str
+    reproduce: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any] | None = None,
+           reproduce: str = "") -> ConfigVerdict:
+    """Apply the verdict rules to the runs of one configuration."""
+    if not runs:
+        raise ValueError("runs: need at least one run")
+    names = list(runs[0].figures)
+    pooled = validation_from([e for r in runs for e in r.fifo_errors_ns], [s for r in runs for s in r.service_ns])
+    med, p95 = pooled.median_error_pct, pooled.p95_error_pct
+    worst = max(r.validation.median_error_pct for r in runs)
+    validated = pooled.ok
+    policies = {
+        name: {m: spread([float(r.figures[name][m]) for r in runs]) for m in METRICS} for name in names
+    }
+    fifo_ttft = [r.figures["fifo"]["ttft_ms_mean"] for r in runs]
+    noise = statistics.stdev(fifo_ttft) if len(fifo_ttft) >= 2 else 0.0
+    gains: dict[str, dict[str, Any]] = {}
+    for name in names:
+        if name == "fifo":
+            continue
+        per_run = [r.figures["fifo"]["ttft_ms_mean"] - r.figures[name]["ttft_ms_mean"] for r in runs]
+        p99_regress = any(
+            r.figures[name]["ttft_ms_p99"] > r.figures["fifo"]["ttft_ms_p99"] * (1 + P99_TOLERANCE) + 1e-9
+            for r in runs)
+        inflight_regress = any(r.figures[name]["peak_inflight"] > r.figures["fifo"]["peak_inflight"] for r in runs)
+        lower = min(per_run)
+        gains[name] = {
+            "ttft_gain_ms": spread(per_run),
+            "lower_bound_ms": lower,
+            "above_noise": lower > 0 and lower > noise,
+            "p99_regression": p99_regress,
+            "inflight_regression": inflight_regress,
+        }
+    hol_events = [r.hol_events for r in runs]
+    hol_ms = [r.hol_ms for r in runs]
+    verdict, reason = _rule(runs, validated, med, worst, hol_events, gains, noise)
+    return ConfigVerdict(
+        cfg_label=cfg_label or runs[0].cfg_label, config=config or {}, run_ids=[r.run_id for r in runs],
+        fifo_median_error_pct=round(med, 3), fifo_p95_error_pct=round(p95, 3), validated=validated,
+        hol_events=hol_events, hol_ms=hol_ms, policies=policies if validated else {"fifo": policies["fifo"]},
+        gains=gains if validated else {}, noise_ms=noise, verdict=verdict, reason=reason, reproduce=reproduce,
+    )
+
+
+def _rule(runs: list[RunSummary], validated: bool, med: float, worst: float, hol_events: list[int],
+          gains: dict[str, dict[str, Any]], noise: float) -> tuple[str, str]:
+    if not validated:
+        return KEEP, (f"FIFO replay does not reproduce the recorded completions (median error {med:.1f}% > "
+                      f"{MAX_FIFO_ERROR_PCT:.0f}% of service time, worst run {worst:.1f}%); no policy compared")
+    if len(runs) < MIN_REPEATS:
+        return KEEP, f"only {len(runs)} independent run(s); need >= {MIN_REPEATS} to separate gain from noise"
+    with_hol = sum(1 for n in hol_events if n > 0)
+    if with_hol < len(runs):
+        return KEEP, f"no stable HOL (HOL in {with_hol} of {len(runs)} runs)"
+    if not gains:
+        return KEEP, "no alternative policy replayed"
+    qualifying = {n: g for n, g in gains.items() if g["above_noise"]}
+    if not qualifying:
+        best = max(gains, key=lambda n: gains[n]["lower_bound_ms"])
+        lb = gains[best]["lower_bound_ms"]
+        return KEEP, (f"HOL present but gain below noise (best: {best}, gain lower bound {lb:.3f} ms, "
+                      f"noise {noise:.3f} ms)")
+    clean = {n: g for n, g in qualifying.items() if not g["p99_regression"] and not g["inflight_regression"]}
+    if not clean:
+        name = max(qualifying, key=lambda n: qualifying[n]["lower_bound_ms"])
+        what = "p99 TTFT" if qualifying[name]["p99_regression"] else "peak in-flight"
+        return KEEP, f"gain above noise for {name} but {what} regression"
+    best = max(clean, key=lambda n: clean[n]["lower_bound_ms"])
+    lb = clean[best]["lower_bound_ms"]
+    return f"switch to {best}", (f"TTFT gain lower bound {lb:.3f} ms over {len(runs)} runs > noise "
+                                 f"{noise:.3f} ms; no p99 or in-flight regression")
