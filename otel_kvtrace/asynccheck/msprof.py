@@ -17,6 +17,7 @@ import csv
 import json
 import re
 import sqlite3
+from decimal import Decimal
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.classify import SYNC_HOOK_HANDLERS, canonical, markers_of
-from otel_kvtrace.asynccheck.units import FORMAT_UNITS, epoch_unit, to_ns
+from otel_kvtrace.asynccheck.units import FORMAT_UNITS, epoch_unit, parse_number, to_ns
 
 CAPTURE_LANE = "capture"
 
@@ -62,16 +63,10 @@ class _Sink:
         return self.result
 
 
-def _number(value: Any) -> float:
-    if isinstance(value, bool) or value is None:
-        raise ValueError(f"not a number: {value!r}")
-    return float(value)
-
-
 # ---- chrome_tracing.json -------------------------------------------------------------------------------
 def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
     """``(line, element)`` for each element of a top-level JSON array; raises ValueError on bad syntax."""
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(parse_float=Decimal)
     pos = text.index("[") + 1 if text.lstrip().startswith("[") else -1
     if pos < 0:
         raise ValueError("chrome_tracing.json must be a JSON array")
@@ -99,7 +94,7 @@ def import_chrome_tracing(path: Path, run: str) -> m.ImportResult:
     sink = _Sink(run, path)
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):
-        doc = json.loads(text)
+        doc = json.loads(text, parse_float=Decimal)
         events: Iterator[tuple[int, Any]] = iter(enumerate(doc.get("traceEvents", []), 1))
     else:
         events = _iter_json_array(text)
@@ -123,8 +118,8 @@ def _chrome_event(sink: _Sink, line: int, ev: Any) -> None:
         sink.issue(line, "event has no name")
         return
     try:
-        start = to_ns(_number(ev.get("ts")), FORMAT_UNITS["chrome_tracing"])
-        dur = to_ns(_number(ev.get("dur", 0)), FORMAT_UNITS["chrome_tracing"])
+        start = to_ns(parse_number(ev.get("ts")), FORMAT_UNITS["chrome_tracing"])
+        dur = to_ns(parse_number(ev.get("dur", 0)), FORMAT_UNITS["chrome_tracing"])
     except (TypeError, ValueError):
         sink.issue(line, f"event {name!r}: ts/dur not numeric ({ev.get('ts')!r}, {ev.get('dur')!r})")
         return
@@ -234,7 +229,7 @@ def import_csv(path: Path, run: str) -> m.ImportResult:
 def _csv_row(sink: _Sink, fmt: str, line: int, row: dict[str, Any], corrected: dict[str, int]) -> None:
     name = (row.get("name") or "").strip()
     try:
-        start_v, end_v = _number(row["start_time(ms)"]), _number(row["end_time(ms)"])
+        start_v, end_v = parse_number(row["start_time(ms)"]), parse_number(row["end_time(ms)"])
     except (TypeError, ValueError, KeyError):
         sink.issue(line, f"{name or 'row'}: start_time(ms)/end_time(ms) not numeric")
         return

@@ -8,7 +8,7 @@ unit its magnitude shows, and the importer reports the correction.
 
 from __future__ import annotations
 
-import math
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 
 NS_PER = {"ns": 1, "us": 1_000, "ms": 1_000_000, "s": 1_000_000_000}
 
@@ -22,7 +22,7 @@ FORMAT_UNITS: dict[str, str] = {
 }
 
 
-def epoch_unit(value: float) -> str | None:
+def epoch_unit(value: float | Decimal) -> str | None:
     """The unit an epoch timestamp's magnitude implies, or ``None`` when it is not an epoch time."""
     v = abs(value)
     if v >= 1e17:
@@ -36,7 +36,27 @@ def epoch_unit(value: float) -> str | None:
     return None
 
 
-def to_ns(value: float, unit: str) -> int:
-    """Exact for the integer part: ``value * 1e3`` as one float would round epoch µs to 256 ns."""
-    whole = math.floor(value)
-    return int(whole) * NS_PER[unit] + round((value - whole) * NS_PER[unit])
+def to_ns(value: float | int | Decimal, unit: str) -> int:
+    """Exact conversion: ``value * 1e3`` in floats would round epoch µs to 256 ns.
+
+    Importers parse numbers from text as ``Decimal`` (an epoch in ms with 3 decimals does not fit a
+    float exactly); a float is taken at its exact binary value.
+    """
+    scaled = Decimal(value) * NS_PER[unit]
+    return int(scaled.to_integral_value(ROUND_HALF_EVEN))
+
+
+def parse_number(value: object) -> Decimal:
+    """A number from JSON/CSV/SQLite (numeric strings allowed); ValueError otherwise."""
+    if isinstance(value, bool) or value is None:
+        raise ValueError(f"not a number: {value!r}")
+    if isinstance(value, (int, float, Decimal)):
+        number = Decimal(value)
+    else:
+        try:
+            number = Decimal(str(value).strip())
+        except InvalidOperation:
+            raise ValueError(f"not a number: {value!r}") from None
+    if not number.is_finite():
+        raise ValueError(f"not a finite number: {value!r}")
+    return number
