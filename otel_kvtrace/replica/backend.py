@@ -63,7 +63,7 @@ class FakeStoreClient:
         table = plan.load_copy if direction == G2L else plan.save_copy
         duration = table[index] * len(sizes) // blocks
         stream = self._h2d if direction == G2L else self._d2h
-        end = stream.launch("load" if direction == G2L else "save", duration)
+        end = stream.launch(("load" if direction == G2L else "save", index), duration)
         self._npu.clock.sleep_until(end)
         if direction == G2L and index == plan.fail_index:
             return 1

@@ -70,10 +70,10 @@ class Stream:
         self.device = device
         self.tail_ns = 0
         self._keep = keep_kernels
-        self.kernels: list[tuple[str, int, int]] = []
+        self.kernels: list[tuple[object, int, int]] = []
         """The last ``keep_kernels`` launches as ``(kind, start_ns, end_ns)`` (tests and demos)."""
 
-    def launch(self, kind: str, duration_ns: int) -> int:
+    def launch(self, kind: object, duration_ns: int) -> int:
         """Queue a kernel; returns its device end time. Never blocks."""
         start = max(self.device.clock.now_ns(), self.tail_ns)
         end = start + max(0, duration_ns)

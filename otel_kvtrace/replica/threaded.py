@@ -60,11 +60,15 @@ def run_threaded(
     on_step: Callable[[int], None] | None = None,
     wait_timeout_s: float = 10.0,
     shutdown_timeout_s: float = 5.0,
+    npu: FakeNPU | None = None,
 ) -> ThreadedResult:
-    """Run ``cfg`` on real threads and the real clock. Errors raised by the forward are captured."""
+    """Run ``cfg`` on real threads and the real clock. Errors raised by the forward are captured.
+
+    Pass ``npu`` (a real-clock ``FakeNPU``, e.g. with ``keep_kernels``) to inspect the device timeline.
+    """
     cfg.validate()
     plan = build_plan(cfg)
-    npu = FakeNPU(RealClock())
+    npu = npu if npu is not None else FakeNPU(RealClock())
     set_default_device(npu)
     clock = npu.clock
     worker = KVPoolWorker(cfg, plan, npu, wait_timeout_s=wait_timeout_s)
@@ -85,9 +89,9 @@ def run_threaded(
                 if plan.late_gate[i]:
                     clock.sleep_until(clock.now_ns() + plan.late_gate[i])
                 gate_module.record_attention_compute_start()
-                compute.launch("attention", plan.attention[i])
+                compute.launch(("attention", i), plan.attention[i])
                 worker.save_kv_layer(None)
-                compute.launch("compute", plan.compute[i])
+                compute.launch(("compute", i), plan.compute[i])
                 clock.sleep_until(clock.now_ns() + plan.host_launch[i])
             step_ns.append(time.perf_counter_ns() - t0)
             done += 1
