@@ -1,0 +1,70 @@
+"""Stamp buffer bounds and drops; span export through the OTLP JSON codec; OTel metrics via the SDK."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck.assemble import StepAssembler
+from otel_kvtrace.asynccheck.recorder import Stamp, StampBuffer, StampKind
+from otel_kvtrace.asynccheck.replica import ReplicaConfig, run_replica
+from otel_kvtrace.export.otlp_json import json_line_to_request
+
+
+def test_full_generation_drops_and_counts() -> None:
+    buffer = StampBuffer(capacity=4, clock=iter(range(100)).__next__)
+    for _ in range(6):
+        buffer.stamp(StampKind.SCHED_BEGIN)
+    assert [s.t for s in buffer.drain(settle_s=0)] == [0, 1, 2, 3]
+    assert buffer.dropped == 2
+    buffer.stamp(StampKind.SCHED_END)  # a fresh generation after the drain
+    assert [s.kind for s in buffer.drain(settle_s=0)] == [StampKind.SCHED_END]
+
+
+def test_missing_output_ready_falls_back_to_engine_observed() -> None:
+    stamps = [Stamp(StampKind(k), t, 0, 0) for k, t in [(1, 0), (2, 2), (3, 2), (4, 3), (6, 10), (7, 11)]]
+    (step,) = StepAssembler().feed(stamps)
+    assert (step.done, step.done_precision) == (10, m.DONE_ENGINE_OBSERVED)
+
+
+def test_output_ready_after_update_is_not_taken() -> None:
+    kinds_times = [(1, 0), (2, 2), (3, 2), (4, 3), (6, 10), (7, 11), (5, 20)]
+    (step,) = StepAssembler().feed([Stamp(StampKind(k), t, 0, 0) for k, t in kinds_times])
+    assert step.done_precision == m.DONE_ENGINE_OBSERVED
+
+
+def test_incomplete_steps_wait_for_their_update() -> None:
+    assembler = StepAssembler()
+    first = [Stamp(StampKind(k), t, 0, 0) for k, t in [(1, 0), (2, 2), (3, 2), (4, 3), (5, 9)]]
+    assert assembler.feed(first) == []
+    (step,) = assembler.feed([Stamp(StampKind.UPDATE_BEGIN, 10, 0, 0), Stamp(StampKind.UPDATE_END, 11, 0, 0)])
+    assert (step.done, step.done_precision) == (9, m.DONE_DEVICE_READY)
+
+
+def test_trace_file_round_trips_and_metrics_reach_the_sdk(tmp_path: Path) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    path = run_replica(ReplicaConfig(mode="async", num_steps=6), out_dir=tmp_path, meter_provider=provider)
+    assert path.parent == tmp_path and path.name == "kvtrace-async-replica-async.jsonl"
+    names: list[str] = []
+    for line in path.read_bytes().splitlines():
+        req = json_line_to_request(line)
+        for rs in req.resource_spans:
+            res = {kv.key: kv.value for kv in rs.resource.attributes}
+            assert res["kvtrace.source"].string_value == "replica"
+            assert [ss.scope.name for ss in rs.scope_spans] == ["otel_kvtrace"]
+            for ss in rs.scope_spans:
+                names += [sp.name for sp in ss.spans]
+    assert names.count(m.STEP_SPAN) == 6
+    for name in (m.BATCH_SCHEDULE, m.MODEL_EXECUTE, m.EXECUTE_DONE, m.UPDATE_OUTPUT):
+        assert names.count(name) == 6
+    assert names.count(m.COMMUNICATION) == 6 * 4
+    data = reader.get_metrics_data()
+    metrics = {mt.name: mt for rm in data.resource_metrics for sm in rm.scope_metrics for mt in sm.metrics}
+    dispatches = metrics[m.METRIC_DISPATCH_COUNT].data.data_points[0].value
+    depth = metrics[m.METRIC_QUEUE_DEPTH].data.data_points[0]
+    assert dispatches == 6
+    assert (depth.count, depth.min, depth.max) == (6, 1, 2)
