@@ -14,12 +14,18 @@ import pytest
 from .harness import Upstream, UpstreamUnavailable, upstream_session, upstream_source_dir
 
 
+_fetch_error: list[str] = []  # one failed fetch per session is enough: do not re-run pip for every test
+
+
 @pytest.fixture(scope="session")
 def upstream_root() -> Path:
+    if _fetch_error:
+        pytest.fail(_fetch_error[0], pytrace=False)
     try:
         return upstream_source_dir()
     except UpstreamUnavailable as exc:
-        pytest.fail(f"upstream vllm-ascend sources unavailable: {exc}", pytrace=False)
+        _fetch_error.append(f"upstream vllm-ascend sources unavailable: {exc}")
+        pytest.fail(_fetch_error[0], pytrace=False)
 
 
 @pytest.fixture(scope="module")

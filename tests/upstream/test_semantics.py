@@ -9,6 +9,7 @@ Then ``shutdown`` must hand back the original classes and collaborators, and the
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,20 @@ class Observation:
     finished_requests: frozenset[str]
     backend_calls: tuple[tuple[str, Any], ...]
     transfer_task_lengths: tuple[int, ...]
+    run_loop_errors: tuple[str, ...]  # what upstream's run() logged: the exception reached its loop
+
+
+class _RunLoopErrors(logging.Handler):
+    """Collects the errors upstream's ``run()`` loop logs when ``_handle_request`` raises."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Error in KVCacheTransferThread"):
+            self.messages.append(message)
 
 
 def _settle(thread: Any) -> None:
@@ -44,7 +59,7 @@ def _settle(thread: Any) -> None:
     time.sleep(0.05)  # the last item taken has no waits in these scenarios: it is done by now
 
 
-def _observe(env: Any, tasks: list[Any]) -> Observation:
+def _observe(env: Any, tasks: list[Any], errors: _RunLoopErrors) -> Observation:
     thread = env.thread
     _settle(thread)
     fatal = getattr(thread, "_fatal_error", None)
@@ -67,6 +82,7 @@ def _observe(env: Any, tasks: list[Any]) -> Observation:
         finished_requests=frozenset(thread.finished_requests),
         backend_calls=calls,
         transfer_task_lengths=tuple(len(t.transfer_tasks) for t in tasks if t is not None),
+        run_loop_errors=tuple(errors.messages),
     )
 
 
@@ -99,9 +115,15 @@ def _scenario(up: Upstream, name: str) -> Observation:
             tasks = [up.gva_task(2, []), up.gva_task(3, [], wait_for_save_layer=1)]
         else:
             raise ValueError(name)
-    for task in tasks:
-        env.thread.add_request(task)
-    return _observe(env, tasks)
+    errors = _RunLoopErrors()
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(errors)
+    try:
+        for task in tasks:
+            env.thread.add_request(task)
+        return _observe(env, tasks, errors)
+    finally:
+        vllm_logger.removeHandler(errors)
 
 
 SCENARIOS = ["ok", "copy_fails", "none_item", "empty", "key_get_raises", "send_failure_checker_raises"]
@@ -130,11 +152,13 @@ def test_version_specific_error_semantics_are_what_upstream_documents(upstream: 
         assert not failed.alive and failed.fatal_error and failed.raise_if_failed
         assert failed.unfinished_tasks == 2 and failed.load_done == (False,) * N_LAYERS
         assert not key_failed.alive and key_failed.fatal_error == "ConnectionError: pool down"
+        assert len(failed.run_loop_errors) == 1 and len(key_failed.run_loop_errors) == 1
     else:
         assert failed.alive and failed.fatal_error is None and failed.raise_if_failed is None
         assert failed.unfinished_tasks == 0 and failed.load_done[:2] == (True, True)
         # 0.23's run() swallows the error without task_done: the task stays unfinished, the loop goes on
         assert key_failed.alive and key_failed.unfinished_tasks == 2 and key_failed.queued == 0
+        assert failed.run_loop_errors == () and len(key_failed.run_loop_errors) == 2
 
 
 def test_shutdown_restores_upstream_and_the_thread_keeps_working(upstream: Upstream) -> None:
