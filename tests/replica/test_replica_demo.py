@@ -1,0 +1,77 @@
+"""`kvtrace demo`: traced real-clock scenarios written as OTLP/JSON lines, CLI/API parity."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from click.testing import CliRunner
+
+from otel_kvtrace.cli import main
+from otel_kvtrace.demo import run_demo, scenario_configs
+from otel_kvtrace.replica.config import ReplicaConfigError
+
+
+def _roots(path):
+    resource, roots = None, []
+    for line in path.read_bytes().splitlines():
+        for rs in orjson.loads(line)["resourceSpans"]:
+            resource = {a["key"]: next(iter(a["value"].values())) for a in rs["resource"]["attributes"]}
+            for ss in rs["scopeSpans"]:
+                roots += [s for s in ss["spans"] if s["name"] == "kvtrace.recv.task"]
+    return resource, roots
+
+
+def test_run_demo_writes_one_traced_file_per_scenario(tmp_path) -> None:
+    progress: list[tuple[str, int, int]] = []
+    result = run_demo(steps=3, out=tmp_path, on_progress=lambda *a: progress.append(a))
+    assert [s.name for s in result.scenarios] == ["hol", "fifo-optimal"]
+    assert progress[-1] == ("fifo-optimal", 3, 3) and ("hol", 3, 3) in progress
+    for sc in result.scenarios:
+        assert len(sc.trace_files) == 1
+        resource, roots = _roots(sc.trace_files[0])
+        assert resource["kvtrace.source"] == "replica"
+        assert resource["kvtrace.cfg.label"] == sc.config.label
+        assert resource["kvtrace.run_id"] == sc.run_id
+        assert len(roots) == sc.recv_tasks == 3 * sc.config.num_layers
+        assert sc.send_tasks == 3 * sc.config.num_layers
+        names = {st.name for st in sc.stages}
+        assert {"queue_wait", "backend_submit", "consumer_wait"} <= names
+    hol = result.scenarios[0]
+    assert "save_cpu_wait" in {st.name for st in hol.stages}
+
+
+def test_overrides_reshape_every_scenario() -> None:
+    configs = scenario_configs("hol", layers=4, buffers=1, prefetch=2, independent="all", requests=3, steps=7, seed=9)
+    [(name, cfg)] = configs
+    assert name == "hol"
+    assert (cfg.num_layers, cfg.num_shared_buffers, cfg.prefetch_layers, cfg.independent_layers,
+            cfg.requests_per_step, cfg.steps, cfg.seed) == (4, 1, 2, "all", 3, 7, 9)
+    assert cfg.slow.slow_save_layers == (1,)
+    [(_, small)] = scenario_configs("hol", layers=2)
+    assert small.resolved_independent == (0,) and small.slow.slow_save_layers == (1,)
+
+
+@pytest.mark.parametrize(("args", "option"), [
+    (["--buffers", "0"], "num_shared_buffers"),
+    (["--prefetch", "0"], "prefetch_layers"),
+    (["--independent", "0,99"], "independent_layers"),
+    (["--independent", "x"], "independent_layers"),
+])
+def test_cli_bad_option_is_a_clear_error(args: list[str], option: str, tmp_path) -> None:
+    result = CliRunner().invoke(main, ["demo", "--out", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert option in result.output
+    with pytest.raises(ReplicaConfigError, match=option):
+        scenario_configs("both", buffers=0 if "buffers" in args[0] else None,
+                         prefetch=0 if "prefetch" in args[0] else None,
+                         independent=args[1] if "independent" in args[0] else None)
+
+
+def test_cli_runs_and_summarises(tmp_path) -> None:
+    result = CliRunner().invoke(main, ["demo", "--preset", "fifo-optimal", "--steps", "2", "--layers", "6",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert "backend_submit" in result.output and "recv tasks 12" in result.output
+    files = list((tmp_path / "traces").glob("kvtrace-demo-fifo-optimal-*.jsonl"))
+    assert len(files) == 1
+    assert len(_roots(files[0])[1]) == 12
