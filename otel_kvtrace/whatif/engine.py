@@ -58,6 +58,8 @@ class QueueArrays:
     rec_arrive: list[list[int]]
     rec_end: list[list[int]]
     gap: list[list[int | None]]
+    lag: list[list[int]]
+    """Forward wake-up lag per chain position: recorded wait end minus load completion when it blocked."""
     step_count: list[int]
     call_overhead_ns: int
 
@@ -89,6 +91,7 @@ class QueueArrays:
         rec_arrive: list[list[int]] = []
         rec_end: list[list[int]] = []
         gap: list[list[int | None]] = []
+        lag: list[list[int]] = []
         layers_of: list[list[int]] = []
         for s in range(nsteps):
             c = sorted(chain[s], key=lambda i: (tasks[i].layer_id, i))
@@ -105,6 +108,12 @@ class QueueArrays:
             for p in range(len(c) - 1):
                 gp.append(ra[p + 1] - re[p] if ra[p + 1] != NONE and re[p] != NONE else None)
             gp.append(None)
+            lg = []
+            for p, i in enumerate(c):
+                rc = rb(tasks[i].recorded_complete_ns)
+                blocked = ra[p] != NONE and rc != NONE and re[p] != NONE and ra[p] < rc < re[p]
+                lg.append(re[p] - rc if blocked else 0)
+            lag.append(lg)
             rec_arrive.append(ra)
             rec_end.append(re)
             gap.append(gp)
@@ -146,7 +155,7 @@ class QueueArrays:
             layer=[t.layer_id for t in tasks],
             rec_complete=[rb(t.recorded_complete_ns) for t in tasks],
             ks=ks, kg=kg, need=need, chain=chain, chain_pos=chain_pos,
-            rec_arrive=rec_arrive, rec_end=rec_end, gap=gap, step_count=step_count,
+            rec_arrive=rec_arrive, rec_end=rec_end, gap=gap, lag=lag, step_count=step_count,
             call_overhead_ns=estimate_call_overhead(tasks),
         )
 
@@ -369,11 +378,12 @@ class QueueState:
         arrives = self.fwd_arrive[s]
         rec_arrive = q.rec_arrive[s]
         gaps = q.gap[s]
+        lags = q.lag[s]
         complete = self.complete
         while p < len(chain) and complete[chain[p]] != NONE:
             g = gaps[p - 1] if p > 0 else None
             arrive = ends[p - 1] + g if g is not None else rec_arrive[p]
-            c = complete[chain[p]]
+            c = complete[chain[p]] + lags[p]
             arrives[p] = arrive
             ends[p] = c if c > arrive else arrive
             p += 1
