@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 OK, INFO, WARN, ERROR = "ok", "info", "warn", "error"
-DISTRIBUTIONS = ("vllm", "vllm-ascend", "torch", "torch-npu", "mindie-llm", "msserviceprofiler")
+DISTRIBUTIONS = ("vllm", "vllm-ascend", "torch", "torch-npu", "mindie-llm", "msserviceprofiler", "otel-kvtrace")
 
 LOG_PATTERNS: tuple[tuple[str, str, re.Pattern[str], str], ...] = (
     ("vllm_async_enabled", OK, re.compile(r"Asynchronous scheduling is enabled"), "vLLM resolved async scheduling to on"),
@@ -121,17 +121,26 @@ def read_env_file(path: str | Path) -> dict[str, str]:
     return env
 
 
-def _interpreter(pid: int | None, argv: Sequence[str]) -> str | None:
-    candidate: str | None = None
+def _is_python(path: str | None) -> bool:
+    return bool(path) and bool(re.search(r"python[\d.]*$", Path(path).name)) and Path(path).exists()
+
+
+def _interpreter(pid: int | None, argv: Sequence[str], env: Mapping[str, str]) -> str | None:
+    """The target's Python: argv[0] as invoked (keeps its virtualenv), else /proc/PID/exe."""
+    if argv:
+        first = argv[0]
+        if not os.path.isabs(first) and pid is not None and os.sep in first:
+            first = os.path.join(f"/proc/{pid}/cwd", first)
+        elif not os.path.isabs(first):
+            first = shutil.which(first, path=env.get("PATH")) or first
+        if _is_python(first):
+            return first
     if pid is not None:
         try:
-            candidate = os.readlink(f"/proc/{pid}/exe")
+            exe = os.readlink(f"/proc/{pid}/exe")
         except OSError:
-            candidate = None
-    elif argv:
-        candidate = shutil.which(argv[0])
-    if candidate and re.search(r"python[\d.]*$", Path(candidate).name):
-        return candidate
+            return None
+        return exe if _is_python(exe) else None
     return None
 
 
@@ -332,7 +341,7 @@ def doctor(
         findings += log_f
     else:
         findings.append(Finding("log", INFO, "no log scanned", "pass --log FILE to confirm async from the start-up log"))
-    versions, versions_from = installed_versions(_interpreter(pid, argv), env)
+    versions, versions_from = installed_versions(_interpreter(pid, argv, env), env)
     order = [ERROR, WARN, INFO, OK]
     findings.sort(key=lambda f: order.index(f.status))
     return DoctorReport(target=f"{target} ({engine})", argv=list(argv), findings=findings, versions=versions,
