@@ -1,7 +1,8 @@
 """OTLP/JSON spans -> wire formats: one JSON line, a protobuf request, or SDK ``ReadableSpan``s.
 
-``export/spans.py`` builds spans in OTLP/JSON form. The file sink wraps them into one request per
-batch and ``orjson``-dumps it; the OTLP network sinks convert them to protobuf here. The third form
+``export/spans.py`` writes each task's spans as OTLP/JSON text. The file sink wraps a batch of them
+into one request line; the OTLP network sinks parse them (``orjson``) and convert them to protobuf
+here. The third form
 (SDK ``ReadableSpan`` + the SDK's own encoder) is kept because ``bench/export.py`` measures it as the
 reference candidate; see ``docs/export.md`` for the numbers behind the choice.
 """
@@ -63,8 +64,34 @@ def spans_to_json_request(spans: Sequence[JsonSpan], resource: list[dict[str, An
 
 
 def spans_to_json_line(spans: Sequence[JsonSpan], resource: list[dict[str, Any]], dropped: int) -> bytes:
-    """One OTLP/JSON line (ending in ``\\n``): the file exporter's format."""
+    """One OTLP/JSON line (ending in ``\\n``) from span dicts: the file exporter's format."""
     return orjson.dumps(spans_to_json_request(spans, resource, dropped)) + b"\n"
+
+
+def resource_text(attributes: Mapping[str, Any]) -> str:
+    """The resource attribute list as OTLP/JSON text (computed once per sink)."""
+    return orjson.dumps(resource_json(attributes)).decode()
+
+
+def texts_to_json_line(span_texts: Sequence[str], resource: str, dropped: int) -> bytes:
+    """One OTLP/JSON line from ``SpanBuilder.build_json`` texts (one per task): the file sink's format.
+
+    Same document as ``spans_to_json_line`` over the parsed spans, without building any dicts.
+    """
+    scope = (
+        f'{{"name":"{SCOPE_NAME}","version":{orjson.dumps(SCOPE_VERSION).decode()},'
+        f'"attributes":[{{"key":"{DROPPED_SCOPE_ATTRIBUTE}","value":{{"intValue":"{dropped}"}}}}]}}'
+    )
+    spans = ",".join(span_texts)
+    return (
+        f'{{"resourceSpans":[{{"resource":{{"attributes":{resource}}},"scopeSpans":[{{"scope":{scope},'
+        f'"spans":[{spans}]}}]}}]}}\n'
+    ).encode()
+
+
+def texts_to_spans(span_texts: Sequence[str]) -> list[JsonSpan]:
+    """Parse ``SpanBuilder.build_json`` texts into span dicts (for the protobuf encoder)."""
+    return orjson.loads(f"[{','.join(span_texts)}]")
 
 
 # ---- protobuf -----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Where exported spans go: a local OTLP/JSON lines file, OTLP/gRPC, OTLP/HTTP (protobuf), or nowhere.
 
-Every sink takes one batch of spans in OTLP/JSON form (``export/spans.py``) and returns whether it was
-delivered. The network sinks send through the OpenTelemetry SDK's own OTLP exporters, so endpoint,
+Every sink takes one batch of tasks, each task's spans as OTLP/JSON text (``SpanBuilder.build_json``),
+and returns whether the batch was delivered. The network sinks send through the OpenTelemetry SDK's own OTLP exporters, so endpoint,
 headers, TLS, compression, timeout and retry settings come from the standard ``OTEL_EXPORTER_OTLP_*``
 variables exactly as for any OTel application; only the request is built by us (protobuf messages
 built directly: about 4x cheaper than SDK ``ReadableSpan`` + SDK encoder, see ``docs/export.md``).
@@ -20,8 +20,14 @@ from urllib.parse import urlparse
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.sdk.trace.export import SpanExportResult
 
-from otel_kvtrace.export.encode import resource_json, spans_to_json_line, spans_to_readable_spans, spans_to_request
-from otel_kvtrace.export.spans import JsonSpan
+from otel_kvtrace.export.encode import (
+    resource_json,
+    resource_text,
+    spans_to_readable_spans,
+    spans_to_request,
+    texts_to_json_line,
+    texts_to_spans,
+)
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -31,8 +37,8 @@ TRACES_SUBDIR = "traces"
 class SpanSink(Protocol):
     """One destination for exported spans. Called only from the exporter (one thread at a time)."""
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
-        """Deliver one batch; ``dropped`` is the cumulative count of lost records. False = batch lost."""
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
+        """Deliver one batch (one text per task); ``dropped``: cumulative records lost. False = batch lost."""
         ...
 
     def shutdown(self) -> None:
@@ -56,13 +62,13 @@ class JsonLinesFileSink:
     def __init__(self, directory: str | os.PathLike[str], run_id: str, resource: Mapping[str, Any]) -> None:
         self.directory = Path(directory)
         self.run_id = run_id
-        self._resource = resource_json(resource)
+        self._resource = resource_text(resource)
         self._file: IO[bytes] | None = None
         self._pid = -1
         self.path = trace_file_path(self.directory, run_id, os.getpid())
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
-        line = spans_to_json_line(spans, self._resource, dropped)
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
+        line = texts_to_json_line(span_texts, self._resource, dropped)
         pid = os.getpid()
         if self._file is None or pid != self._pid:
             self._open(pid)
@@ -89,7 +95,7 @@ class JsonLinesFileSink:
 class NullSink:
     """Discards spans (``OTEL_SDK_DISABLED=true``): the recorder is still drained, so memory stays flat."""
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
         return True
 
     def shutdown(self) -> None:
@@ -128,8 +134,8 @@ class OtlpGrpcSink:
         self.endpoint = getattr(self._exporter, "_endpoint", endpoint)
         self._resource = resource_json(resource)
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
-        request = spans_to_request(spans, self._resource, dropped)
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
+        request = spans_to_request(texts_to_spans(span_texts), self._resource, dropped)
         return self._exporter.export(request) == SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
@@ -167,9 +173,10 @@ class OtlpHttpSink:
         self._send_bytes = getattr(client, "export", None)
         self._sdk_resource: Any = None
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
         if getattr(self._exporter, "_shutdown", False):
             return False
+        spans = texts_to_spans(span_texts)
         if self._send_bytes is not None:
             data = spans_to_request(spans, self._resource, dropped).SerializeToString()
             return bool(self._send_bytes(data).success)

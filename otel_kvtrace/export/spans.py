@@ -1,9 +1,11 @@
 """Records -> spans: the one place that maps a ``TaskRecord`` to the spans of ``docs/schema.md``.
 
-Spans are built straight into their OTLP/JSON form (``dict``s with lowerCamelCase keys, hex ids, int64
-as decimal strings, the shape the Collector's file exporter writes). That is the cheapest Python form to
-build (``bench/export.py``, ``docs/export.md``): the file sink only wraps and ``orjson``-dumps them, and
-``export/encode.py`` converts them to protobuf for the OTLP network sinks.
+Spans are written straight as OTLP/JSON text (lowerCamelCase keys, hex ids, int64 as decimal strings:
+the shape the Collector's file exporter writes). Measured in ``bench/export.py`` (``docs/export.md``):
+formatting text is the cheapest way to produce spans in Python, and, unlike building ``dict``s or
+protobuf messages, it creates almost no garbage-collector-tracked objects, so exporting does not
+drive the host process into extra GC passes. The file sink joins the text into lines; ``build()``
+parses it back (``orjson``) into dicts for the protobuf encoder of the OTLP network sinks and for tests.
 
 Runs on the exporter thread only, never on the hot path.
 """
@@ -14,7 +16,10 @@ import hashlib
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
+from json.encoder import encode_basestring_ascii as _quote
 from typing import Any
+
+import orjson
 
 from otel_kvtrace.record.model import (
     ALL_CHILD_SPAN_NAMES,
@@ -58,32 +63,64 @@ _BACKEND_SUBMIT = int(Stage.BACKEND_SUBMIT)
 _CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
 _KIND_SEND = int(TaskKind.SEND)
 _OUTCOME_ERROR = int(Outcome.ERROR)
-_DEP_EXACT_KEYS = tuple(f"kvtrace.ts.dep.{name}" for name in DEP_NAMES)
-_DEP_LO_KEYS = tuple(f"kvtrace.ts.dep.{name}_lo" for name in DEP_NAMES)
-_DEP_HI_KEYS = tuple(f"kvtrace.ts.dep.{name}_hi" for name in DEP_NAMES)
 
 
-# ---- OTLP/JSON attribute constructors (typed: the builder knows every attribute's type) -----------
-def int_attr(key: str, value: int) -> dict[str, Any]:
-    return {"key": key, "value": {"intValue": str(value)}}
+# ---- OTLP/JSON text fragments ---------------------------------------------------------------------
+# An int attribute is  _int_key(key) + str(value) + _INT_END ; keys are constants, so prefixes are too.
+_INT_END = '"}}'
 
 
-def str_attr(key: str, value: str) -> dict[str, Any]:
-    return {"key": key, "value": {"stringValue": value}}
+def _int_key(key: str) -> str:
+    return f'{{"key":{_quote(key)},"value":{{"intValue":"'
 
 
-def bool_attr(key: str, value: bool) -> dict[str, Any]:
-    return {"key": key, "value": {"boolValue": value}}
+def _str_attr_text(key: str, value: str) -> str:
+    return f'{{"key":{_quote(key)},"value":{{"stringValue":{_quote(value)}}}}}'
 
 
-def int_array_attr(key: str, values: Iterable[int]) -> dict[str, Any]:
-    return {"key": key, "value": {"arrayValue": {"values": [{"intValue": str(v)} for v in values]}}}
+def _bool_attr_text(key: str, value: bool) -> str:
+    return f'{{"key":{_quote(key)},"value":{{"boolValue":{"true" if value else "false"}}}}}'
 
 
-def str_array_attr(key: str, values: Iterable[str]) -> dict[str, Any]:
-    return {"key": key, "value": {"arrayValue": {"values": [{"stringValue": v} for v in values]}}}
+_K_CORR = '{"key":"kvtrace.correlation_id","value":{"stringValue":'
+_K_SEQ = _int_key("kvtrace.seq")
+_K_STEP = _int_key("kvtrace.step")
+_K_LAYER = _int_key("kvtrace.layer_id")
+_K_NUM_BLOCKS = _int_key("kvtrace.num_blocks")
+_K_BYTES = _int_key("kvtrace.bytes")
+_K_SRC = _int_key("kvtrace.wait_for_save_layer")
+_K_GATE = _int_key("kvtrace.gate_id")
+_K_QDEPTH = _int_key("kvtrace.queue_depth_at_enqueue")
+_K_INFLIGHT = _int_key("kvtrace.inflight_at_enqueue")
+_K_TS_ENQ = _int_key("kvtrace.ts.enqueue")
+_K_TS_DEQ = _int_key("kvtrace.ts.dequeue")
+_K_TS_READY = _int_key("kvtrace.ts.ready")
+_K_TS_READY_LO = _int_key("kvtrace.ts.ready_lo")
+_K_TS_COMPLETE = _int_key("kvtrace.ts.complete")
+_K_SRC_LAYER = _int_key("kvtrace.src_layer")
+_K_CALLS = _int_key("kvtrace.calls")
+_K_RESULT = _int_key("kvtrace.result")
+_K_DEP_EXACT = tuple(_int_key(f"kvtrace.ts.dep.{name}") for name in DEP_NAMES)
+_K_DEP_LO = tuple(_int_key(f"kvtrace.ts.dep.{name}_lo") for name in DEP_NAMES)
+_K_DEP_HI = tuple(_int_key(f"kvtrace.ts.dep.{name}_hi") for name in DEP_NAMES)
+_K_GROUPS = '{"key":"kvtrace.group_ids","value":{"arrayValue":{"values":['
+_K_REQS = '{"key":"kvtrace.request_ids","value":{"arrayValue":{"values":['
+_ARRAY_END = "]}}}"
+_OUTCOME_TEXT = tuple(_str_attr_text("kvtrace.outcome", name) for name in OUTCOME_NAMES)
+_PRECISION_EXACT = _str_attr_text("kvtrace.ready_precision", "exact")
+_PRECISION_BOUNDED = _str_attr_text("kvtrace.ready_precision", "bounded")
+_FINAL_TEXT = (_bool_attr_text("kvtrace.final_layer", False), _bool_attr_text("kvtrace.final_layer", True))
+_THREAD_FORWARD = _str_attr_text("kvtrace.thread", "forward")
+# Child span: f'{head}{span_id}{_CHILD_NAME}{name}{_TIMES}{start}{_END_TIME}{end}{_ATTRS}{attrs}{_CLOSE}'
+_CHILD_NAME = '","name":"'
+_TIMES = '","kind":1,"startTimeUnixNano":"'
+_END_TIME = '","endTimeUnixNano":"'
+_ATTRS = '","attributes":['
+_CLOSE = '],"status":{}}'
+_SPAN_NAMES = tuple(STAGE_SPAN_NAMES)
 
 
+# ---- OTLP/JSON dict constructors (resource attributes and other run-time-typed values) -------------
 def any_attr(key: str, value: Any) -> dict[str, Any]:
     """Attribute of a value whose type is known only at run time (resource attributes)."""
     return {"key": key, "value": any_value(value)}
@@ -101,13 +138,9 @@ def any_value(value: Any) -> dict[str, Any]:
     return {"stringValue": str(value)}
 
 
-# Attributes whose value repeats: built once, shared (orjson only reads them).
-_OUTCOME_ATTRS = tuple(str_attr("kvtrace.outcome", name) for name in OUTCOME_NAMES)
-_PRECISION_EXACT = str_attr("kvtrace.ready_precision", "exact")
-_PRECISION_BOUNDED = str_attr("kvtrace.ready_precision", "bounded")
-_FINAL_ATTRS = (bool_attr("kvtrace.final_layer", False), bool_attr("kvtrace.final_layer", True))
-_THREAD_FORWARD = str_attr("kvtrace.thread", "forward")
-_EMPTY_STATUS: dict[str, Any] = {}
+def int_attr(key: str, value: int) -> dict[str, Any]:
+    return {"key": key, "value": {"intValue": str(value)}}
+
 
 
 @dataclass(slots=True)
@@ -184,13 +217,14 @@ def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
 
 
 
+
+
 @dataclass(slots=True)
 class _QueueConstants:
-    """Per-queue attribute values, computed once per ``QueueInfo`` object."""
+    """Per-queue text, computed once per ``QueueInfo`` object."""
 
     queue: QueueInfo
-    path_attr: dict[str, Any]
-    queue_attr: dict[str, Any]
+    text: str  # the path and queue attributes
 
 
 class SpanBuilder:
@@ -204,17 +238,22 @@ class SpanBuilder:
         self._offset = anchor.epoch_ns - anchor.clock_ns  # epoch = stamp + offset
         self._queues: dict[int, _QueueConstants] = {}
 
-    def _queue_constants(self, queue: QueueInfo) -> _QueueConstants:
+    def _queue_text(self, queue: QueueInfo) -> str:
         cached = self._queues.get(id(queue))
         if cached is None or cached.queue is not queue:
             if len(self._queues) > 4096:  # queues are few; guard against a caller minting one per task
                 self._queues.clear()
-            cached = _QueueConstants(queue, str_attr("kvtrace.path", queue.path), str_attr("kvtrace.queue", queue.queue_id))
+            text = f"{_str_attr_text('kvtrace.path', queue.path)},{_str_attr_text('kvtrace.queue', queue.queue_id)}"
+            cached = _QueueConstants(queue, text)
             self._queues[id(queue)] = cached
-        return cached
+        return cached.text
 
     def build(self, record: TaskRecord) -> list[JsonSpan]:
-        """The spans of one task record (root first), per ``docs/schema.md``.
+        """The spans of one task record as OTLP/JSON dicts (root first), per ``docs/schema.md``."""
+        return orjson.loads(f"[{self.build_json(record)}]")
+
+    def build_json(self, record: TaskRecord) -> str:
+        """The spans of one task record as comma-separated OTLP/JSON span objects (root first).
 
         Deterministic: the same record always yields the same ids, names, times and attributes.
         Raises ``ValueError`` on a record without ``queue`` (a recorder bug, not a data condition).
@@ -223,12 +262,12 @@ class SpanBuilder:
         if queue is None:
             raise ValueError("TaskRecord.queue is None: the recorder must set the queue identity")
         offset = self._offset
-        qc = self._queue_constants(queue)
         corr = correlation_id(queue, record.kind, record.step, record.layer_id)
         trace_id, root_id_bytes = trace_ids_for(corr)
-        trace_hex = trace_id.hex()
         root_id = root_id_bytes.hex()
         child_ids = child_span_ids(corr)
+        head = f'{{"traceId":"{trace_id.hex()}","spanId":"'
+        child_parent = f'","parentSpanId":"{root_id}'
 
         # -- merge repeated stages: first start, last end, number of calls -----------------------
         starts = [0] * _NUM_STAGES
@@ -257,22 +296,13 @@ class SpanBuilder:
         src = record.wait_for_save_layer
         gate = record.gate_id
         lo = hi = None  # clock stamps
-        children: list[JsonSpan] = []
+        parts: list[str] = [""]  # slot 0: the root, filled in last
         if t_enq != NO_TIME and t_deq != NO_TIME:
             end = t_deq if t_deq > t_enq else t_enq
             lo, hi = t_enq, end
-            children.append(
-                {
-                    "traceId": trace_hex,
-                    "spanId": child_ids[_QUEUE_WAIT_IDX],
-                    "parentSpanId": root_id,
-                    "name": QUEUE_WAIT_SPAN,
-                    "kind": SPAN_KIND_INTERNAL,
-                    "startTimeUnixNano": str(t_enq + offset),
-                    "endTimeUnixNano": str(end + offset),
-                    "attributes": [int_attr("kvtrace.queue_depth_at_enqueue", record.queue_depth_at_enqueue)],
-                    "status": _EMPTY_STATUS,
-                }
+            parts.append(
+                f"{head}{child_ids[_QUEUE_WAIT_IDX]}{child_parent}{_CHILD_NAME}{QUEUE_WAIT_SPAN}{_TIMES}{t_enq + offset}"
+                f"{_END_TIME}{end + offset}{_ATTRS}{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END}{_CLOSE}"
             )
         for stage in range(_NUM_STAGES):
             n = calls[stage]
@@ -284,54 +314,41 @@ class SpanBuilder:
                 lo = start
             if hi is None or end > hi:
                 hi = end
-            attrs: list[dict[str, Any]] = []
-            span: JsonSpan = {
-                "traceId": trace_hex,
-                "spanId": child_ids[stage + 1],
-                "parentSpanId": root_id,
-                "name": STAGE_SPAN_NAMES[stage],
-                "kind": SPAN_KIND_INTERNAL,
-                "startTimeUnixNano": str(start + offset),
-                "endTimeUnixNano": str(end + offset),
-                "attributes": attrs,
-                "status": _EMPTY_STATUS,
-            }
+            attrs = ""
+            links = ""
             if stage == _SAVE_CPU_WAIT or stage == _SAVE_NPU_SYNC:
                 if src is not None:
-                    attrs.append(int_attr("kvtrace.src_layer", src))
+                    attrs = f"{_K_SRC_LAYER}{src}{_INT_END}"
                 if stage == _SAVE_CPU_WAIT:
                     producer = producer_save_ids(record)
                     if producer is not None:
-                        span["links"] = [{"traceId": producer[0].hex(), "spanId": producer[1].hex()}]
+                        links = f',"links":[{{"traceId":"{producer[0].hex()}","spanId":"{producer[1].hex()}"}}]'
             elif stage == _GATE_COND_WAIT or stage == _GATE_NPU_SYNC:
                 if gate is not None:
-                    attrs.append(int_attr("kvtrace.gate_id", gate))
+                    attrs = f"{_K_GATE}{gate}{_INT_END}"
             elif stage == _BACKEND_SUBMIT:
-                attrs.append(int_attr("kvtrace.bytes", record.nbytes))
-                attrs.append(int_attr("kvtrace.result", record.backend_result))
+                attrs = f"{_K_BYTES}{record.nbytes}{_INT_END},{_K_RESULT}{record.backend_result}{_INT_END}"
             elif stage == _CONSUMER_WAIT:
-                attrs.append(_THREAD_FORWARD)
+                attrs = _THREAD_FORWARD
             if stage == _META_BUILD or n > 1:
-                attrs.append(int_attr("kvtrace.calls", n))
-            children.append(span)
+                calls_text = f"{_K_CALLS}{n}{_INT_END}"
+                attrs = f"{attrs},{calls_text}" if attrs else calls_text
+            text = (
+                f"{head}{child_ids[stage + 1]}{child_parent}{_CHILD_NAME}{_SPAN_NAMES[stage]}{_TIMES}{start + offset}"
+                f"{_END_TIME}{end + offset}{_ATTRS}{attrs}{_CLOSE}"
+            )
+            if links:
+                text = f"{text[:-1]}{links}}}"
+            parts.append(text)
         if t_ret != NO_TIME and t_done != NO_TIME:
             end = t_done if t_done > t_ret else t_ret
             if lo is None or t_ret < lo:
                 lo = t_ret
             if hi is None or end > hi:
                 hi = end
-            children.append(
-                {
-                    "traceId": trace_hex,
-                    "spanId": child_ids[_COMPLETION_IDX],
-                    "parentSpanId": root_id,
-                    "name": COMPLETION_SPAN,
-                    "kind": SPAN_KIND_INTERNAL,
-                    "startTimeUnixNano": str(t_ret + offset),
-                    "endTimeUnixNano": str(end + offset),
-                    "attributes": [],
-                    "status": _EMPTY_STATUS,
-                }
+            parts.append(
+                f"{head}{child_ids[_COMPLETION_IDX]}{child_parent}{_CHILD_NAME}{COMPLETION_SPAN}{_TIMES}{t_ret + offset}"
+                f"{_END_TIME}{end + offset}{_ATTRS}{_CLOSE}"
             )
 
         # -- root span: enqueue (or the earliest child) -> the latest child end or completion -------
@@ -343,52 +360,42 @@ class SpanBuilder:
             root_end = t_done
         if root_end < root_start:
             root_end = root_start
-        root_start += offset
-        root_end += offset
 
         summary = summarize_transfer_tasks(record.transfer_tasks)
-        attrs = [
-            str_attr("kvtrace.correlation_id", corr),
-            qc.path_attr,
-            qc.queue_attr,
-            int_attr("kvtrace.seq", record.seq),
-            int_attr("kvtrace.step", record.step),
-            int_attr("kvtrace.layer_id", record.layer_id),
-            _FINAL_ATTRS[bool(record.final_layer)],
-            int_array_attr("kvtrace.group_ids", summary.group_ids),
-            str_array_attr("kvtrace.request_ids", summary.request_ids),
-            int_attr("kvtrace.num_blocks", summary.num_blocks),
-            int_attr("kvtrace.bytes", record.nbytes),
-        ]
+        groups = ",".join([f'{{"intValue":"{g}"}}' for g in summary.group_ids])
+        reqs = ",".join([f'{{"stringValue":{_quote(r)}}}' for r in summary.request_ids])
+        attrs = (
+            f"{_K_CORR}{_quote(corr)}}}}},{self._queue_text(queue)},"
+            f"{_K_SEQ}{record.seq}{_INT_END},{_K_STEP}{record.step}{_INT_END},{_K_LAYER}{record.layer_id}{_INT_END},"
+            f"{_FINAL_TEXT[bool(record.final_layer)]},{_K_GROUPS}{groups}{_ARRAY_END},{_K_REQS}{reqs}{_ARRAY_END},"
+            f"{_K_NUM_BLOCKS}{summary.num_blocks}{_INT_END},{_K_BYTES}{record.nbytes}{_INT_END},"
+        )
         if src is not None:
-            attrs.append(int_attr("kvtrace.wait_for_save_layer", src))
+            attrs = f"{attrs}{_K_SRC}{src}{_INT_END},"
         if gate is not None:
-            attrs.append(int_attr("kvtrace.gate_id", gate))
-        attrs.append(int_attr("kvtrace.queue_depth_at_enqueue", record.queue_depth_at_enqueue))
-        attrs.append(int_attr("kvtrace.inflight_at_enqueue", record.inflight_at_enqueue))
-        attrs.append(_OUTCOME_ATTRS[record.outcome])
+            attrs = f"{attrs}{_K_GATE}{gate}{_INT_END},"
+        attrs = (
+            f"{attrs}{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END},"
+            f"{_K_INFLIGHT}{record.inflight_at_enqueue}{_INT_END},{_OUTCOME_TEXT[record.outcome]}"
+        )
         if t_enq != NO_TIME:
-            attrs.append(int_attr("kvtrace.ts.enqueue", t_enq + offset))
+            attrs = f"{attrs},{_K_TS_ENQ}{t_enq + offset}{_INT_END}"
         if t_deq != NO_TIME:
-            attrs.append(int_attr("kvtrace.ts.dequeue", t_deq + offset))
-        _append_ready_and_deps(attrs, record, offset)
+            attrs = f"{attrs},{_K_TS_DEQ}{t_deq + offset}{_INT_END}"
+        attrs = f"{attrs},{_ready_and_deps_text(record, offset)}"
         if t_done != NO_TIME:
-            attrs.append(int_attr("kvtrace.ts.complete", t_done + offset))
+            attrs = f"{attrs},{_K_TS_COMPLETE}{t_done + offset}{_INT_END}"
 
-        root: JsonSpan = {
-            "traceId": trace_hex,
-            "spanId": root_id,
-            "name": SEND_ROOT_SPAN if record.kind == _KIND_SEND else RECV_ROOT_SPAN,
-            "kind": SPAN_KIND_INTERNAL,
-            "startTimeUnixNano": str(root_start),
-            "endTimeUnixNano": str(root_end),
-            "attributes": attrs,
-            "status": _EMPTY_STATUS,
-        }
+        name = SEND_ROOT_SPAN if record.kind == _KIND_SEND else RECV_ROOT_SPAN
+        tail = _CLOSE
         if record.outcome == _OUTCOME_ERROR:
-            _mark_error(root, record.error, t_done + offset if t_done != NO_TIME else root_end)
-        children.insert(0, root)
-        return children
+            event_time = (t_done if t_done != NO_TIME else root_end) + offset
+            tail = _error_tail(record.error, event_time)
+        parts[0] = (
+            f"{head}{root_id}{_CHILD_NAME}{name}{_TIMES}{root_start + offset}{_END_TIME}{root_end + offset}"
+            f"{_ATTRS}{attrs}{tail}"
+        )
+        return ",".join(parts)
 
 
 def build_task_spans(record: TaskRecord, anchor: ClockAnchor) -> list[JsonSpan]:
@@ -396,33 +403,29 @@ def build_task_spans(record: TaskRecord, anchor: ClockAnchor) -> list[JsonSpan]:
     return SpanBuilder(anchor).build(record)
 
 
-def _mark_error(root: JsonSpan, error: BaseException | None, event_time: int) -> None:
-    """Status ERROR and, when the exception object was kept, an ``exception`` event (semconv)."""
+def _error_tail(error: BaseException | None, event_time: int) -> str:
+    """Closing of the root span of a failed task: status ERROR and, when the exception was kept, an
+    ``exception`` event (OTel semantic conventions)."""
     if error is None:
-        root["status"] = {"code": STATUS_CODE_ERROR, "message": "task raised"}
-        return
+        return '],"status":{"code":2,"message":"task raised"}}'
     type_name = type(error).__qualname__
     message = str(error)
     stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    root["status"] = {"code": STATUS_CODE_ERROR, "message": f"{type_name}: {message}" if message else type_name}
-    root["events"] = [
-        {
-            "timeUnixNano": str(event_time),
-            "name": "exception",
-            "attributes": [
-                str_attr("exception.type", type_name),
-                str_attr("exception.message", message),
-                str_attr("exception.stacktrace", stack),
-            ],
-        }
-    ]
+    status_message = f"{type_name}: {message}" if message else type_name
+    return (
+        f'],"status":{{"code":{STATUS_CODE_ERROR},"message":{_quote(status_message)}}},'
+        f'"events":[{{"timeUnixNano":"{event_time}","name":"exception","attributes":['
+        f'{_str_attr_text("exception.type", type_name)},{_str_attr_text("exception.message", message)},'
+        f'{_str_attr_text("exception.stacktrace", stack)}]}}]}}'
+    )
 
 
-def _append_ready_and_deps(attrs: list[dict[str, Any]], record: TaskRecord, offset: int) -> None:
+def _ready_and_deps_text(record: TaskRecord, offset: int) -> str:
     """``ts.dep.*`` (exact, or ``_lo``/``_hi`` bounds), ``ts.ready``, ``ts.ready_lo``, ``ready_precision``.
 
     A dependency the task needs but whose time was never observed (both ends ``NO_TIME``) is left out.
     """
+    out: list[str] = []
     ready_hi = ready_lo = record.t_enqueue
     bounded = False
     has_dep = record.has_dep
@@ -435,13 +438,13 @@ def _append_ready_and_deps(attrs: list[dict[str, Any]], record: TaskRecord, offs
         if lo == NO_TIME and hi == NO_TIME:
             continue
         if lo == hi:
-            attrs.append(int_attr(_DEP_EXACT_KEYS[dep], lo + offset))
+            out.append(f"{_K_DEP_EXACT[dep]}{lo + offset}{_INT_END}")
         else:
             bounded = True
             if lo != NO_TIME:
-                attrs.append(int_attr(_DEP_LO_KEYS[dep], lo + offset))
+                out.append(f"{_K_DEP_LO[dep]}{lo + offset}{_INT_END}")
             if hi != NO_TIME:
-                attrs.append(int_attr(_DEP_HI_KEYS[dep], hi + offset))
+                out.append(f"{_K_DEP_HI[dep]}{hi + offset}{_INT_END}")
         upper = hi if hi != NO_TIME else lo
         lower = lo if lo != NO_TIME else hi
         if upper > ready_hi:
@@ -449,7 +452,8 @@ def _append_ready_and_deps(attrs: list[dict[str, Any]], record: TaskRecord, offs
         if lower > ready_lo:
             ready_lo = lower
     if ready_hi != NO_TIME:
-        attrs.append(int_attr("kvtrace.ts.ready", ready_hi + offset))
+        out.append(f"{_K_TS_READY}{ready_hi + offset}{_INT_END}")
         if bounded:
-            attrs.append(int_attr("kvtrace.ts.ready_lo", ready_lo + offset))
-    attrs.append(_PRECISION_BOUNDED if bounded else _PRECISION_EXACT)
+            out.append(f"{_K_TS_READY_LO}{ready_lo + offset}{_INT_END}")
+    out.append(_PRECISION_BOUNDED if bounded else _PRECISION_EXACT)
+    return ",".join(out)

@@ -24,7 +24,7 @@ from opentelemetry.instrumentation.utils import suppress_instrumentation
 
 from otel_kvtrace.export import config
 from otel_kvtrace.export.sinks import JsonLinesFileSink, NullSink, OtlpGrpcSink, OtlpHttpSink, SpanSink
-from otel_kvtrace.export.spans import JsonSpan, SpanBuilder
+from otel_kvtrace.export.spans import SpanBuilder
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import Recorder
 
@@ -208,11 +208,9 @@ class BackgroundExporter:
         if self._broken:
             self._discard(records, count=True)
             return
-        spans: list[JsonSpan] = []
-        build = self._builder.build
+        build = self._builder.build_json
         try:
-            for rec in records:
-                spans.extend(build(rec))
+            texts = [build(rec) for rec in records]
         except Exception as exc:  # noqa: BLE001 - a builder bug: stop tracing, keep the host running
             self._broken = True
             self._fail_internal(f"building spans failed: {exc!r}")
@@ -221,7 +219,7 @@ class BackgroundExporter:
         ok = False
         try:
             with suppress_instrumentation():
-                ok = bool(self.sink.export(spans, self.recorder.dropped))
+                ok = bool(self.sink.export(texts, self.recorder.dropped))
         except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
             logger.debug("otel-kvtrace: export failed: %r", exc)
         if ok:

@@ -188,7 +188,7 @@ def test_http_compression_from_environment(
     recorder = Recorder()
     sink = create_sink(RESOURCE, endpoint=endpoint, protocol="http/protobuf")
     builder = SpanBuilder(recorder.anchor)
-    assert sink.export(builder.build(fill_record(TaskRecord())), 0)
+    assert sink.export([builder.build_json(fill_record(TaskRecord()))], 0)
     sink.shutdown()
     assert len(received.spans()) == 12
 

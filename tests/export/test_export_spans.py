@@ -8,7 +8,14 @@ from typing import Any
 
 from export_records import ANCHOR, QUEUE, T0, FakeBlockRange, FakeLayerTransferTask, FakeReq, FakeShared
 
-from otel_kvtrace.export.encode import resource_json, spans_to_json_line, spans_to_request
+from otel_kvtrace.export.encode import (
+    resource_json,
+    resource_text,
+    spans_to_json_line,
+    spans_to_request,
+    texts_to_json_line,
+    texts_to_spans,
+)
 from otel_kvtrace.export.otlp_json import json_line_to_request
 from otel_kvtrace.export.spans import SpanBuilder, build_task_spans, child_span_ids, summarize_transfer_tasks
 from otel_kvtrace.record.model import (
@@ -292,15 +299,20 @@ def test_transfer_summary_is_defensive() -> None:
 
 
 def test_encoders_agree_and_round_trip(make_record: Callable[..., TaskRecord]) -> None:
-    """JSON line -> opentelemetry-proto parse == protobuf built directly (one span model, two encodings)."""
-    spans = build_task_spans(make_record(), ANCHOR) + build_task_spans(
-        make_record(layer_id=6, outcome=Outcome.ERROR, error=ValueError("x")), ANCHOR
-    )
-    resource = resource_json({"service.name": "kvtrace", "kvtrace.cfg.num_layers": 8, "kvtrace.cfg.buffer_reuse": True})
-    from_json = json_line_to_request(spans_to_json_line(spans, resource, 5))
-    direct = spans_to_request(spans, resource, 5)
-    assert from_json == direct
+    """Text line, dict line and direct protobuf are one request (one span model, three encodings)."""
+    records = [make_record(), make_record(layer_id=6, outcome=Outcome.ERROR, error=ValueError('quote " and \u00e9'))]
+    builder = SpanBuilder(ANCHOR)
+    texts = [builder.build_json(rec) for rec in records]
+    spans = texts_to_spans(texts)
+    assert spans == [s for rec in records for s in builder.build(rec)]
+    attributes = {"service.name": "kvtrace", "kvtrace.cfg.num_layers": 8, "kvtrace.cfg.buffer_reuse": True}
+    from_text = json_line_to_request(texts_to_json_line(texts, resource_text(attributes), 5))
+    from_dicts = json_line_to_request(spans_to_json_line(spans, resource_json(attributes), 5))
+    direct = spans_to_request(spans, resource_json(attributes), 5)
+    assert from_text == from_dicts == direct
     scope = direct.resource_spans[0].scope_spans[0].scope
     assert scope.name == "otel_kvtrace"
     assert scope.attributes[0].key == "kvtrace.exporter.dropped" and scope.attributes[0].value.int_value == 5
-    assert len(direct.resource_spans[0].scope_spans[0].spans) == len(spans)
+    assert len(direct.resource_spans[0].scope_spans[0].spans) == len(spans) == 24
+    status = direct.resource_spans[0].scope_spans[0].spans[12].status
+    assert status.message == 'ValueError: quote " and \u00e9'

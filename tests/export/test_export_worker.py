@@ -28,7 +28,6 @@ from otel_kvtrace.export import (
     json_line_to_request,
     trace_file_path,
 )
-from otel_kvtrace.export.spans import JsonSpan
 from otel_kvtrace.record.model import RECV_ROOT_SPAN
 from otel_kvtrace.record.recorder import Recorder
 
@@ -44,11 +43,11 @@ class GatedFileSink(JsonLinesFileSink):
         self.release = threading.Event()
         self.completed = 0
 
-    def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
+    def export(self, span_texts: Sequence[str], dropped: int) -> bool:
         if self.completed == 0:
             self.entered.set()
             self.release.wait(30)
-        ok = super().export(spans, dropped)
+        ok = super().export(span_texts, dropped)
         self.completed += 1
         return ok
 
@@ -197,11 +196,11 @@ def test_sink_exception_loses_only_that_batch(tmp_path: Path) -> None:
     class FlakySink(JsonLinesFileSink):
         calls = 0
 
-        def export(self, spans: Sequence[JsonSpan], dropped: int) -> bool:
+        def export(self, span_texts: Sequence[str], dropped: int) -> bool:
             self.calls += 1
             if self.calls == 1:
                 raise OSError("disk full")
-            return super().export(spans, dropped)
+            return super().export(span_texts, dropped)
 
     recorder = Recorder()
     sink = FlakySink(tmp_path, "wtest", RESOURCE)
