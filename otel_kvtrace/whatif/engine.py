@@ -187,7 +187,7 @@ class QueueState:
     __slots__ = (
         "q", "n", "start", "complete", "passed", "eff_rs", "eff_rg", "served", "n_served", "n_arrived",
         "head_ptr", "step_left", "prog", "fwd_end", "fwd_arrive", "index", "waiting", "ready", "blocked",
-        "held_final", "batches", "delay_only", "call_of", "calls",
+        "held_final", "batches", "delay_only", "phase", "busy_start", "busy_end",
     )
 
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full") -> None:
@@ -216,8 +216,9 @@ class QueueState:
         self.blocked: list[list[int]] = [[] for _ in q.chain]
         self.held_final = [-1] * len(q.chain)
         self.batches = 0
-        self.call_of = [-1] * n
-        self.calls = 0
+        self.phase = bytearray(n)
+        self.busy_start: list[int] = []
+        self.busy_end: list[int] = []
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -285,10 +286,8 @@ class QueueState:
                 self._enlist(i)
 
     def _enlist(self, i: int) -> None:
-        if self.determinable(i):
-            heapq.heappush(self.waiting, (self.ready_at(i), i))
-        else:
-            self.blocked[self.q.step[i]].append(i)
+        # a task that has not started can always run its first work segment (before any wait)
+        heapq.heappush(self.waiting, (self.q.arr[i], i))
 
     def serve(self, batch: list[int], now: int) -> int:
         """Run ``batch`` from ``now``; return the time the thread is free again."""
@@ -314,8 +313,8 @@ class QueueState:
             t += q.w3[i]
             self.start[i] = now
             self.complete[i] = t
-            self.call_of[i] = self.calls
-            self.calls += 1
+            self.busy_start.append(now)
+            self.busy_end.append(t)
             self._after(i)
             return t
         return self._serve_batch(batch, now)
@@ -349,16 +348,74 @@ class QueueState:
         passed = t
         t += W[3]
         self.batches += 1
-        call = self.calls
-        self.calls += 1
+        self.busy_start.append(now)
         for i in batch:
-            self.call_of[i] = call
             t += q.done[i]
             self.start[i] = now
             self.passed[i] = passed
             self.complete[i] = t
             self._after(i)
+        self.busy_end.append(t)
         return t
+
+    def advance(self, i: int, now: int) -> int:
+        """Run task ``i`` from where it stopped until it completes or reaches a wait point; at a wait
+        whose dependency is not met, or (unless ``i`` is the head) after having run work, it is set aside
+        with its progress kept and re-indexed by when it can continue.
+        Returns the time the thread is free again. Used by cooperative policies (``ready_queue``)."""
+        q = self.q
+        if self.served[i]:
+            raise ReplayStalled(f"task seq={q.tasks[i].seq} advanced after completion")
+        ph = self.phase[i]
+        t = now
+        if ph == 0:
+            self.start[i] = now
+            t += q.w0[i]
+            ph = 1
+        det = self.determinable(i)
+        if det:
+            self._effective(i)
+        while True:
+            if ph == 1:
+                r, w = self.eff_rs[i], q.w1[i]
+            elif ph == 2:
+                r, w = self.eff_rg[i], q.w2[i]
+            else:
+                r, w = q.rl[i], q.w3[i]
+            if ph < 3 and not det and (q.ks[i] >= 0 if ph == 1 else q.kg[i] >= 0):
+                self.phase[i] = ph
+                self.blocked[q.step[i]].append(i)
+                break
+            if r > t:
+                self.phase[i] = ph
+                heapq.heappush(self.waiting, (r, i))
+                break
+            if t > now and i != self.head():
+                # a wait point is a scheduling point: a lower-seq task may have become runnable meanwhile
+                self.phase[i] = ph
+                heapq.heappush(self.waiting, (t, i))
+                break
+            if ph == 3:
+                self.passed[i] = t
+                t += w
+                self.complete[i] = t
+                self._after(i)
+                break
+            t += w
+            ph += 1
+        if t > now:
+            self.busy_start.append(now)
+            self.busy_end.append(t)
+        return t
+
+    def _progress_time(self, i: int) -> int:
+        """When task ``i`` can run again: now for a task not started, else its pending wait's time."""
+        ph = self.phase[i]
+        q = self.q
+        if ph == 0:
+            return q.arr[i]
+        self._effective(i)
+        return self.eff_rs[i] if ph == 1 else self.eff_rg[i] if ph == 2 else q.rl[i]
 
     def _after(self, i: int) -> None:
         q = self.q
@@ -392,7 +449,7 @@ class QueueState:
             still = []
             for j in self.blocked[s]:
                 if q.need[j] < p:
-                    heapq.heappush(self.waiting, (self.ready_at(j), j))
+                    heapq.heappush(self.waiting, (self._progress_time(j), j))
                 else:
                     still.append(j)
             self.blocked[s] = still
@@ -424,8 +481,8 @@ class QueueReplay:
     fwd_arrive: list[list[int]]
     fwd_end: list[list[int]]
     batches: int
-    call_of: list[int]
-    """Serve call of each task (members of one ``gate_group`` batch share it)."""
+    busy: list[tuple[int, int]]
+    """Intervals the recv thread was occupied (running work or blocked in a wait), in order."""
 
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> QueueReplay:
@@ -442,8 +499,12 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> Q
     while state.n_served < n:
         state.admit(now)
         choice = select(state, now)
-        if choice.__class__ is list:
+        cls = choice.__class__
+        if cls is list:
             now = state.serve(choice, now)  # type: ignore[arg-type]
+            continue
+        if cls is tuple:
+            now = state.advance(choice[0], now)  # type: ignore[index]
             continue
         nxt = arr[state.n_arrived] if state.n_arrived < n else INF
         wake = choice if choice < nxt else nxt  # type: ignore[operator]
@@ -452,4 +513,5 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> Q
                 f"policy {policy.name!r} waits at t={now} with {n - state.n_served} task(s) left (wake={wake})")
         now = wake  # type: ignore[assignment]
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
-                       state.fwd_arrive, state.fwd_end, state.batches, state.call_of)
+                       state.fwd_arrive, state.fwd_end, state.batches,
+                       list(zip(state.busy_start, state.busy_end, strict=True)))

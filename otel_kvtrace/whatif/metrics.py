@@ -198,12 +198,11 @@ def queue_figures(rep: QueueReplay, *, with_hol: bool = False) -> QueueFigures:
 def check_constraints(rep: QueueReplay) -> list[str]:
     """Every hard constraint checked on a replayed order, from its outputs; returns the violations.
 
-    Single server (no overlap, start >= arrival); each task served once; H1 (no write before the save
-    ready time as the replay moved it, nor before the slot-chain predecessor's load completed); attention
-    boundary (no copy before every load of a layer <= the gate layer completed, nor before the gate
-    time); H2
-    (no copy before the slot release); H3 (the final-layer task starts after every other task of its
-    step completed).
+    Single server (the thread's busy intervals never overlap; start >= arrival); every task served;
+    H1 (no write before the save ready time as the replay moved it, nor before the slot-chain
+    predecessor's load completed); attention boundary (no copy before every load of a layer <= the
+    gate layer completed, nor before the gate time); H2 (no copy before the slot release); H3 (the
+    final-layer task starts after every other task of its step completed).
     """
     q = rep.arrays
     bad: list[str] = []
@@ -211,19 +210,17 @@ def check_constraints(rep: QueueReplay) -> list[str]:
     if any(c == NONE for c in rep.complete):
         bad.append("a task was never served")
         return bad
-    order = sorted(range(n), key=lambda i: (rep.start[i], rep.call_of[i], rep.complete[i]))
-    prev_end = NONE  # latest completion of earlier serve calls
-    call, call_end = None, NONE
-    for i in order:
+    last = NONE
+    for start, end in rep.busy:
+        if start < last:
+            bad.append(f"the recv thread runs two things at once at t={start}")
+        if end < start:
+            bad.append(f"busy interval ends before it starts at t={start}")
+        last = max(last, end)
+    for i in range(n):
         seq = q.tasks[i].seq
-        if rep.call_of[i] != call:  # members of one batch share a serve call
-            prev_end = max(prev_end, call_end)
-            call = rep.call_of[i]
-        call_end = max(call_end, rep.complete[i])
         if rep.start[i] < q.arr[i]:
             bad.append(f"seq {seq}: starts before it arrived")
-        if rep.start[i] < prev_end:
-            bad.append(f"seq {seq}: overlaps an earlier task on the recv thread")
         p = rep.passed[i]
         if p < rep.start[i] or p > rep.complete[i]:
             bad.append(f"seq {seq}: copy point outside its service")

@@ -1,7 +1,9 @@
 """Scheduling policies: one small class per policy, one method, looked up by name in a registry.
 
-A policy decides what the recv thread serves next. ``select(state, now)`` returns either a list of task
-indices (served now, as one batch, in list order) or a time to wake up at (``INF``: the next arrival).
+A policy decides what the recv thread serves next. ``select(state, now)`` returns a list of task
+indices (served now to completion, as one batch, blocking in their waits), a 1-tuple ``(i,)`` (run task
+``i`` until it completes or reaches a dependency not met yet, then set it aside: cooperative), or a
+time to wake up at (``INF``: the next arrival).
 Subclasses register themselves under ``name`` (the exact string the CLI accepts); the modules in
 ``otel_kvtrace.whatif.policies`` are imported automatically, so adding a policy is adding one file.
 """
@@ -21,7 +23,7 @@ INF = 1 << 62
 
 class Policy:
     """Base class: set ``name``, implement ``select``. ``uses_ready_index`` asks the engine to keep
-    the arrived tasks indexed by readiness (``state.ready`` / ``state.waiting`` heaps)."""
+    arrived tasks indexed by when they can next make progress (``state.ready`` / ``state.waiting``)."""
 
     name: ClassVar[str] = ""
     uses_ready_index: ClassVar[bool] = False
@@ -34,8 +36,8 @@ class Policy:
                 raise ValueError(f"policy {cls.name!r} registered twice")
             Policy._registry[cls.name] = cls
 
-    def select(self, state: QueueState, now: int) -> list[int] | int:
-        """Indices to serve now (one batch), or the time to wake up at."""
+    def select(self, state: QueueState, now: int) -> list[int] | tuple[int] | int:
+        """Indices to serve now (one batch), ``(i,)`` to advance one task, or the time to wake up at."""
         raise NotImplementedError
 
 

@@ -86,4 +86,5 @@ def test_the_checker_catches_a_violation() -> None:
     problems = check_constraints(rep)
     assert any("H3" in p for p in problems)
     assert any("gate" in p for p in problems)
-    assert any("overlaps" in p for p in problems)
+    rep.busy.append((rep.busy[0][0], rep.busy[0][1]))  # a second thing at the same time
+    assert any("two things at once" in p for p in check_constraints(rep))

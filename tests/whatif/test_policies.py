@@ -22,7 +22,8 @@ def run(tasks: list[ReplayTask], policy: str, **kw: str):
 
 
 def order(rep) -> list[int]:
-    return [rep.arrays.tasks[i].seq for i in sorted(range(rep.arrays.n), key=lambda i: (rep.start[i], i))]
+    """Seqs in the order their copies ran (the copy point follows every wait)."""
+    return [rep.arrays.tasks[i].seq for i in sorted(range(rep.arrays.n), key=lambda i: (rep.passed[i], i))]
 
 
 def test_registry_lists_the_three_policies_fifo_first() -> None:
@@ -43,6 +44,20 @@ def test_fifo_blocks_behind_a_waiting_head() -> None:
     assert rep.complete == [110, 120, 130]
     hol = hol_events(rep)
     assert [(h.seq, h.duration_ns, h.evidence_seq) for h in hol] == [(0, 100, 1)]
+
+
+def test_ready_queue_runs_work_before_a_wait_early_and_sets_the_task_aside() -> None:
+    # task 0: 30 of metadata work, then a gate at 100, then 10 of copy; task 1: 20 of work, no deps
+    tasks = [
+        ReplayTask("q", 0, 0, 1, 0, (30, 0, 0, 10), ready_gate_ns=100, gate_id=0),
+        ReplayTask("q", 1, 0, 2, 0, (20, 0, 0, 0)),
+    ]
+    fifo = run(tasks, "fifo")
+    assert fifo.complete == [110, 130]
+    rep = run(tasks, "ready_queue")
+    # 0 builds 0-30 and stops at its gate; 1 runs 30-50; 0 resumes at 100 and copies 100-110
+    assert rep.busy == [(0, 30), (30, 50), (100, 110)]
+    assert rep.complete == [110, 50]
 
 
 def test_ready_queue_lets_the_ready_task_go_first() -> None:
@@ -69,7 +84,8 @@ def test_ready_queue_picks_lowest_seq_among_ready_and_sleeps_until_first_readine
     rep = run(tasks, "ready_queue")
     # nothing ready until 30; then 1 (lowest ready seq) 30-40; at 40 both 0 and 2 ready -> 0 first
     assert order(rep) == [1, 0, 2]
-    assert rep.start == [40, 30, 50]
+    assert rep.passed == [40, 30, 50]
+    assert rep.complete == [50, 40, 60]
 
 
 def test_ready_queue_never_lets_a_slot_chain_successor_pass_its_predecessor() -> None:
@@ -82,7 +98,7 @@ def test_ready_queue_never_lets_a_slot_chain_successor_pass_its_predecessor() ->
     ]
     for policy in ("fifo", "ready_queue", "gate_group"):
         rep = run(tasks, policy)
-        assert rep.start[1] >= rep.complete[0], policy
+        assert rep.passed[1] >= rep.complete[0], policy
 
 
 def test_forward_delay_moves_gated_dependencies_later() -> None:

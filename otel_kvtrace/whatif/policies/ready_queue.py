@@ -1,12 +1,14 @@
-"""``ready_queue``: serve the lowest-seq task whose dependencies are all met now (a bypass-ready task
-may go before a waiting head).
+"""``ready_queue``: dependency-aware and cooperative. At a dependency wait whose time has not come, the
+recv thread sets the task aside (keeping its progress) and runs the lowest-seq task that can make
+progress now; a bypass-ready task may therefore go before a waiting head.
 
-Hard constraints kept: a task is only served once its save (H1), gate (attention boundary) and external
-slot (H2) are ready, which the engine computes behind the forward's replayed progress, so slot-chain
-successors never pass their predecessor; the step's final-layer task (lease release, H3) is held until
-it is the last unserved task of its step. When nothing is ready the thread sleeps until the first
-readiness or arrival: it never commits to a task that would block (an online rule: it only needs to
-poll the events, not to predict them).
+Hard constraints kept: a task passes its save (H1), gate (attention boundary) and external slot (H2)
+waits only once they are met, with save and gate times the engine moves behind the forward's replayed
+progress, so slot-chain successors never pass their predecessor; the step's final-layer task (lease
+release, H3) does not start until it is the last unserved task of its step. Only work before a wait
+(metadata build, stagger) runs early; the copy always comes after every wait. When nothing can make
+progress the thread sleeps until the first dependency or arrival (online: it polls the events, it does
+not predict them).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class ReadyQueue(Policy):
     name = "ready_queue"
     uses_ready_index = True
 
-    def select(self, state: QueueState, now: int) -> list[int] | int:
+    def select(self, state: QueueState, now: int) -> tuple[int] | int:
         state.refresh(now)
         ready = state.ready
         served = state.served
@@ -30,8 +32,8 @@ class ReadyQueue(Policy):
             i = heapq.heappop(ready)
             if served[i]:
                 continue
-            if q.final[i] and state.step_left[q.step[i]] > 1:
+            if q.final[i] and state.phase[i] == 0 and state.step_left[q.step[i]] > 1:
                 state.hold_final(i)
                 continue
-            return [i]
+            return (i,)
         return state.next_ready_time()
