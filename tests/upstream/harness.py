@@ -113,10 +113,12 @@ class FakeNpuEvent:
 
     ``query()`` is true and ``synchronize()`` returns only once that time has passed, as on a device
     that reaches the recorded point later than the host issued it. Events recorded by upstream code
-    itself (the attention gate's) use the class-wide ``FakeNpuEvent.device_lag_s``.
+    itself (the attention gate's) use the class-wide ``FakeNpuEvent.device_lag_s``. All events share one
+    in-order stream, so an event recorded right behind another (a timing mark) completes with it.
     """
 
     device_lag_s: float = 0.0
+    stream_tail: float = 0.0  # one in-order stream: an event completes no earlier than the one before
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
         self.enable_timing = enable_timing
@@ -126,9 +128,11 @@ class FakeNpuEvent:
         self.sync_calls = 0
 
     def record(self, stream: Any = None) -> None:
-        lag = type(self).device_lag_s if self.lag_s is None else self.lag_s
+        cls = type(self)
+        lag = cls.device_lag_s if self.lag_s is None else self.lag_s
         self.recorded_at = time.perf_counter()
-        self.done_at = self.recorded_at + lag
+        self.done_at = max(self.recorded_at + lag, cls.stream_tail)
+        cls.stream_tail = self.done_at
 
     def query(self) -> bool:
         return self.done_at is None or time.perf_counter() >= self.done_at
@@ -351,6 +355,7 @@ def upstream_session(root: Path) -> Iterator[Upstream]:
         torch = importlib.import_module("torch")
         torch.npu.Event = FakeNpuEvent
         FakeNpuEvent.device_lag_s = 0.0
+        FakeNpuEvent.stream_tail = 0.0
         session = Upstream(
             binding=binding,
             kv_transfer=importlib.import_module(binding.modules["kv_transfer"]),

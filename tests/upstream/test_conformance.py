@@ -300,3 +300,45 @@ def test_real_worker_steps_gates_and_consumer_waits(upstream: Upstream, tracing:
         assert wait.end >= t.attrs["kvtrace.ts.complete"] - TOL_NS, "the forward returns after the load is set"
         assert t.root.end >= wait.end
     assert tasks[-1].attrs["kvtrace.final_layer"] is True
+
+
+# ---- exact device times (OTEL_KVTRACE_NPU_TIMING=1) -------------------------------------------------
+
+
+def test_npu_timing_turns_bounds_into_the_device_completion_time(upstream: Upstream,
+                                                                 request: pytest.FixtureRequest) -> None:
+    if not upstream.binding.flags["recv_save_npu_sync"]:
+        # Known instrumentation bug, reported to the integrator: without sync_save_events on the recv
+        # thread (0.23, key path) the NpuTiming calibration is created lazily inside the first gate
+        # record(), synchronizes there (forward thread), and the gate's timing mark is attached only after
+        # the recv thread's wait() has already returned, so the first gate keeps bounds. strict: this test
+        # starts failing (XPASS) as soon as it is fixed; then delete this marker.
+        request.applymarker(pytest.mark.xfail(strict=True, reason="lazy NpuTiming calibration in gate record"))
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="npu", npu_timing=True)
+    try:
+        env = upstream.gva_thread(N_LAYERS, FakeBackend())
+        gate = upstream.gate_class()
+        FakeNpuEvent.device_lag_s = 0.0
+        env.sync_save[0].lag_s = 0.01  # before add_request: attaching replaces the list items by proxies
+        env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 2)], wait_for_save_layer=0, gate=gate))
+
+        def produce() -> None:
+            env.sync_save[0].record()
+            env.save_done[0].set()
+            time.sleep(0.005)
+            FakeNpuEvent.device_lag_s = 0.01
+            gate.record()
+
+        later(0.01, produce)
+        (task,) = traces_after(session, 1)
+    finally:
+        session.shutdown()
+    gate_done = epoch_of(session, gate._event.done_at)
+    assert task.attrs["kvtrace.ts.dep.gate_npu"] == pytest.approx(gate_done, abs=1_000_000)
+    assert "kvtrace.ts.dep.gate_npu_lo" not in task.attrs
+    if upstream.binding.flags["recv_save_npu_sync"]:
+        save_done = epoch_of(session, env.sync_save[0].done_at)
+        assert task.attrs["kvtrace.ts.dep.save_npu"] == pytest.approx(save_done, abs=1_000_000)
+        assert task.attrs["kvtrace.ready_precision"] == "exact"
+    assert task.attrs["kvtrace.ts.ready"] == pytest.approx(max(gate_done, task.attrs["kvtrace.ts.dep.save_cpu"]),
+                                                           abs=1_000_000)
