@@ -18,6 +18,10 @@ from otel_kvtrace.asynccheck.model import DONE_DEVICE_READY, DONE_ENGINE_OBSERVE
 from otel_kvtrace.asynccheck.recorder import Stamp, StampKind
 
 _RECENT_DONE = 16
+MAX_PENDING = 16384
+"""Stamps kept per kind while their step is incomplete. A process that only sees some kinds (a worker
+process whose ``get_output`` runs but whose engine lives elsewhere) never completes a step; the bound
+keeps that from growing memory."""
 
 
 @dataclass(slots=True)
@@ -41,7 +45,7 @@ class StepAssembler:
     """Matches stamps by ordinal; keeps incomplete steps until their update ends."""
 
     def __init__(self) -> None:
-        self._q: dict[StampKind, deque[Stamp]] = {k: deque() for k in StampKind}
+        self._q: dict[StampKind, deque[Stamp]] = {k: deque(maxlen=MAX_PENDING) for k in StampKind}
         self._device: dict[int, list[Stamp]] = {}
         self._next_step = 0
         self._recent_done: deque[int] = deque(maxlen=_RECENT_DONE)
@@ -50,7 +54,8 @@ class StepAssembler:
         """Add stamps; return the steps completed so far, in step order."""
         for s in stamps:
             if s.kind in (StampKind.COMPUTE, StampKind.COMM):
-                self._device.setdefault(s.b, []).append(s)
+                if s.b >= self._next_step and len(self._device) < MAX_PENDING:
+                    self._device.setdefault(s.b, []).append(s)
             else:
                 self._q[s.kind].append(s)
         out: list[AssembledStep] = []

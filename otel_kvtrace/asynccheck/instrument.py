@@ -60,7 +60,7 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
 class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
-    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled")
+    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt")
 
     def __init__(self, buffer: StampBuffer) -> None:
         self.buffer = buffer
@@ -69,6 +69,7 @@ class LoopState:
         self.in_launch = False
         self.in_update = False
         self.enabled = True
+        self.adopt: Callable[[Any], None] = lambda engine: None
 
 
 Wrapper = Callable[[Any, Any, tuple, dict], Any]
@@ -107,6 +108,25 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
+def _init_wrapper(state: LoopState) -> Wrapper:
+    """After ``EngineCore.__init__``: also patch the concrete scheduler/executor classes it chose.
+
+    vLLM-Ascend picks scheduler subclasses by configuration; one that overrides ``schedule()`` and is
+    not in the owner table would otherwise go unseen. Runs once per engine, never on the hot path.
+    """
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        if state.enabled:
+            try:
+                state.adopt(instance)
+            except Exception:  # noqa: BLE001 - instrumentation failures never reach the host
+                logger.exception("otel-kvtrace: could not patch the engine's scheduler/executor classes")
+        return result
+
+    return wrapper
+
+
 def _done_wrapper(state: LoopState) -> Wrapper:
     stamp = state.buffer.stamp
 
@@ -129,6 +149,7 @@ class PatchPoint:
 
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
+    PatchPoint("engine", "__init__", _init_wrapper),
     PatchPoint("engine", "step", _step_wrapper(0)),
     PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
     PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
@@ -158,6 +179,7 @@ class EngineLoopInstrumentation:
 
     def __init__(self, buffer: StampBuffer, owners: Mapping[str, Sequence[OwnerSpec]] = VLLM_OWNERS) -> None:
         self.state = LoopState(buffer)
+        self.state.adopt = self._adopt
         self.owners = owners
         self.installed: list[tuple[type, str]] = []
 
@@ -168,11 +190,29 @@ class EngineLoopInstrumentation:
         for point in PATCH_POINTS:
             for spec in self.owners.get(point.owner, ()):
                 cls = _resolve(spec)
-                if cls is None or point.attr not in vars(cls):
-                    continue
-                wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
-                self.installed.append((cls, point.attr))
+                if cls is not None:
+                    self._wrap(cls, point)
         return self.names
+
+    def _wrap(self, cls: type, point: PatchPoint) -> None:
+        current = vars(cls).get(point.attr)
+        if current is None or isinstance(current, wrapt.ObjectProxy):
+            return  # not defined here, or already wrapped
+        wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
+        self.installed.append((cls, point.attr))
+
+    def _adopt(self, engine: Any) -> None:
+        """Patch the classes (and bases) of the scheduler and executor an engine actually uses."""
+        for owner, obj in (("scheduler", getattr(engine, "scheduler", None)),
+                           ("executor", getattr(engine, "model_executor", None))):
+            if obj is None:
+                continue
+            for cls in type(obj).__mro__:
+                if cls is object:
+                    continue
+                for point in PATCH_POINTS:
+                    if point.owner == owner:
+                        self._wrap(cls, point)
 
     def uninstall(self) -> None:
         """Restore every wrapped attribute. Idempotent."""

@@ -167,8 +167,14 @@ class ReplicaExecutor:
 class ReplicaEngineCore:
     """``EngineCore`` with vLLM's two step functions (``vllm/v1/engine/core.py``)."""
 
-    def __init__(self, clock: VirtualClock, buffer: StampBuffer, cfg: ReplicaConfig) -> None:
-        self.scheduler = ReplicaScheduler(clock, cfg)
+    def __init__(
+        self,
+        clock: VirtualClock,
+        buffer: StampBuffer,
+        cfg: ReplicaConfig,
+        scheduler_cls: type[ReplicaScheduler] | None = None,
+    ) -> None:
+        self.scheduler = (scheduler_cls or ReplicaScheduler)(clock, cfg)
         self.model_executor = ReplicaExecutor(clock, FakeDevice(clock, buffer), cfg)
         self.batch_queue_size = cfg.batch_queue_size if cfg.mode != "sync" else 1
         self.batch_queue: deque[tuple[VirtualFuture, SchedulerOutput]] | None = None

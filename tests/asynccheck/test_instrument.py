@@ -21,6 +21,7 @@ from otel_kvtrace.asynccheck.replica import (
     ReplicaConfig,
     ReplicaEngineCore,
     ReplicaScheduler,
+    SchedulerOutput,
     VirtualClock,
 )
 
@@ -153,3 +154,26 @@ def test_output_thread_stamps_concurrently_without_loss() -> None:
         inst.uninstall()
     assert len(buffer.drain()) == 6_000
     assert buffer.dropped == 0
+
+
+def test_scheduler_subclass_chosen_at_engine_init_is_adopted_and_restored() -> None:
+    class CustomScheduler(ReplicaScheduler):  # not in the owner table, overrides without super()
+        def schedule(self):  # noqa: ANN201
+            self.clock.advance(self.cfg.schedule_ns)
+            out = SchedulerOutput(self.scheduled)
+            self.scheduled += 1
+            return out
+
+    original = vars(CustomScheduler)["schedule"]
+    clock = VirtualClock()
+    buffer = StampBuffer(capacity=4096, clock=clock)
+    inst = EngineLoopInstrumentation(buffer, owners=REPLICA_OWNERS)
+    inst.install()
+    try:
+        ReplicaEngineCore(clock, buffer, ReplicaConfig(mode="async", num_steps=4), scheduler_cls=CustomScheduler).run()
+        assert vars(CustomScheduler)["schedule"] is not original
+    finally:
+        inst.uninstall()
+    assert vars(CustomScheduler)["schedule"] is original
+    steps = StepAssembler().feed(buffer.drain(settle_s=0))
+    assert [s.step for s in steps] == [0, 1, 2, 3]

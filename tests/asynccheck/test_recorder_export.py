@@ -68,3 +68,11 @@ def test_trace_file_round_trips_and_metrics_reach_the_sdk(tmp_path: Path) -> Non
     depth = metrics[m.METRIC_QUEUE_DEPTH].data.data_points[0]
     assert dispatches == 6
     assert (depth.count, depth.min, depth.max) == (6, 1, 2)
+
+
+def test_stamps_of_never_completed_steps_stay_bounded() -> None:
+    from otel_kvtrace.asynccheck.assemble import MAX_PENDING
+
+    assembler = StepAssembler()  # like a worker process: only output-ready stamps, no engine loop
+    assert assembler.feed(Stamp(StampKind.DONE, t, 0, 0) for t in range(MAX_PENDING + 100)) == []
+    assert len(assembler._q[StampKind.DONE]) == MAX_PENDING
