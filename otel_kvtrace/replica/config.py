@@ -7,6 +7,7 @@ key path the prefetch depth defaults to 1 and there is no buffer reuse. Times ar
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, replace
 
@@ -249,7 +250,26 @@ class Jitter:
             factor = 1.0 + rng.uniform(-self._spread, self._spread)
         elif kind == "lognormal":
             sigma = self._spread
-            factor = rng.lognormvariate(-0.5 * sigma * sigma, sigma)
+            factor = math.exp(-0.5 * sigma * sigma + sigma * rng.gauss(0.0, 1.0))
         else:  # exponential tail on top of the mean: mean*(1-spread) + Exp(mean*spread)
             factor = (1.0 - self._spread) + rng.expovariate(1.0 / self._spread)
         return max(0, int(mean_us * 1000 * factor))
+
+    def many_ns(self, mean_us: float, count: int) -> list[int]:
+        """``count`` durations (same distribution as ``ns``), sampled in one tight loop."""
+        if mean_us <= 0:
+            return [0] * count
+        base = mean_us * 1000
+        kind, spread, rng = self._kind, self._spread, self._rng
+        if kind == "none" or spread == 0:
+            return [int(base)] * count
+        if kind == "uniform":
+            uni = rng.uniform
+            return [max(0, int(base * (1.0 + uni(-spread, spread)))) for _ in range(count)]
+        if kind == "lognormal":
+            gauss, exp = rng.gauss, math.exp
+            mu = -0.5 * spread * spread
+            return [max(0, int(base * exp(mu + spread * gauss(0.0, 1.0)))) for _ in range(count)]
+        expo = rng.expovariate
+        rate = 1.0 / spread
+        return [max(0, int(base * ((1.0 - spread) + expo(rate)))) for _ in range(count)]

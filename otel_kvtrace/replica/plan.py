@@ -73,7 +73,6 @@ def build_plan(cfg: ReplicaConfig) -> WorkPlan:
         "host_launch", "attention", "compute", "save_copy", "load_copy", "meta_build", "stagger",
         "slot_release", "late_gate")}
     jitters = {k: Jitter(t, cfg.seed, i + 1) for i, k in enumerate(tables)}
-    steady = t.jitter == "none" or t.jitter_spread == 0
     for step in range(cfg.steps):
         nb = blocks[step]
         means = {
@@ -88,11 +87,7 @@ def build_plan(cfg: ReplicaConfig) -> WorkPlan:
         base = step * n
         for key, mean in means.items():
             table = tables[key]
-            if steady:
-                table[base:base + n] = [int(mean * 1000)] * n
-            else:
-                sample = jitters[key].ns
-                table[base:base + n] = [sample(mean) for _ in range(n)]
+            table[base:base + n] = jitters[key].many_ns(mean, n)
         for layer in range(n):
             i = base + layer
             tables["stagger"][i] = int(((cfg.tp_rank + layer) % cfg.tp_size) * t.h2d_stagger_us * 1000)

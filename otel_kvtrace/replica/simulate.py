@@ -223,7 +223,7 @@ class _Simulation:
     # -- forward thread ------------------------------------------------------------------------------
     def _forward(self) -> Generator[int, int, None]:
         cfg, plan, loop = self.cfg, self.plan, self.loop
-        fire = loop.fire
+        fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = cfg.num_layers
         total = self.total
         save_sig, gate_sig, rq_sig, sq_sig = total, 2 * total, 3 * total, 4 * total + 1
@@ -256,7 +256,10 @@ class _Simulation:
                                      0, 0, now, deps=_NO_DEPS[:], transfer_tasks=tasks[layer])
                     recv_items.append(rec)
                     by_index[base + layer] = rec
-                    fire(rq_sig + len(recv_items) - 1, now)
+                    sig = rq_sig + len(recv_items) - 1
+                    times[sig] = now  # fire: only a parked waiter needs the heap
+                    if sig in waiters:
+                        fire(sig, now)
                 if wait_for[c]:
                     t0 = now
                     t = yield i
@@ -270,7 +273,10 @@ class _Simulation:
                 now += late_gate[i]
                 point = tail if tail > now else now
                 gate_npu[i] = point
-                fire(gate_sig + i, now)
+                sig = gate_sig + i
+                times[sig] = now  # fire: only a parked waiter needs the heap
+                if sig in waiters:
+                    fire(sig, now)
                 tail = point + attention[i]
                 # save_kv_layer(c): record the save event after attention, hand the save over
                 save_npu[i] = tail
@@ -278,9 +284,15 @@ class _Simulation:
                     srec = TaskRecord(sq, send_kind, len(send_items), step, c, c == last, None, None,
                                       0, 0, now, deps=_NO_DEPS[:])
                     send_items.append(srec)
-                    fire(sq_sig + len(send_items) - 1, now)
+                    sig = sq_sig + len(send_items) - 1
+                    times[sig] = now  # fire: only a parked waiter needs the heap
+                    if sig in waiters:
+                        fire(sig, now)
                 else:
-                    fire(save_sig + i, now)
+                    sig = save_sig + i
+                    times[sig] = now  # fire: only a parked waiter needs the heap
+                    if sig in waiters:
+                        fire(sig, now)
                 tail += compute[i]
                 now += host[i]
             t = yield save_sig + base + last
@@ -291,7 +303,7 @@ class _Simulation:
     # -- recv thread ---------------------------------------------------------------------------------
     def _recv(self) -> Generator[int, int, None]:
         cfg, plan, loop = self.cfg, self.plan, self.loop
-        fire = loop.fire
+        fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = cfg.num_layers
         total = self.total
         save_sig, gate_sig, rq_sig = total, 2 * total, 3 * total
@@ -348,7 +360,10 @@ class _Simulation:
                     rec.has_dep |= 1 << Dep.SLOT_RELEASE
                 rec.outcome = Outcome.EMPTY
                 rec.t_complete = now
-                fire(i, now)
+                sig = i
+                times[sig] = now  # fire: only a parked waiter needs the heap
+                if sig in waiters:
+                    fire(sig, now)
                 continue
             if gva:
                 stages.append((s_meta, now, now + meta[i]))
@@ -401,12 +416,15 @@ class _Simulation:
                 now += lease_ns
                 self.lease_release[step] = now
             rec.t_complete = now
-            fire(i, now)
+            sig = i
+            times[sig] = now  # fire: only a parked waiter needs the heap
+            if sig in waiters:
+                fire(sig, now)
 
     # -- send thread ---------------------------------------------------------------------------------
     def _send(self) -> Generator[int, int, None]:
         plan, loop = self.plan, self.loop
-        fire = loop.fire
+        fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = self.cfg.num_layers
         total = self.total
         save_sig, sq_sig = total, 4 * total + 1
@@ -439,7 +457,10 @@ class _Simulation:
             rec.stages.append((s_back, t0, now))
             rec.t_backend_return = rec.t_complete = now
             rec.nbytes = blocks[rec.step] * BLOCK_BYTES
-            fire(save_sig + i, now)
+            sig = save_sig + i
+            times[sig] = now  # fire: only a parked waiter needs the heap
+            if sig in waiters:
+                fire(sig, now)
 
 
 def _fill_depths(records: list[TaskRecord]) -> None:
