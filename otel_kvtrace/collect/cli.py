@@ -12,6 +12,7 @@ from otel_kvtrace.collect.receiver import (
     DEFAULT_HTTP_PORT,
     DEFAULT_MAX_QUEUE_BYTES,
     DEFAULT_OUT_DIR,
+    OutputDirError,
     PortInUseError,
 )
 from otel_kvtrace.collect.run import collect
@@ -74,5 +75,5 @@ def collect_command(
         )
     except PortInUseError as exc:
         raise click.BadParameter(str(exc), param_hint=exc.option) from exc
-    except PermissionError as exc:
-        raise click.BadParameter(f"cannot write there: {exc}", param_hint="--out") from exc
+    except OutputDirError as exc:
+        raise click.BadParameter(str(exc), param_hint="--out") from exc

@@ -38,8 +38,17 @@ class PortInUseError(OSError):
         self.protocol, self.host, self.port, self.option = protocol, host, port, option
         super().__init__(
             f"{protocol} port {port} on {host} is already in use or cannot be bound ({detail}); "
-            f"stop the other listener (an OpenTelemetry Collector?) or choose another port with {option}"
+            f"stop the other listener (an OpenTelemetry Collector?) or choose another port with {option} "
+            f"(or check --host)"
         )
+
+
+class OutputDirError(OSError):
+    """The output directory or file cannot be created or opened for append."""
+
+    def __init__(self, path: Path, detail: str) -> None:
+        self.path = path
+        super().__init__(f"cannot write {path} ({detail}); choose a writable directory with --out")
 
 
 class Receiver:
@@ -126,7 +135,10 @@ class Receiver:
                     )
                 except OSError as exc:
                     raise PortInUseError("http", self.host, self._http_port_wanted, "--http-port", str(exc)) from exc
-            self._writer.start()
+            try:
+                self._writer.start()
+            except OSError as exc:
+                raise OutputDirError(self.path, str(exc)) from exc
         except BaseException:
             if self._grpc is not None:
                 self._grpc.stop(0)

@@ -173,3 +173,15 @@ def test_request_without_spans_is_answered_but_writes_no_line(rx: Receiver, tmp_
     stats = rx.stop()
     assert (stats.http_requests, stats.lines_written) == (1, 0)
     assert rx.path.read_bytes() == b""
+
+
+def test_unwritable_out_exits_2_naming_the_option(tmp_path: Path) -> None:
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    proc = subprocess.run(
+        [sys.executable, "-m", "otel_kvtrace.cli", "collect", "--out", str(not_a_dir / "traces"),
+         "--grpc-port", "0", "--http-port", "0"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "--out" in proc.stderr and "Traceback" not in proc.stderr
