@@ -4,6 +4,7 @@ shutdown, failure containment, file sink round-trip, configuration from the envi
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from pathlib import Path
@@ -221,7 +222,6 @@ def test_file_is_collector_shaped_and_parses_with_opentelemetry_proto(tmp_path: 
     exporter = BackgroundExporter(recorder, sink, interval_s=3600)
     _submit(recorder, 3)
     exporter.shutdown()
-    import os
 
     assert sink.path == tmp_path / "traces" / f"kvtrace-wtest-{os.getpid()}.jsonl"
     for line in sink.path.read_bytes().splitlines():
@@ -301,3 +301,26 @@ def test_resource_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_file_name_uses_safe_run_id(tmp_path: Path) -> None:
     assert trace_file_path(tmp_path, "host/1 2", 7) == tmp_path / "traces" / "kvtrace-host_1_2-7.jsonl"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_forked_child_exports_its_own_records_to_its_own_file(tmp_path: Path) -> None:
+    recorder = Recorder()
+    sink = JsonLinesFileSink(tmp_path, "wtest", RESOURCE)
+    exporter = BackgroundExporter(recorder, sink, interval_s=3600)
+    _submit(recorder, 3)  # pending in the parent at fork time: the child must not export them
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            _submit(recorder, 4, start_seq=100)
+            code = 0 if exporter.shutdown(timeout_s=10) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    child_file = trace_file_path(tmp_path, "wtest", pid)
+    assert sorted(_root_seqs(_read_lines(child_file))) == [100, 101, 102, 103]
+    assert exporter.shutdown(timeout_s=10)
+    assert sorted(_root_seqs(_read_lines(sink.path))) == [0, 1, 2]
+    assert sink.path != child_file
