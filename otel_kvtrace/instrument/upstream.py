@@ -304,6 +304,19 @@ def resolve_installed() -> UpstreamBinding:
     return bind(version=installed_version() or "unknown", source="installed")
 
 
+def resolve_targets() -> Targets:
+    """The installed vLLM-Ascend's classes, ready for ``start_tracing``.
+
+    Raises :class:`UpstreamNotFound` when vLLM-Ascend is not importable or lacks a required patch point
+    (the message lists them; ``kvtrace doctor`` shows the full report).
+    """
+    binding = resolve_installed()
+    if not binding.ok:
+        missing = ", ".join(f"{p.point.id} {p.where} ({p.status})" for p in binding.missing_required())
+        raise UpstreamNotFound(f"vLLM-Ascend {binding.version} lacks required patch points: {missing}")
+    return binding.to_targets()
+
+
 # ---- source trees ------------------------------------------------------------------------------
 
 

@@ -90,3 +90,18 @@ def test_instrumentor_follows_the_switch_and_uninstruments(upstream: Upstream, m
     assert cls.__dict__["_handle_request"] is original
     (task,) = task_traces(exported_spans(tmp_path))
     assert task.attrs["kvtrace.layer_id"] == 1
+
+
+def test_installed_resolution_and_doctor_without_source(upstream: Upstream) -> None:
+    """With ``vllm_ascend`` importable (here: the fetched tree), the no-argument paths bind to it."""
+    from otel_kvtrace.doctor import EXIT_OK, doctor
+    from otel_kvtrace.instrument.upstream import resolve_targets
+
+    targets = resolve_targets()
+    assert targets.source == "upstream"
+    assert targets.recv_thread_classes == (upstream.binding.classes["recv_gva"], upstream.binding.classes["recv_key"])
+    assert targets.gate_class is upstream.gate_class and targets.worker_class.__name__ == "KVPoolWorker"
+    assert targets.flags["raise_if_failed"] == upstream.is_main
+    report = doctor()
+    assert report.exit_code == EXIT_OK and report.binding.source == "installed"
+    assert report.binding.layout == upstream.binding.layout
