@@ -70,8 +70,9 @@ class ReplicaConfig:
     bucket_pattern: str | None = None
     """Multi-bucket layouts: layer ``l`` gets cache-spec kind ``bucket_pattern[l % len]`` (e.g. ``"aab"``)."""
     requests_per_step: int = 1
+    """Concurrent requests: every step's batch holds this many (0 = steps without pool loads)."""
     chunks_per_request: int = 1
-    """Steps each request stays in the batch (chunked prefill); concurrency = ``requests_per_step``."""
+    """Steps each request stays in the batch (chunked prefill), staggered so requests end at different steps."""
     steps: int = 4
     seed: int = 0
     tp_rank: int = 0

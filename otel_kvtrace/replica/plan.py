@@ -58,8 +58,9 @@ def build_plan(cfg: ReplicaConfig) -> WorkPlan:
     for step in range(cfg.steps):
         batch = []
         for slot in range(cfg.requests_per_step):
-            chunk = step % cfg.chunks_per_request
-            generation = step // cfg.chunks_per_request
+            # Requests are staggered by slot, so concurrent requests are at different chunks in a step.
+            chunk = (step + slot) % cfg.chunks_per_request
+            generation = (step + slot) // cfg.chunks_per_request
             req_id = f"req-{generation * cfg.requests_per_step + slot}"
             nblocks = per_chunk if t.jitter == "none" else max(1, jit.ns(per_chunk) // 1000)
             batch.append(PlannedRequest(req_id, chunk == cfg.chunks_per_request - 1, nblocks, chunk * per_chunk))

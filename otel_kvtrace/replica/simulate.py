@@ -477,13 +477,21 @@ def _fill_depths(records: list[TaskRecord]) -> None:
         rec.inflight_at_enqueue = idx - done
 
 
+class _KeepRecordsRecorder(Recorder):
+    """A recorder that never recycles: the exported records are the ``SimResult``'s, kept intact."""
+
+    def recycle(self, records: list[TaskRecord]) -> None:
+        return None
+
+
 def simulate_to_recorder(cfg: ReplicaConfig, recorder: Recorder | None = None, *, run_id: str | None = None,
                          epoch_ns: int = DEFAULT_EPOCH_NS) -> tuple[SimResult, Recorder]:
     """Simulate and submit every record to a recorder anchored at ``epoch_ns`` (virtual time 0)."""
     result = simulate(cfg, run_id=run_id)
     if recorder is None:
         clock = VirtualClock(result.end_ns)
-        recorder = Recorder(capacity=max(1, result.num_tasks), clock=clock.now_ns, anchor=ClockAnchor(0, epoch_ns))
+        recorder = _KeepRecordsRecorder(
+            capacity=max(1, result.num_tasks), clock=clock.now_ns, anchor=ClockAnchor(0, epoch_ns))
     for rec in result.recv:
         recorder.submit(rec)
     for rec in result.send:

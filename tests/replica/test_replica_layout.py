@@ -104,3 +104,15 @@ def test_window_invariants(n: int, b: int, p: int, indep: list[int], behaviour: 
         assert src == (mapping.get(layer) if behaviour == "main" else None)
         # a task is always submitted no later than its own wait_for_layer_load
     assert all(len(subs) <= (p if c == 0 else 1) for c, subs in enumerate(plan))
+
+
+def test_concurrent_requests_are_staggered_across_chunks() -> None:
+    from otel_kvtrace.replica.plan import build_plan
+
+    plan = build_plan(ReplicaConfig(requests_per_step=3, chunks_per_request=2, steps=3))
+    got = [[(r.req_id, r.is_last_chunk) for r in batch] for batch in plan.requests]
+    assert got == [
+        [("req-0", False), ("req-1", True), ("req-5", False)],
+        [("req-0", True), ("req-4", False), ("req-5", True)],
+        [("req-3", False), ("req-4", True), ("req-8", False)],
+    ]

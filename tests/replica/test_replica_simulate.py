@@ -212,7 +212,8 @@ def test_simulate_to_traces_writes_the_hol_evidence(tmp_path) -> None:
     assert int(t3["kvtrace.wait_for_save_layer"]) == 1
     # in the exported trace, T4 is ready before the head T3 completes, yet dequeued after it
     assert int(t4["kvtrace.ts.ready"]) < int(t3["kvtrace.ts.complete"]) <= int(t4["kvtrace.ts.dequeue"])
-    assert int(t4["kvtrace.ts.enqueue"]) >= 10**18
+    assert int(t4["kvtrace.ts.enqueue"]) == 10**18 + result.recv[4].t_enqueue  # virtual 0 -> epoch_ns
+    assert result.recv[4].layer_id == 4 and result.recv[4].stages  # the result survives the export
 
 
 @pytest.mark.parametrize("cfg", [HOL_CFG, HOL_CFG.with_(behaviour="v0.23"), HOL_CFG.with_(path="key")])
