@@ -89,6 +89,8 @@ def _step_wrapper(batch_queue: int) -> Callable[[LoopState], Wrapper]:
 def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[LoopState], Wrapper]:
     """Stamp begin/end around the outermost call of a phase (``flag`` guards super() chains)."""
 
+    begin_code, end_code = int(begin), int(end)  # plain ints store faster than IntEnum members
+
     def make(state: LoopState) -> Wrapper:
         stamp = state.buffer.stamp
 
@@ -96,11 +98,11 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
             if not state.enabled or getattr(state, flag):
                 return wrapped(*args, **kwargs)
             setattr(state, flag, True)
-            stamp(begin, state.batch_queue)
+            stamp(begin_code, state.batch_queue)
             try:
                 return wrapped(*args, **kwargs)
             finally:
-                stamp(end)
+                stamp(end_code)
                 setattr(state, flag, False)
 
         return wrapper
@@ -129,11 +131,12 @@ def _init_wrapper(state: LoopState) -> Wrapper:
 
 def _done_wrapper(state: LoopState) -> Wrapper:
     stamp = state.buffer.stamp
+    done_code = int(StampKind.DONE)
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         if state.enabled:
-            stamp(StampKind.DONE)
+            stamp(done_code)
         return result
 
     return wrapper
