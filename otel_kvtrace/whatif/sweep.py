@@ -161,8 +161,10 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)  # atomic: a killed sweep never leaves a half-written cell
 
 
-def reproduce_command(out_dir: Path, quick: bool) -> str:
-    return f"kvtrace sweep --out {out_dir}{' --quick' if quick else ''} --report"
+def reproduce_command(out_dir: Path, quick: bool, repeats: int = 3, confirm: bool = False) -> str:
+    """The exact ``kvtrace sweep`` command that reproduces (or resumes) this sweep."""
+    return (f"kvtrace sweep --out {out_dir}{' --quick' if quick else ''}"
+            f"{f' --repeats {repeats}' if repeats != 3 else ''}{' --confirm' if confirm else ''} --report")
 
 
 def run_sweep(
@@ -208,7 +210,7 @@ def run_sweep(
         cfg = cell_config(cell, 0, base)
         v = decide(runs, cfg_label=cfg.label, config={**cell.to_dict(), "label": cfg.label,
                                                        "num_layers": cfg.num_layers, "steps": cfg.steps},
-                   reproduce=reproduce_command(out, quick))
+                   reproduce=reproduce_command(out, quick, matrix.repeats, confirm))
         v.extra["slug"] = cell.slug
         v.extra["path"] = cell.path
         v.extra["hol_example"] = next((r.hol_example for r in runs if r.hol_example), "")

@@ -1,0 +1,209 @@
+"""Render verdicts: Markdown, PNG (matplotlib, headless) and JSON. Rendering only; no decisions here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from otel_kvtrace.whatif.verdict import KEEP, MAX_FIFO_ERROR_PCT, MIN_REPEATS, ConfigVerdict
+
+DETAIL_LIMIT = 20
+"""Above this many configurations, per-configuration sections are written only for cells with HOL."""
+
+
+@dataclass(slots=True)
+class VerdictReport:
+    """Everything a verdict report shows; ``to_dict`` is the JSON document."""
+
+    title: str
+    reproduce: str
+    verdicts: list[ConfigVerdict]
+    model: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "title": self.title,
+            "reproduce": self.reproduce,
+            "model": self.model,
+            "rules": {"max_fifo_median_error_pct": MAX_FIFO_ERROR_PCT, "min_repeats": MIN_REPEATS},
+            "notes": self.notes,
+            "configurations": [v.to_dict() for v in self.verdicts],
+        }
+
+
+def write_json(report: VerdictReport, path: str | Path) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report.to_dict(), indent=1, default=_json_default))
+    return out
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, float) and value != value:  # NaN
+        return None
+    if isinstance(value, tuple | set):
+        return list(value)
+    return str(value)
+
+
+def _f(value: float, digits: int = 3) -> str:
+    return f"{value:.{digits}f}"
+
+
+def _range(s: dict[str, Any], digits: int = 3) -> str:
+    return f"{_f(s['mean'], digits)} ({_f(s['min'], digits)}–{_f(s['max'], digits)})"
+
+
+def _best_gain(v: ConfigVerdict) -> tuple[str, float]:
+    if not v.gains:
+        return "-", 0.0
+    name = max(v.gains, key=lambda n: v.gains[n]["lower_bound_ms"])
+    return name, v.gains[name]["lower_bound_ms"]
+
+
+def _has_hol(v: ConfigVerdict) -> bool:
+    return any(n > 0 for n in v.hol_events)
+
+
+def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
+    """The Markdown report: reproduction command, model, summary table, per-configuration evidence."""
+    lines = [f"# {report.title}", "", f"Reproduce: `{report.reproduce}`", ""]
+    if report.model:
+        lines.append("Replay model: " + ", ".join(f"{k}={v}" for k, v in report.model.items()) + ".")
+    lines += [
+        f"Rules: FIFO replay must reproduce recorded completions (median |error| <= {MAX_FIFO_ERROR_PCT:.0f}% "
+        f"of the median service time) before any policy is compared; switch only when the TTFT gain's lower "
+        f"bound over >= {MIN_REPEATS} runs is > 0 and > run-to-run noise (stdev of FIFO's mean TTFT), with "
+        "no p99 TTFT or peak in-flight regression.", "",
+    ]
+    lines += [f"- {n}" for n in report.notes]
+    if report.notes:
+        lines.append("")
+    switches = [v for v in report.verdicts if v.verdict != KEEP]
+    lines += [f"**{len(switches)} of {len(report.verdicts)} configuration(s) warrant a switch.**", ""]
+    for png in png_names:
+        lines += [f"![{Path(png).stem}]({png})", ""]
+    paths = sorted({str(v.extra.get("path") or v.config.get("path") or "") for v in report.verdicts})
+    for path in paths:
+        group = [v for v in report.verdicts if str(v.extra.get("path") or v.config.get("path") or "") == path]
+        lines += [f"## {path.upper() + ' path' if path else 'Configurations'}", ""]
+        lines += [
+            "| configuration | runs | FIFO err % (p95) | HOL events/run | HOL ms/run | best gain LB ms | noise ms "
+            "| verdict | reason |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for v in group:
+            best, lb = _best_gain(v)
+            lines.append(
+                f"| {_label(v)} | {len(v.run_ids)} | {_f(v.fifo_median_error_pct, 2)} ({_f(v.fifo_p95_error_pct, 1)}) "
+                f"| {', '.join(str(n) for n in v.hol_events)} | {', '.join(_f(x, 2) for x in v.hol_ms)} "
+                f"| {best}: {_f(lb)} | {_f(v.noise_ms)} | **{v.verdict}** | {v.reason} |")
+        lines.append("")
+        detailed = group if len(report.verdicts) <= DETAIL_LIMIT else [v for v in group if _has_hol(v)]
+        for v in detailed:
+            lines += _detail(v)
+    return "\n".join(lines) + "\n"
+
+
+def _label(v: ConfigVerdict) -> str:
+    extra = []
+    for key in ("requests_per_step", "stress", "clock"):
+        if key in v.config:
+            extra.append(f"{key}={v.config[key]}")
+    return v.cfg_label + (f" ({', '.join(extra)})" if extra else "")
+
+
+def _detail(v: ConfigVerdict) -> list[str]:
+    lines = [f"### {_label(v)}", ""]
+    lines.append("Configuration: " + ", ".join(f"`{k}={val}`" for k, val in v.config.items()) + ".")
+    if v.reproduce:
+        lines.append(f"Reproduce: `{v.reproduce}`.")
+    lines.append(f"Runs: {', '.join(v.run_ids)}.")
+    state = "validated" if v.validated else "**not validated: no policy compared**"
+    lines.append(f"FIFO replay error: median {_f(v.fifo_median_error_pct, 2)}%, p95 "
+                 f"{_f(v.fifo_p95_error_pct, 2)}% of service time ({state}).")
+    lines.append(f"HOL: {', '.join(str(n) for n in v.hol_events)} event(s) per run, "
+                 f"{', '.join(_f(x, 3) for x in v.hol_ms)} ms per run." +
+                 (f" Example: {v.extra['hol_example']}." if v.extra.get("hol_example") else ""))
+    lines += ["", "| policy | TTFT est. ms mean (min–max) | consumer wait ms/step | p99 TTFT ms | peak in-flight "
+              "| tasks/s | TTFT gain ms (min–max) |", "|---|---|---|---|---|---|---|"]
+    for name, m in v.policies.items():
+        gain = v.gains.get(name)
+        lines.append(
+            f"| {name} | {_range(m['ttft_ms_mean'])} | {_range(m['consumer_wait_ms_per_step'])} "
+            f"| {_f(m['ttft_ms_p99']['max'])} | {int(m['peak_inflight']['max'])} "
+            f"| {_f(m['throughput_tasks_per_s']['mean'], 0)} "
+            f"| {_range(gain['ttft_gain_ms']) if gain else '-'} |")
+    lines += ["", f"**Verdict: {v.verdict}**: {v.reason}.", ""]
+    return lines
+
+
+def write_markdown(report: VerdictReport, path: str | Path, *, png_names: Sequence[str] = ()) -> Path:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(markdown(report, png_names=png_names))
+    return out
+
+
+def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -> list[Path]:
+    """``whatif_ttft.png`` (TTFT estimate per policy, min–max over runs) and ``whatif_gain.png`` (gain
+    lower bound vs noise), for up to ``limit`` configurations (those with HOL first)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = sorted(report.verdicts, key=lambda v: (not _has_hol(v), v.verdict == KEEP))[:limit]
+    if not chosen:
+        return []
+    names = list(chosen[0].policies) if chosen[0].validated else ["fifo"]
+    labels = [f"{i + 1}" for i in range(len(chosen))]
+    width = 0.8 / max(1, len(names))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(chosen) + 2), 4.0))
+    for k, name in enumerate(names):
+        xs, ys, lo, hi = [], [], [], []
+        for i, v in enumerate(chosen):
+            m = v.policies.get(name)
+            if m is None:
+                continue
+            s = m["ttft_ms_mean"]
+            xs.append(i + k * width)
+            ys.append(s["mean"])
+            lo.append(s["mean"] - s["min"])
+            hi.append(s["max"] - s["mean"])
+        ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
+    ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(chosen))], labels)
+    ax.set_xlabel("configuration (numbers: whatif_configs.txt)")
+    ax.set_ylabel("TTFT estimate, ms (mean, min–max over runs)")
+    ax.set_title("TTFT estimate per policy")
+    ax.legend()
+    fig.tight_layout()
+    ttft = out / "whatif_ttft.png"
+    fig.savefig(ttft, dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(chosen) + 2), 4.0))
+    best = [_best_gain(v)[1] for v in chosen]
+    noise = [v.noise_ms for v in chosen]
+    colors = ["tab:green" if v.verdict != KEEP else "tab:gray" for v in chosen]
+    ax.bar(range(len(chosen)), best, color=colors, label="best gain lower bound (green: switch)")
+    ax.plot(range(len(chosen)), noise, "k_", markersize=14, label="run-to-run noise")
+    ax.axhline(0, color="black", linewidth=0.5)
+    ax.set_xticks(range(len(chosen)), labels)
+    ax.set_xlabel("configuration")
+    ax.set_ylabel("ms")
+    ax.set_title("TTFT gain lower bound vs noise")
+    ax.legend()
+    fig.tight_layout()
+    gain = out / "whatif_gain.png"
+    fig.savefig(gain, dpi=100)
+    plt.close(fig)
+    key = out / "whatif_configs.txt"
+    key.write_text("".join(f"{i + 1}: {_label(v)} -> {v.verdict}\n" for i, v in enumerate(chosen)))
+    return [ttft, gain]
