@@ -29,7 +29,7 @@ from typing import Any
 
 from otel_kvtrace.export.sinks import JsonLinesFileSink
 from otel_kvtrace.export.worker import BackgroundExporter, build_resource
-from otel_kvtrace.record.model import Dep, QueueInfo, Stage, TaskRecord
+from otel_kvtrace.record.model import Dep, QueueInfo, Stage
 from otel_kvtrace.record.recorder import Recorder
 
 # Plain ints, as instrumentation would bind them (an IntEnum attribute lookup costs ~0.1 us).

@@ -117,8 +117,9 @@ def otlp_protocol(environ: Mapping[str, str] | None = None) -> str:
             continue
         if value in PROTOCOLS:
             return value
+        supported = " or ".join(PROTOCOLS)
         logger.warning(
-            "otel-kvtrace: %s=%r is not supported (use %s); using %s", name, value, " or ".join(PROTOCOLS), DEFAULT_PROTOCOL
+            "otel-kvtrace: %s=%r is not supported (use %s); using %s", name, value, supported, DEFAULT_PROTOCOL
         )
         return DEFAULT_PROTOCOL
     return DEFAULT_PROTOCOL

@@ -205,7 +205,11 @@ def spans_to_readable_spans(spans: Sequence[JsonSpan], resource: Any, dropped: i
                 resource=resource,
                 attributes={a["key"]: _plain_value(a["value"]) for a in doc["attributes"]},
                 events=[
-                    Event(e["name"], {a["key"]: _plain_value(a["value"]) for a in e["attributes"]}, int(e["timeUnixNano"]))
+                    Event(
+                        e["name"],
+                        {a["key"]: _plain_value(a["value"]) for a in e["attributes"]},
+                        int(e["timeUnixNano"]),
+                    )
                     for e in doc.get("events", ())
                 ],
                 links=[

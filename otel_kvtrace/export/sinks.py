@@ -1,10 +1,11 @@
 """Where exported spans go: a local OTLP/JSON lines file, OTLP/gRPC, OTLP/HTTP (protobuf), or nowhere.
 
-Every sink takes one batch of tasks, each task's spans as OTLP/JSON text (``SpanBuilder.build_json``),
-and returns whether the batch was delivered. The network sinks send through the OpenTelemetry SDK's own OTLP exporters, so endpoint,
-headers, TLS, compression, timeout and retry settings come from the standard ``OTEL_EXPORTER_OTLP_*``
-variables exactly as for any OTel application; only the request is built by us (protobuf messages
-built directly: about 4x cheaper than SDK ``ReadableSpan`` + SDK encoder, see ``docs/export.md``).
+Every sink takes one batch of tasks, each task's spans as OTLP/JSON text
+(``SpanBuilder.build_json``), and returns whether the batch was delivered. The network sinks send
+through the OpenTelemetry SDK's own OTLP exporters, so endpoint, headers, TLS, compression, timeout
+and retry settings come from the standard ``OTEL_EXPORTER_OTLP_*`` variables exactly as for any OTel
+application; only the request is built by us (protobuf messages built directly: about 3x cheaper than
+SDK ``ReadableSpan`` + the SDK encoder, see ``docs/export.md``).
 """
 
 from __future__ import annotations

@@ -301,8 +301,9 @@ class SpanBuilder:
             end = t_deq if t_deq > t_enq else t_enq
             lo, hi = t_enq, end
             parts.append(
-                f"{head}{child_ids[_QUEUE_WAIT_IDX]}{child_parent}{_CHILD_NAME}{QUEUE_WAIT_SPAN}{_TIMES}{t_enq + offset}"
-                f"{_END_TIME}{end + offset}{_ATTRS}{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END}{_CLOSE}"
+                f"{head}{child_ids[_QUEUE_WAIT_IDX]}{child_parent}{_CHILD_NAME}{QUEUE_WAIT_SPAN}"
+                f"{_TIMES}{t_enq + offset}{_END_TIME}{end + offset}"
+                f"{_ATTRS}{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END}{_CLOSE}"
             )
         for stage in range(_NUM_STAGES):
             n = calls[stage]
@@ -316,14 +317,14 @@ class SpanBuilder:
                 hi = end
             attrs = ""
             links = ""
-            if stage == _SAVE_CPU_WAIT or stage == _SAVE_NPU_SYNC:
+            if stage in (_SAVE_CPU_WAIT, _SAVE_NPU_SYNC):
                 if src is not None:
                     attrs = f"{_K_SRC_LAYER}{src}{_INT_END}"
                 if stage == _SAVE_CPU_WAIT:
                     producer = producer_save_ids(record)
                     if producer is not None:
                         links = f',"links":[{{"traceId":"{producer[0].hex()}","spanId":"{producer[1].hex()}"}}]'
-            elif stage == _GATE_COND_WAIT or stage == _GATE_NPU_SYNC:
+            elif stage in (_GATE_COND_WAIT, _GATE_NPU_SYNC):
                 if gate is not None:
                     attrs = f"{_K_GATE}{gate}{_INT_END}"
             elif stage == _BACKEND_SUBMIT:
@@ -347,8 +348,8 @@ class SpanBuilder:
             if hi is None or end > hi:
                 hi = end
             parts.append(
-                f"{head}{child_ids[_COMPLETION_IDX]}{child_parent}{_CHILD_NAME}{COMPLETION_SPAN}{_TIMES}{t_ret + offset}"
-                f"{_END_TIME}{end + offset}{_ATTRS}{_CLOSE}"
+                f"{head}{child_ids[_COMPLETION_IDX]}{child_parent}{_CHILD_NAME}{COMPLETION_SPAN}"
+                f"{_TIMES}{t_ret + offset}{_END_TIME}{end + offset}{_ATTRS}{_CLOSE}"
             )
 
         # -- root span: enqueue (or the earliest child) -> the latest child end or completion -------

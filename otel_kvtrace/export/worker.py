@@ -9,6 +9,7 @@ there; failed batches are counted too. Nothing here ever raises into a host thre
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import socket
@@ -138,10 +139,8 @@ class BackgroundExporter:
             if self._shutdown_done:
                 return self.recorder.pending == 0
             self._shutdown_done = True
-        try:
+        with contextlib.suppress(Exception):  # interpreter teardown
             atexit.unregister(self._atexit)
-        except Exception:  # noqa: BLE001 - interpreter teardown
-            pass
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self._deadline = time.monotonic() + timeout
         self._stopping.set()
@@ -235,20 +234,16 @@ class BackgroundExporter:
         self.recorder.recycle(records)
 
     def _fail_internal(self, reason: str) -> None:
-        try:
+        with contextlib.suppress(Exception):
             self.recorder.disable(reason)  # logs once
-        except Exception:  # noqa: BLE001
-            pass
 
     def _report_drops(self, *, final: bool = False) -> None:
         """Push new drops to the metric counter; warn at most once per ``drop_log_interval_s``."""
         total = self.recorder.dropped
         delta = total - self._dropped_reported
         if delta > 0:
-            try:
+            with contextlib.suppress(Exception):  # a broken MeterProvider must not stop exporting
                 self._drop_counter.add(delta)
-            except Exception:  # noqa: BLE001 - a broken MeterProvider must not stop exporting
-                pass
             self._dropped_reported = total
         now = time.monotonic()
         if total > self._dropped_logged and (final or now - self._last_drop_log >= self.drop_log_interval_s):

@@ -7,7 +7,6 @@ directory's helpers.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from otel_kvtrace.record.model import Dep, Outcome, QueueInfo, Stage, TaskKind, TaskRecord
 from otel_kvtrace.record.recorder import ClockAnchor

@@ -193,7 +193,9 @@ def test_http_compression_from_environment(
     assert len(received.spans()) == 12
 
 
-def test_refusing_endpoint_counts_failed_batch(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def test_refusing_endpoint_counts_failed_batch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     """A dead endpoint: the batch fails after the SDK's bounded retries, and is counted as dropped."""
     import socket
 

@@ -109,7 +109,10 @@ def test_parses_str_and_collector_written_line() -> None:
     assert span.start_time_unix_nano == 1581452772000000321
 
 
-@pytest.mark.parametrize("bad", [b"not json", b"[1]", b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"zz"}]}]}]}'])
+BAD_ID = b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"zz"}]}]}]}'
+
+
+@pytest.mark.parametrize("bad", [b"not json", b"[1]", BAD_ID])
 def test_bad_input_raises_value_error(bad: bytes) -> None:
     with pytest.raises(ValueError):
         json_line_to_request(bad)

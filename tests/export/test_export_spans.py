@@ -185,7 +185,7 @@ def test_times_monotone_and_inside_root(make_record: Callable[..., TaskRecord]) 
         assert root_start <= start <= end <= root_end, span["name"]
     # the recv thread's own stages do not overlap and run in order
     recv_thread = [s for s in spans[1:] if s["name"] not in ("consumer_wait",)]
-    for before, after in zip(recv_thread, recv_thread[1:]):
+    for before, after in zip(recv_thread, recv_thread[1:], strict=False):
         assert _t(before)[1] <= _t(after)[0], (before["name"], after["name"])
 
 

@@ -85,7 +85,12 @@ def test_stalled_export_never_blocks_recording(tmp_path: Path, caplog: pytest.Lo
     sink = GatedFileSink(tmp_path)
     reader = InMemoryMetricReader()
     exporter = BackgroundExporter(
-        recorder, sink, interval_s=0.01, batch_size=batch, drop_log_interval_s=3600, meter_provider=MeterProvider([reader]),
+        recorder,
+        sink,
+        interval_s=0.01,
+        batch_size=batch,
+        drop_log_interval_s=3600,
+        meter_provider=MeterProvider([reader]),
         start=False,
     )
     _submit(recorder, batch)
@@ -139,7 +144,7 @@ def test_shutdown_drains_every_submitted_record(tmp_path: Path) -> None:
     assert len(requests) == 10
     assert sorted(_root_seqs(requests)) == list(range(1_000))
     assert exporter.shutdown() is True  # idempotent
-    assert not any(t.name == "kvtrace-exporter" and t.is_alive() for t in threading.enumerate() if t is exporter._thread)
+    assert exporter._thread is not None and not exporter._thread.is_alive()
 
 
 def test_force_flush_exports_pending_now(tmp_path: Path) -> None:
