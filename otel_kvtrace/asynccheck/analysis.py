@@ -65,6 +65,8 @@ FROM p
 
 _STEPS_SQL = """
 SELECT count(*),
+       count(schedule_start),
+       count(done),
        count(*) FILTER (WHERE batch_queue),
        max(queue_depth),
        avg(CASE WHEN launch_end - launch_start >= $cover * (done - launch_start) THEN 1.0 ELSE 0.0 END)
@@ -78,6 +80,8 @@ class AsyncMetrics:
     """The numbers behind a verdict (None where the capture cannot provide them)."""
 
     steps: int = 0
+    steps_with_schedule: int = 0
+    steps_with_done: int = 0
     pairs: int = 0
     overlap_ratio: float | None = None
     overlapped_pairs_share: float | None = None
@@ -143,8 +147,9 @@ def compute_metrics(con: duckdb.DuckDBPyConnection, run: str) -> AsyncMetrics:
     mt.pairs, mt.gaps, mt.gap_p50_ms, mt.gap_p95_ms = pairs, gaps, p50, p95
     if pairs and sched:
         mt.overlap_ratio, mt.overlapped_pairs_share = overlap / sched, overlapped
-    steps, bq, depth, blocking = con.execute(_STEPS_SQL, {"run": run, "cover": BLOCKING_LAUNCH_COVER}).fetchone()
-    mt.steps, mt.batch_queue_steps, mt.max_queue_depth, mt.blocking_launch_share = steps, bq, depth, blocking
+    row = con.execute(_STEPS_SQL, {"run": run, "cover": BLOCKING_LAUNCH_COVER}).fetchone()
+    mt.steps, mt.steps_with_schedule, mt.steps_with_done, mt.batch_queue_steps, mt.max_queue_depth = row[:5]
+    mt.blocking_launch_share = row[5]
     rows = con.execute(
         "SELECT name, start_ns, end_ns FROM async_spans WHERE run = $run AND name IN ('communication', 'compute')",
         {"run": run},
@@ -168,11 +173,18 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
     if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
         return CANNOT_TELL, ["the capture used hooks that synchronize the NPU: overlap cannot be judged"]
     if mt.pairs < MIN_PAIRS or mt.overlap_ratio is None:
-        if m.WARN_SCHEDULE_DOMAIN_MISSING in warning_kinds or mt.steps == 0:
-            reasons.append("no schedule spans in the capture (domain filter dropped 'Schedule'?)")
-        else:
-            reasons.append(f"only {mt.pairs} consecutive steps with schedule and output-ready times (need {MIN_PAIRS})")
-            reasons.append("device completion unknown: collect with acl_task_time=2 (MSPTI) or our instrumentation")
+        if mt.steps_with_schedule == 0:
+            hint = (" (the domain filter dropped 'Schedule')" if m.WARN_SCHEDULE_DOMAIN_MISSING in warning_kinds
+                    else "; forward.csv alone has none: add batch.csv" if m.WARN_SCHEDULE_MISSING in warning_kinds
+                    else "")
+            reasons.append(f"no schedule spans in the capture{hint}")
+        if mt.steps_with_done == 0:
+            reasons.append("no output-ready (device completion) times: host launch spans alone cannot show overlap "
+                           "(MindIE async 'forward' is a host launch); collect with acl_task_time=2 (MSPTI kernels) "
+                           "or with our engine-loop instrumentation")
+        if mt.steps_with_schedule and mt.steps_with_done:
+            reasons.append(f"only {mt.pairs} consecutive step pairs with schedule and output-ready times "
+                           f"(need {MIN_PAIRS})")
         if has_markers:
             reasons.append(f"async path markers present ({marker_text}), but overlap cannot be measured")
         return CANNOT_TELL, reasons

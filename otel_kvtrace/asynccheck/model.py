@@ -62,6 +62,7 @@ MINDIE_ASYNC_ONLY_SPANS = frozenset(
 # ---- capture warnings ----------------------------------------------------------------------------------
 WARN_NPU_SYNC_HOOKS = "npu_sync_hooks"
 WARN_SCHEDULE_DOMAIN_MISSING = "schedule_domain_missing"
+WARN_SCHEDULE_MISSING = "schedule_missing"
 WARN_COMM_DOMAIN_NOT_HCCL = "communication_domain_not_hccl"
 WARN_UNIT_GUESS = "unit_convention"
 WARN_MULTI_PROCESS = "multi_process"

@@ -214,6 +214,7 @@ def import_csv(path: Path, run: str) -> m.ImportResult:
         if missing:
             sink.issue(1, f"missing columns: {', '.join(sorted(missing))}")
             return sink.finish()
+        sink.result.seen.add(f"format:{fmt}")
         corrected: dict[str, int] = {}
         for row in reader:
             _csv_row(sink, fmt, reader.line_num, row, corrected)

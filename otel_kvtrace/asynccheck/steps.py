@@ -127,8 +127,15 @@ def run_warnings(spans: list[m.SpanRow], seen: set[str], run: str) -> list[m.Cap
             "device/host overlap cannot be judged from this capture. Remove those handlers from the symbols "
             "file and collect again.",
         ))
-    msprof_seen = {x for x in seen if not x.startswith("domain:")} - set(m.STEP_CHILD_SPANS)
-    if m.BATCH_SCHEDULE not in names and (msprof_seen or m.FORWARD in names):
+    msprof_seen = {x for x in seen if ":" not in x} - set(m.STEP_CHILD_SPANS)
+    only_forward_csv = "format:forward_csv" in seen and msprof_seen <= {"forward"} and "format:batch_csv" not in seen
+    if m.BATCH_SCHEDULE not in names and only_forward_csv:
+        out.append(m.CaptureWarning(
+            run, "", m.WARN_SCHEDULE_MISSING,
+            "forward.csv has no schedule spans; pass batch.csv (or profiler.db / chrome_tracing.json) from the "
+            "same parse output",
+        ))
+    elif m.BATCH_SCHEDULE not in names and (msprof_seen or m.FORWARD in names):
         out.append(m.CaptureWarning(
             run, "", m.WARN_SCHEDULE_DOMAIN_MISSING,
             "no BatchSchedule/batchFrameworkProcessing spans: the domain filter dropped 'Schedule' (MindIE emits "

@@ -148,3 +148,24 @@ def test_epoch_magnitude(value: float, unit: str | None) -> None:
 def test_to_ns_is_exact_at_epoch_magnitude() -> None:
     assert to_ns(1767225600000000.25, "us") == 1767225600000000250
     assert to_ns(1767225600001.5, "ms") == 1767225600001500000
+
+
+def test_forward_csv_alone_asks_for_batch_csv(tmp_path: Path) -> None:
+    fwd = copy_fixture("forward.csv", tmp_path / "forward.csv")
+    result = check([fwd])
+    assert result.verdict == CANNOT_TELL
+    assert m.WARN_SCHEDULE_MISSING in {w["kind"] for w in result.warnings}
+    assert m.WARN_SCHEDULE_DOMAIN_MISSING not in {w["kind"] for w in result.warnings}
+    assert any("add batch.csv" in r for r in result.reasons)
+    assert result.metrics.gap_p50_ms == pytest.approx(2.0)  # gaps still come from the forwards
+
+
+def test_mindie_async_without_device_times_cannot_tell_but_shows_markers(tmp_path: Path) -> None:
+    text = copy_fixture("mindie_async_chrome_tracing.json", tmp_path / "full.json").read_text()
+    lines = [ln for ln in text.splitlines() if '"Kernel"' not in ln]
+    path = tmp_path / "chrome_tracing.json"
+    path.write_text("\n".join(lines) + "\n")
+    result = check([path])
+    assert result.verdict == CANNOT_TELL
+    assert any("no output-ready (device completion) times" in r for r in result.reasons)
+    assert any("async path markers present" in r and m.MARKER_MINDIE_ASYNC_FORWARD in r for r in result.reasons)
