@@ -9,9 +9,14 @@ per-process session, so enabling both does not instrument twice.
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import sys
 import threading
+import types
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,6 +84,7 @@ def ensure_started(
 def stop() -> None:
     """Shut the process's session down (uninstrument + flush) and allow a new start."""
     global _session, _attempted
+    _remove_hook()
     with _lock:
         session, _session, _attempted = _session, None, False
     if session is not None:
@@ -92,13 +98,90 @@ def current_session() -> Any:
     return _session
 
 
+#: Importing this module means the process is a KV-pool worker: the moment to bind.
+WATCHED_MODULE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store.pool_worker"
+
+
+class _DelegatingLoader(importlib.abc.Loader):
+    """Runs the real loader, then ``after()``; used once, for ``WATCHED_MODULE``."""
+
+    def __init__(self, inner: importlib.abc.Loader, after: Any) -> None:
+        self._inner = inner
+        self._after = after
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._after()
+
+    def __getattr__(self, name: str) -> Any:  # get_code, get_source, ... for tracebacks and tools
+        return getattr(self._inner, name)
+
+
+class _BindOnImport(importlib.abc.MetaPathFinder):
+    """Binds right after vLLM itself imports the KV-pool worker module, never earlier.
+
+    Importing vLLM-Ascend's KV pool from the plugin hook would run its imports in every vLLM process
+    (API server, engine core) and possibly before vLLM-Ascend's own set-up; waiting for vLLM to import
+    it keeps the plugin free of side effects until the worker exists.
+    """
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != WATCHED_MODULE:
+            return None
+        _remove_hook()
+        spec = importlib.util.find_spec(fullname)
+        if spec is not None and spec.loader is not None:
+            spec.loader = _DelegatingLoader(spec.loader, ensure_started)
+        return spec
+
+
+_hook: _BindOnImport | None = None
+
+
+def _importable(name: str) -> bool:
+    if name in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _install_hook() -> None:
+    global _hook
+    if _hook is None:
+        _hook = _BindOnImport()
+        sys.meta_path.insert(0, _hook)
+
+
+def _remove_hook() -> None:
+    global _hook
+    if _hook is not None:
+        try:
+            sys.meta_path.remove(_hook)
+        except ValueError:
+            pass
+        _hook = None
+
+
 def register() -> None:
     """vLLM general-plugin hook: instrument this process when ``OTEL_KVTRACE_ENABLED=1``.
 
-    Idempotent and exception-free, as vLLM may call it several times per process.
+    Binds now if vLLM-Ascend's KV-pool worker module is already imported, otherwise right after vLLM
+    imports it (processes that never do, like the API server, stay untouched). Idempotent and
+    exception-free, as vLLM may call it several times per process.
     """
     try:
-        if enabled():
+        if not enabled() or _session is not None or _attempted:
+            return
+        if WATCHED_MODULE in sys.modules:
             ensure_started()
-    except Exception:  # pragma: no cover - ensure_started already catches; belt and braces for vLLM
-        pass
+        elif not _importable("vllm_ascend"):
+            ensure_started()  # logs once why tracing stays off
+        else:
+            _install_hook()
+    except Exception as exc:  # never break vLLM's plugin loading
+        logger.warning("otel-kvtrace: plugin registration failed: %s: %s", type(exc).__name__, exc)

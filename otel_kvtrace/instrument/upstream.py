@@ -491,8 +491,11 @@ def source_tree(root: str | Path) -> Iterator[UpstreamBinding]:
     try:
         for name in BARE_PACKAGES:
             package = types.ModuleType(name)
-            package.__path__ = [str(pkg_dir.joinpath(*name.split(".")[1:]))]  # type: ignore[attr-defined]
+            location = str(pkg_dir.joinpath(*name.split(".")[1:]))
+            package.__path__ = [location]  # type: ignore[attr-defined]
             package.__package__ = name
+            package.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+            package.__spec__.submodule_search_locations = [location]
             sys.modules[name] = package
         regex_alias = _regex_alias()
         if regex_alias is not None:

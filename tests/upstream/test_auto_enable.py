@@ -105,3 +105,27 @@ def test_installed_resolution_and_doctor_without_source(upstream: Upstream) -> N
     report = doctor()
     assert report.exit_code == EXIT_OK and report.binding.source == "installed"
     assert report.binding.layout == upstream.binding.layout
+
+
+def test_plugin_waits_for_vllm_to_import_the_worker_module(upstream: Upstream, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """In a fresh vLLM process the KV pool is not imported yet: bind right after vLLM imports it."""
+    import importlib
+    import sys
+
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, plugin.WATCHED_MODULE)  # restored (the fixture's module) afterwards
+    plugin.register()
+    assert plugin.current_session() is None, "nothing may happen before the worker module is imported"
+    plugin.register()
+    assert sum(isinstance(f, plugin._BindOnImport) for f in sys.meta_path) == 1
+
+    module = importlib.import_module(plugin.WATCHED_MODULE)  # what vLLM does when it builds the worker
+    session = plugin.current_session()
+    assert session is not None and session.targets.worker_class is module.KVPoolWorker
+    assert not any(isinstance(f, plugin._BindOnImport) for f in sys.meta_path)
+    assert "_start_kv_transfer_threads" in vars(module.KVPoolWorker)
+    assert getattr(vars(module.KVPoolWorker)["start_load_kv"], "__kvtrace_wrapped__", None) is not None
+    _run_one_task(upstream, layer=2)
+    assert wait_until(lambda: session.stats().submitted == 1)
