@@ -1,0 +1,69 @@
+"""The verdict rules, one reason at a time, on hand-made run summaries."""
+
+from __future__ import annotations
+
+from otel_kvtrace.whatif.replay import RunSummary
+from otel_kvtrace.whatif.verdict import decide
+
+
+def figures(ttft: float, *, p99: float | None = None, inflight: int = 4) -> dict[str, float | int]:
+    return {"ttft_ms_mean": ttft, "ttft_ms_p99": p99 if p99 is not None else ttft * 1.5,
+            "consumer_wait_ms_per_step": ttft / 2, "consumer_wait_ms_p99_layer": 1.0,
+            "peak_inflight": inflight, "throughput_tasks_per_s": 1000.0}
+
+
+def run(fifo: float, rq: float, *, hol: int = 2, error_ns: int = 10, rq_p99: float | None = None,
+        rq_inflight: int = 4, i: int = 0) -> RunSummary:
+    return RunSummary(
+        run_id=f"r{i}", cfg_label="cfg",
+        figures={"fifo": figures(fifo), "ready_queue": figures(rq, p99=rq_p99, inflight=rq_inflight)},
+        fifo_errors_ns=[error_ns] * 10, service_ns=[1000] * 10, hol_events=hol, hol_ms=1.0 * hol)
+
+
+def test_switch_when_gain_lower_bound_beats_noise() -> None:
+    v = decide([run(10.0, 9.0, i=0), run(10.2, 9.1, i=1), run(9.9, 8.95, i=2)])
+    assert v.verdict == "switch to ready_queue"
+    assert v.validated and v.fifo_median_error_pct == 1.0
+    assert abs(v.gains["ready_queue"]["lower_bound_ms"] - 0.95) < 1e-9
+    assert [round(g, 9) for g in v.gains["ready_queue"]["ttft_gain_ms"]["per_run"]] == [1.0, 1.1, 0.95]
+
+
+def test_fifo_not_reproduced_compares_no_policy() -> None:
+    v = decide([run(10.0, 9.0, error_ns=80, i=k) for k in range(3)])
+    assert v.verdict == "keep FIFO"
+    assert "does not reproduce" in v.reason and "8.0%" in v.reason
+    assert list(v.policies) == ["fifo"] and v.gains == {}
+
+
+def test_fewer_than_three_runs() -> None:
+    v = decide([run(10.0, 5.0, i=0), run(10.0, 5.0, i=1)])
+    assert v.verdict == "keep FIFO" and "only 2 independent run(s)" in v.reason
+
+
+def test_hol_must_be_present_in_every_run() -> None:
+    v = decide([run(10.0, 9.0, i=0), run(10.0, 9.0, hol=0, i=1), run(10.0, 9.0, i=2)])
+    assert v.verdict == "keep FIFO" and v.reason.startswith("no stable HOL (HOL in 2 of 3 runs)")
+
+
+def test_gain_below_noise() -> None:
+    # FIFO's mean TTFT moves by ~1 ms between runs; the gain is 0.3 ms
+    v = decide([run(9.0, 8.7, i=0), run(10.0, 9.7, i=1), run(11.0, 10.7, i=2)])
+    assert v.verdict == "keep FIFO"
+    assert v.reason.startswith("HOL present but gain below noise")
+
+
+def test_a_negative_run_blocks_the_switch_even_if_the_mean_gain_is_large() -> None:
+    v = decide([run(10.0, 8.0, i=0), run(10.0, 8.0, i=1), run(10.0, 10.1, i=2)])
+    assert v.verdict == "keep FIFO"
+
+
+def test_tail_and_inflight_regressions_block_the_switch() -> None:
+    v = decide([run(10.0, 9.0, rq_p99=20.0, i=k) for k in range(3)])
+    assert v.verdict == "keep FIFO" and "p99 TTFT regression" in v.reason
+    v = decide([run(10.0, 9.0, rq_inflight=6, i=k) for k in range(3)])
+    assert v.verdict == "keep FIFO" and "peak in-flight regression" in v.reason
+
+
+def test_summary_round_trips_through_json_dict() -> None:
+    r = run(10.0, 9.0)
+    assert RunSummary.from_dict(r.to_dict()) == r
