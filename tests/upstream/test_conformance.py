@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +25,7 @@ from .harness import (
     FakeNpuEvent,
     Upstream,
     epoch_of,
+    exported_spans,
     records_to_spans,
     task_traces,
     wait_until,
@@ -258,14 +260,21 @@ def test_key_path_traces_gate_and_synchronous_get(upstream: Upstream, tracing: A
 # ---- head-of-line evidence --------------------------------------------------------------------------
 
 
-def test_trace_shows_ready_task_stuck_behind_a_head_waiting_for_its_save(upstream: Upstream, tracing: Any) -> None:
-    """Layer 1 waits for the save of layer 0 while layer 2 (no dependency) is ready behind it."""
-    backend = FakeBackend()
-    env = upstream.gva_thread(N_LAYERS, backend)
-    env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 2)], wait_for_save_layer=0))
-    env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 2)]))
-    later(0.03, lambda: (env.sync_save[0].record(), env.save_done[0].set()))
-    head, behind = traces_after(tracing, 2)
+def test_trace_shows_ready_task_stuck_behind_a_head_waiting_for_its_save(upstream: Upstream, tmp_path: Path) -> None:
+    """Layer 1 waits for the save of layer 0 while layer 2 (no dependency) is ready behind it.
+
+    Read back from the OTLP/JSON lines file the real exporter wrote, as the analysis would.
+    """
+    session = start_tracing(upstream.binding.to_targets(), out_dir=tmp_path, run_id="hol")
+    try:
+        env = upstream.gva_thread(N_LAYERS, FakeBackend())
+        env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 2)], wait_for_save_layer=0))
+        env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 2)]))
+        later(0.03, lambda: (env.sync_save[0].record(), env.save_done[0].set()))
+        assert wait_until(lambda: session.stats().submitted == 2)
+    finally:
+        session.shutdown()
+    head, behind = task_traces(exported_spans(tmp_path))
 
     assert (head.attrs["kvtrace.layer_id"], behind.attrs["kvtrace.layer_id"]) == (1, 2)
     head_dep_met = head.attrs["kvtrace.ts.dep.save_cpu"]
