@@ -1,0 +1,212 @@
+"""``load_traces``: OTLP/JSON lines (or their Parquet cache) -> DuckDB tables ``spans`` and ``tasks``."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import duckdb
+
+from otel_kvtrace.load.clean import MalformedLine, clean_file
+from otel_kvtrace.load.files import LoadError, resolve_inputs
+from otel_kvtrace.load.otlp_sql import (
+    BAD_SPAN_CONDITION,
+    create_raw_spans_sql,
+    insert_spans_sql,
+    roots_table_sql,
+    spans_view_sql,
+)
+from otel_kvtrace.load.tasks_sql import RECV_ROOT, SEND_ROOT, create_tasks_sql
+
+LOADER_VERSION = "2"
+RAW_SPANS = "_kvtrace_spans"
+"""Physical span rows (attributes as parsed lists); read them through the ``spans`` view."""
+ROOTS = "_kvtrace_roots"
+"""trace_id -> correlation_id of every root span, so child spans can show their task's id."""
+"""Part of the cache key: bump when the table layout changes so stale caches are not reused."""
+
+Progress = Callable[[str], None]
+
+
+@dataclass(slots=True)
+class LoadStats:
+    """What was read, what was skipped and how long it took."""
+
+    files: list[str] = field(default_factory=list)
+    spans: int = 0
+    tasks: int = 0
+    send_tasks: int = 0
+    malformed: list[MalformedLine] = field(default_factory=list)
+    cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
+    seconds: float = 0.0
+
+    @property
+    def malformed_count(self) -> int:
+        return len(self.malformed)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["malformed"] = [str(m) for m in self.malformed]
+        out["malformed_count"] = self.malformed_count
+        return out
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """A DuckDB connection holding ``spans`` and ``tasks``, and the load statistics."""
+
+    con: duckdb.DuckDBPyConnection
+    stats: LoadStats
+
+
+def cache_key(files: Iterable[Path]) -> str:
+    """Key of the Parquet cache: loader version plus every input's path, size and mtime."""
+    digest = hashlib.sha256(LOADER_VERSION.encode())
+    for path in files:
+        st = path.stat()
+        digest.update(f"{path}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:24]
+
+
+def load_traces(
+    paths: Iterable[str | Path] | str | Path,
+    *,
+    cache_dir: str | Path | None = None,
+    con: duckdb.DuckDBPyConnection | None = None,
+    progress: Progress | None = None,
+) -> LoadResult:
+    """Load trace files, directories or globs (``.gz`` too) into DuckDB tables ``spans`` and ``tasks``.
+
+    With ``cache_dir`` the tables are also written as Parquet under ``cache_dir/<key>/`` and a later call
+    on unchanged inputs (same paths, sizes and mtimes) reads the Parquet instead of parsing JSON.
+    Malformed lines are skipped and listed in ``stats.malformed`` with file and line number; a file with
+    no usable span raises ``LoadError``.
+
+    Example::
+
+        result = load_traces("kvtrace-data/traces", cache_dir=".kvtrace-cache")
+        result.con.sql("SELECT count(*) FROM tasks").fetchone()
+    """
+    say = progress or (lambda _msg: None)
+    started = time.perf_counter()
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    files = resolve_inputs(paths)
+    con = con if con is not None else duckdb.connect()
+    cache_path = Path(cache_dir) / cache_key(files) if cache_dir is not None else None
+    if cache_path is not None and (cache_path / "stats.json").exists():
+        stats = _read_cache(con, cache_path)
+        say(f"loaded {stats.tasks} tasks from cache {cache_path}")
+        stats.seconds = time.perf_counter() - started
+        return LoadResult(con, stats)
+
+    stats = LoadStats(files=[str(f) for f in files], cache="off" if cache_path is None else "miss")
+    say(f"parsing {len(files)} file(s) ...")
+    _load_json(con, files, stats, say)
+    say("deriving tasks ...")
+    _run(con, roots_table_sql(RAW_SPANS, ROOTS))
+    _run(con, spans_view_sql(RAW_SPANS, ROOTS))
+    _run(con, create_tasks_sql(RAW_SPANS, "tasks"))
+    stats.spans = _scalar(con, "SELECT count(*) FROM spans")
+    stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
+    stats.send_tasks = _scalar(con, f"SELECT count(*) FROM spans WHERE name = '{SEND_ROOT}'")
+    if cache_path is not None:
+        say(f"writing Parquet cache {cache_path}")
+        _write_cache(con, cache_path, stats)
+    stats.seconds = time.perf_counter() - started
+    say(f"loaded {stats.spans} spans, {stats.tasks} tasks in {stats.seconds:.1f} s")
+    return LoadResult(con, stats)
+
+
+def _scalar(con: duckdb.DuckDBPyConnection, sql: str) -> int:
+    return con.execute(sql).fetchall()[0][0]
+
+
+def _run(con: duckdb.DuckDBPyConnection, sql: str, params: dict | None = None) -> None:
+    con.execute(sql, params).fetchall()  # DuckDB 2 wants every result consumed before the next statement
+
+
+def _load_json(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats, say: Progress) -> None:
+    _run(con, "DROP VIEW IF EXISTS spans")
+    _run(con, f"DROP TABLE IF EXISTS {RAW_SPANS}")
+    _run(con, create_raw_spans_sql(RAW_SPANS))
+    insert = insert_spans_sql(RAW_SPANS)
+    names = [str(f) for f in files]
+    with tempfile.TemporaryDirectory(prefix="kvtrace-clean-") as tmp:
+        try:  # fast path: every file in one parallel scan
+            _run(con, insert, {"files": names})
+            bad = [row[0] for row in con.execute(
+                f"SELECT DISTINCT file FROM {RAW_SPANS} WHERE {BAD_SPAN_CONDITION}").fetchall()]
+        except duckdb.Error:
+            say("some input is not JSON; loading file by file")
+            bad = []
+            for name in names:
+                try:
+                    _run(con, insert, {"files": [name]})
+                except duckdb.Error:
+                    bad.append(name)
+            bad += [row[0] for row in con.execute(
+                f"SELECT DISTINCT file FROM {RAW_SPANS} WHERE {BAD_SPAN_CONDITION}").fetchall() if row[0] not in bad]
+        for name in sorted(set(bad)):
+            say(f"cleaning malformed lines of {name}")
+            _run(con, f"DELETE FROM {RAW_SPANS} WHERE file = $file", {"file": name})
+            _load_cleaned(con, insert, Path(name), Path(tmp), stats)
+    per_file = dict(con.execute(f"SELECT file, count(*) FROM {RAW_SPANS} GROUP BY file").fetchall())
+    empty = [name for name in names if per_file.get(name, 0) == 0]
+    if empty:
+        details = "; ".join(str(m) for m in stats.malformed[:5])
+        raise LoadError(
+            f"no usable spans in {', '.join(empty)}"
+            + (f" ({stats.malformed_count} malformed line(s), first: {details})" if stats.malformed else
+               " (the file is empty)")
+        )
+
+
+def _load_cleaned(con: duckdb.DuckDBPyConnection, insert: str, path: Path, tmp: Path, stats: LoadStats) -> None:
+    cleaned = clean_file(path, tmp)
+    stats.malformed.extend(cleaned.malformed)
+    if cleaned.valid_spans == 0:
+        return
+    try:
+        _run(con, insert, {"files": [str(cleaned.clean_path)]})
+    except duckdb.Error as exc:
+        raise LoadError(f"{path}: cannot load even after removing malformed lines: {exc}") from exc
+    _run(con, f"UPDATE {RAW_SPANS} SET file = $orig WHERE file = $clean",
+         {"orig": str(path), "clean": str(cleaned.clean_path)})
+
+
+_CACHED_TABLES = (RAW_SPANS, ROOTS, "tasks")
+
+
+def _write_cache(con: duckdb.DuckDBPyConnection, cache_path: Path, stats: LoadStats) -> None:
+    cache_path.mkdir(parents=True, exist_ok=True)
+    for table in _CACHED_TABLES:
+        _run(con, f"COPY {table} TO '{cache_path / (table + '.parquet')}' (FORMAT PARQUET, COMPRESSION ZSTD)")
+    doc = stats.to_dict()
+    doc["malformed"] = [{"file": m.file, "line": m.line, "reason": m.reason} for m in stats.malformed]
+    (cache_path / "stats.json").write_text(json.dumps(doc))  # written last: marks the cache complete
+
+
+def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
+    for table in _CACHED_TABLES:
+        _run(con, f"DROP VIEW IF EXISTS {table}")
+        _run(con, f"DROP TABLE IF EXISTS {table}")
+        _run(con, f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{cache_path / (table + '.parquet')}')")
+    _run(con, spans_view_sql(RAW_SPANS, ROOTS))
+    raw = json.loads((cache_path / "stats.json").read_text())
+    return LoadStats(
+        files=raw["files"],
+        spans=raw["spans"],
+        tasks=raw["tasks"],
+        send_tasks=raw["send_tasks"],
+        malformed=[MalformedLine(m["file"], m["line"], m["reason"]) for m in raw["malformed"]],
+        cache="hit",
+    )
+
+
+__all__ = ["LoadError", "LoadResult", "LoadStats", "MalformedLine", "cache_key", "load_traces", "RECV_ROOT"]
