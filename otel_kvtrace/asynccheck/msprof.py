@@ -64,12 +64,18 @@ class _Sink:
 
 
 # ---- chrome_tracing.json -------------------------------------------------------------------------------
+class _JsonSyntaxError(ValueError):
+    def __init__(self, line: int, message: str) -> None:
+        super().__init__(message)
+        self.line = line
+
+
 def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
     """``(line, element)`` for each element of a top-level JSON array; raises ValueError on bad syntax."""
     decoder = json.JSONDecoder(parse_float=Decimal)
     pos = text.index("[") + 1 if text.lstrip().startswith("[") else -1
     if pos < 0:
-        raise ValueError("chrome_tracing.json must be a JSON array")
+        raise _JsonSyntaxError(1, "not a JSON array (chrome_tracing.json is a bare array)")
     line = 1 + text.count("\n", 0, pos)
     n = len(text)
     while True:
@@ -78,13 +84,13 @@ def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
             pos += 1
         line += text.count("\n", start, pos)
         if pos >= n:
-            raise ValueError(f"line {line}: unterminated JSON array")
+            raise _JsonSyntaxError(line, "unterminated JSON array")
         if text[pos] == "]":
             return
         try:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"line {exc.lineno}: {exc.msg}") from exc
+            raise _JsonSyntaxError(exc.lineno, f"JSON syntax error: {exc.msg}; the rest of the file is skipped") from exc
         yield line, obj
         line += text.count("\n", pos, end)
         pos = end
@@ -95,14 +101,17 @@ def import_chrome_tracing(path: Path, run: str) -> m.ImportResult:
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):
         doc = json.loads(text, parse_float=Decimal)
-        events: Iterator[tuple[int, Any]] = iter(enumerate(doc.get("traceEvents", []), 1))
+        if not isinstance(doc.get("traceEvents"), list):
+            sink.warn("unsupported_file", f"{path.name}: a JSON object without traceEvents; nothing imported")
+            return sink.finish()
+        events: Iterator[tuple[int, Any]] = iter(enumerate(doc["traceEvents"], 1))
     else:
         events = _iter_json_array(text)
     try:
         for line, ev in events:
             _chrome_event(sink, line, ev)
-    except ValueError as exc:  # syntax error: everything after it is lost
-        sink.issue(int(re.match(r"line (\d+)", str(exc)).group(1)) if str(exc).startswith("line ") else 0, str(exc))
+    except _JsonSyntaxError as exc:
+        sink.issue(exc.line, str(exc))
     return sink.finish()
 
 
