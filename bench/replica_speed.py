@@ -54,19 +54,23 @@ def throughput(cfg: ReplicaConfig, repeats: int) -> tuple[float, float, int, flo
 
 def side_by_side(repeats: int) -> None:
     cfg = ReplicaConfig(num_layers=8, num_shared_buffers=2, prefetch_layers=4, independent_layers=(0, 4), steps=20)
-    virtual, threaded = [], []
+    virtual, threaded, predicted, measured = [], [], [], []
     for _ in range(repeats):
         t0 = time.perf_counter_ns()
-        simulate(cfg)
+        res = simulate(cfg)
         virtual.append((time.perf_counter_ns() - t0) / cfg.steps)
+        predicted.append(statistics.median(s.end_ns - s.start_ns for s in res.steps))
         t0 = time.perf_counter_ns()
-        run_threaded(cfg)
+        real = run_threaded(cfg)
         threaded.append((time.perf_counter_ns() - t0) / cfg.steps)
+        measured.append(statistics.median(real.step_ns))
     v, t = statistics.median(virtual), statistics.median(threaded)
-    print(f"\nSame config ({cfg.label}, {cfg.steps} steps), wall time per step, median of {repeats}:")
-    print(f"  virtual  {v / 1e3:10.1f} us")
-    print(f"  threaded {t / 1e3:10.1f} us")
-    print(f"  ratio threaded/virtual {t / v:8.1f}x")
+    p, m = statistics.median(predicted), statistics.median(measured)
+    print(f"\nSame config ({cfg.label}, {cfg.steps} steps), median of {repeats}:")
+    print(f"  wall time to run one step: virtual {v / 1e3:9.1f} us   threaded {t / 1e3:9.1f} us"
+          f"   ratio {t / v:6.1f}x")
+    print(f"  step duration: virtual engine predicts {p / 1e6:7.3f} ms, threaded replica measured {m / 1e6:7.3f} ms"
+          f"   ratio measured/predicted {m / p:5.2f}")
 
 
 def main() -> None:

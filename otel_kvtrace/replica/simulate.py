@@ -429,7 +429,7 @@ class _Simulation:
         total = self.total
         save_sig, sq_sig = total, 4 * total + 1
         items = self.send_items
-        save_npu, save_copy, blocks = self.save_npu, plan.save_copy, plan.blocks
+        save_npu, save_copy, blocks, meta = self.save_npu, plan.save_copy, plan.blocks, plan.meta_build
         s_npu, s_back = Stage.SAVE_NPU_SYNC, Stage.BACKEND_SUBMIT
         dep_bit = 1 << Dep.SAVE_NPU
         now = 0
@@ -443,6 +443,7 @@ class _Simulation:
                 now = t
             rec.t_dequeue = now
             i = rec.step * n + rec.layer_id
+            now += meta[i]  # the send thread's own build_addrs (not a traced stage)
             sn = save_npu[i]
             t0 = now
             if sn > now:
