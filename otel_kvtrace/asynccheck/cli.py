@@ -6,7 +6,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import click
-import orjson
 from rich.console import Console
 
 from otel_kvtrace.asynccheck.analysis import check, compare
@@ -99,11 +98,9 @@ def doctor_command(
       kvtrace async doctor --cmdline "vllm serve Qwen3 --no-async-scheduling" --env-file deploy.env
     """
     try:
-        report = doctor(pid=pid, cmdline=cmdline, env_file=env_file, log=log)
+        report = doctor(pid=pid, cmdline=cmdline, env_file=env_file, log=log, json_path=json_path)
     except DoctorError as exc:
         raise InputError(str(exc)) from None
     from otel_kvtrace.asynccheck.render import render_doctor
 
     render_doctor(report, Console())
-    if json_path:
-        Path(json_path).write_bytes(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2))

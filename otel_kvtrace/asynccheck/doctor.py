@@ -321,6 +321,7 @@ def doctor(
     cmdline: str | None = None,
     env_file: str | Path | None = None,
     log: str | Path | None = None,
+    json_path: str | Path | None = None,
 ) -> DoctorReport:
     """Inspect a live process (``pid``) or a described one (``cmdline`` + ``env_file``)."""
     if (pid is None) == (cmdline is None):
@@ -344,5 +345,8 @@ def doctor(
     versions, versions_from = installed_versions(_interpreter(pid, argv, env), env)
     order = [ERROR, WARN, INFO, OK]
     findings.sort(key=lambda f: order.index(f.status))
-    return DoctorReport(target=f"{target} ({engine})", argv=list(argv), findings=findings, versions=versions,
-                        versions_from=versions_from, log_matches=matches)
+    report = DoctorReport(target=f"{target} ({engine})", argv=list(argv), findings=findings, versions=versions,
+                          versions_from=versions_from, log_matches=matches)
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(report.to_dict(), indent=2), encoding="utf-8")
+    return report
