@@ -15,6 +15,10 @@ Part 2 (sustained): a producer thread records tasks through the real ``Recorder`
 rate while the real ``BackgroundExporter`` writes them to a JSON-lines file; for each rate it reports
 drops (must be 0), the exporter thread's CPU per task and its share of one core.
 
+Part 3 (stalled sink): the sink blocks (an endpoint that hangs); a recording thread submits tasks at
+20,000 tasks/s. Prints the longest and the median ``submit`` call with the exporter healthy and stalled,
+the drop count and the hand-off occupancy: recording must not slow down when export stops.
+
 Run:  .venv/bin/python bench/export.py [--rates 10000,20000,30000] [--seconds 2]
 """
 
@@ -161,6 +165,58 @@ def sustained(rate: int, seconds: float, directory: str) -> dict[str, float]:
     }
 
 
+class _StalledSink(JsonLinesFileSink):
+    """Blocks in export until released: an OTLP endpoint that accepts the connection and hangs."""
+
+    def __init__(self, directory: str) -> None:
+        super().__init__(directory, "stalled", {"service.name": "kvtrace-bench"})
+        self.release = threading.Event()
+
+    def export(self, span_texts: Any, dropped: int) -> bool:
+        self.release.wait(120)
+        return super().export(span_texts, dropped)
+
+
+def submit_latency(directory: str, tasks: int, stalled: bool) -> dict[str, float]:
+    """Per-call ``submit`` latency on a recording thread, with the exporter healthy or stalled."""
+    capacity = 4096
+    recorder = Recorder(capacity=capacity)
+    sink = _StalledSink(directory)
+    if not stalled:
+        sink.release.set()
+    exporter = BackgroundExporter(recorder, sink, interval_s=0.005)
+    queue = make_queue()
+    clock = time.perf_counter_ns
+    submit = recorder.submit
+    durations = []
+    start = time.perf_counter()
+    for i in range(tasks):
+        if i % 20 == 0:  # paced at 20,000 submits/s, in 1 ms chunks
+            delay = start + i / 20_000 - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+        rec = recorder.new_record()
+        # identity + a stamp, as the hot path would set them
+        rec.queue = queue
+        rec.seq = i
+        rec.t_enqueue = clock()
+        t0 = clock()
+        submit(rec)
+        durations.append(clock() - t0)
+    max_pending = recorder.pending
+    sink.release.set()
+    exporter.shutdown(60)
+    durations.sort()
+    return {
+        "max_us": durations[-1] / 1000,
+        "p50_us": durations[len(durations) // 2] / 1000,
+        "p99_us": durations[int(len(durations) * 0.99)] / 1000,
+        "dropped": recorder.dropped,
+        "pending": max_pending,
+        "capacity": capacity,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rates", default="10000,20000,25000,30000", help="comma-separated tasks/s to sustain")
@@ -190,6 +246,14 @@ def main(argv: list[str] | None = None) -> int:
                 f"  target {rate:>6}/s: achieved {r['achieved']:8.0f}/s, dropped {r['dropped']:>6}, "
                 f"exporter {r['cpu_us_per_task']:5.1f} us cpu/task, {100 * r['core_share']:5.1f}% of one core, "
                 f"{r['lines']} lines, {r['mb']:.1f} MB"
+            )
+    print("== submit() latency on the recording thread at 20,000/s, exporter healthy vs. stalled (2 s each) ==")
+    with tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as tmp:
+        for stalled in (False, True):
+            r = submit_latency(tmp, 40_000, stalled)
+            print(
+                f"  {'stalled' if stalled else 'healthy':<8} p50 {r['p50_us']:.2f} us, p99 {r['p99_us']:.2f} us, "
+                f"max {r['max_us']:.1f} us; dropped {r['dropped']}, hand-off {r['pending']}/{r['capacity']}"
             )
     print(
         f"export_cpu_us_per_task={results['file json (build text + join line)']:.1f} "
