@@ -118,8 +118,8 @@ def main() -> None:
     print(f"\nper-task latency, enqueue -> load event set; {args.rounds} rounds x {args.tasks} tasks per mode")
     print(f"{'mode':15} {'median us':>10} {'p90 us':>9} {'added us':>9} {'ratio':>6} {'ratio range':>14}")
     for mode in MODES:
-        added = [m - b for m, b in zip(round_medians[mode], round_medians["untraced"])]
-        ratios = [m / b for m, b in zip(round_medians[mode], round_medians["untraced"])]
+        added = [m - b for m, b in zip(round_medians[mode], round_medians["untraced"], strict=True)]
+        ratios = [m / b for m, b in zip(round_medians[mode], round_medians["untraced"], strict=True)]
         print(f"{mode:15} {statistics.median(pooled[mode]) / 1e3:10.1f} {_pct(pooled[mode], 0.9) / 1e3:9.1f} "
               f"{statistics.median(added) / 1e3:9.1f} {statistics.median(ratios):6.2f} "
               f"{min(ratios):6.2f}-{max(ratios):<6.2f}")

@@ -165,7 +165,8 @@ def test_gated_prefetch_splits_condition_wait_and_npu_sync(upstream: Upstream, t
     assert cond.end == sync.start and abs(cond.end - record_at) <= TOL_NS
     npu_done = epoch_of(tracing, gate._event.done_at)
     assert sync.end + TOL_NS >= npu_done
-    assert task.attrs["kvtrace.ts.dep.gate_npu_lo"] - TOL_NS <= npu_done <= task.attrs["kvtrace.ts.dep.gate_npu_hi"] + TOL_NS
+    lo, hi = task.attrs["kvtrace.ts.dep.gate_npu_lo"], task.attrs["kvtrace.ts.dep.gate_npu_hi"]
+    assert lo - TOL_NS <= npu_done <= hi + TOL_NS
     assert task.attrs["kvtrace.ready_precision"] == "bounded"
     assert "kvtrace.gate_id" in task.attrs and cond.attrs["kvtrace.gate_id"] == task.attrs["kvtrace.gate_id"]
     assert task.children["backend_submit"].start >= sync.end
@@ -299,8 +300,9 @@ def test_real_worker_steps_gates_and_consumer_waits(upstream: Upstream, tracing:
 
     assert [(t.attrs["kvtrace.step"], t.attrs["kvtrace.layer_id"]) for t in tasks] == [
         (step, layer) for step in range(2) for layer in range(num_layers)]
-    assert all(t.attrs["kvtrace.correlation_id"].endswith(f"/gva/s{t.attrs['kvtrace.step']}/l{t.attrs['kvtrace.layer_id']}")
-               for t in tasks)
+    for t in tasks:
+        step, layer = t.attrs["kvtrace.step"], t.attrs["kvtrace.layer_id"]
+        assert t.attrs["kvtrace.correlation_id"].endswith(f"/gva/s{step}/l{layer}")
     # P=2: T0 has no gate, T1 gets G0 at c=0, then T(c+1) gets G(c) (research note 2.4)
     assert [t.attrs.get("kvtrace.gate_id") for t in tasks[:num_layers]] == [None, 0, 1, 2]
     for t in tasks:

@@ -179,10 +179,10 @@ def test_shutdown_restores_upstream_and_the_thread_keeps_working(upstream: Upstr
 
     assert {name: gva_cls.__dict__.get(name) for name in originals} == originals
     assert (gate_cls.__dict__["record"], gate_cls.__dict__["wait"]) == gate_originals
-    assert all(a is b for a, b in zip(env.thread.layer_load_finished_events, load_events))
-    assert all(a is b for a, b in zip(env.thread.layer_save_finished_events, save_events))
+    assert all(a is b for a, b in zip(env.thread.layer_load_finished_events, load_events, strict=True))
+    assert all(a is b for a, b in zip(env.thread.layer_save_finished_events, save_events, strict=True))
     if upstream.binding.flags["recv_save_npu_sync"]:
-        assert all(a is b for a, b in zip(env.thread.sync_save_events, sync_events))
+        assert all(a is b for a, b in zip(env.thread.sync_save_events, sync_events, strict=True))
     assert env.thread.group_builders is builders
     assert not [k for k in vars(env.thread) if k.startswith("_kvtrace")]
     env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 1)]))

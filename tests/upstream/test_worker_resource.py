@@ -48,4 +48,5 @@ def test_main_reuse_layout_is_described_as_upstream_builds_it(upstream: Upstream
     assert attrs["kvtrace.cfg.buffer_reuse"] is True
     assert attrs["kvtrace.cfg.label"] == "main gva N=8 B=2 P=4 indep=0,4"
     worker._extra_config = {}  # no explicit B: main's default applies (B = N, so no reuse)
-    assert worker_resource_attributes(worker, "main")["kvtrace.cfg.num_shared_buffers"] == build(8, {}).num_shared_buffers
+    default_b = build(8, {}).num_shared_buffers
+    assert worker_resource_attributes(worker, "main")["kvtrace.cfg.num_shared_buffers"] == default_b
