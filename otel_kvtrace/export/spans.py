@@ -13,6 +13,7 @@ Runs on the exporter thread only, never on the hot path.
 from __future__ import annotations
 
 import hashlib
+import operator
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -176,8 +177,9 @@ def producer_save_ids(record: TaskRecord) -> tuple[bytes, bytes] | None:
 def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
     """Group ids, distinct request ids and block count of upstream ``LayerTransferTask`` objects.
 
-    Defensive: upstream shapes differ between versions and fields may be missing or cleared, so every
-    read is a ``getattr`` with a default and anything unreadable contributes nothing.
+    Defensive: upstream shapes differ between versions, fields may be missing, cleared or numpy
+    arrays, so every read is a ``getattr`` with a default, no value is truth-tested, and a task that
+    cannot be read contributes what was read before the error (never an exception).
     """
     group_ids: list[int] = []
     request_ids: dict[str, None] = {}
@@ -186,37 +188,50 @@ def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
         return TransferSummary(group_ids, [], 0)
     tasks: Iterable[Any] = transfer_tasks if isinstance(transfer_tasks, (list, tuple)) else (transfer_tasks,)
     for task in tasks:
-        group_id = getattr(task, "group_id", None)
-        if isinstance(group_id, int) and group_id not in group_ids:
-            group_ids.append(group_id)
-        shared = getattr(task, "shared_block_data", None)
-        task_blocks = None
-        if shared is not None:
-            for req_id in getattr(shared, "req_ids", None) or ():
-                request_ids[str(req_id)] = None
-            block_ids = getattr(shared, "block_ids_arr", None)
-            if block_ids is not None:
-                try:
-                    task_blocks = len(block_ids)
-                except TypeError:
-                    task_blocks = None
-        range_blocks = 0
-        for block_range in getattr(task, "block_ranges", None) or ():
-            request = getattr(block_range, "request", None)
-            req_id = getattr(request, "req_id", None)
-            if req_id is not None:
-                request_ids[str(req_id)] = None
-            start = getattr(block_range, "start_block", None)
-            end = getattr(block_range, "end_block", None)
-            if isinstance(start, int) and isinstance(end, int) and end > start:
-                range_blocks += end - start
-        num_blocks += task_blocks if task_blocks is not None else range_blocks
+        try:
+            num_blocks += _summarize_one(task, group_ids, request_ids)
+        except Exception:  # noqa: BLE001 - an unreadable upstream object must not stop tracing
+            continue
     group_ids.sort()
     return TransferSummary(group_ids, list(request_ids), num_blocks)
 
 
+def _as_int(value: Any) -> int | None:
+    """``value`` as an int when it is an integer (including numpy integers), else ``None``."""
+    if value is None or isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
+def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]) -> int:
+    group_id = _as_int(getattr(task, "group_id", None))
+    if group_id is not None and group_id not in group_ids:
+        group_ids.append(group_id)
+    shared = getattr(task, "shared_block_data", None)
+    shared_blocks = None
+    if shared is not None:
+        req_ids = getattr(shared, "req_ids", None)
+        if req_ids is not None:
+            for req_id in req_ids:
+                request_ids[str(req_id)] = None
+        block_ids = getattr(shared, "block_ids_arr", None)
+        if block_ids is not None:
+            shared_blocks = len(block_ids)
+    range_blocks = 0
+    block_ranges = getattr(task, "block_ranges", None)
+    if block_ranges is not None:
+        for block_range in block_ranges:
+            req_id = getattr(getattr(block_range, "request", None), "req_id", None)
+            if req_id is not None:
+                request_ids[str(req_id)] = None
+            start = _as_int(getattr(block_range, "start_block", None))
+            end = _as_int(getattr(block_range, "end_block", None))
+            if start is not None and end is not None and end > start:
+                range_blocks += end - start
+    return shared_blocks if shared_blocks is not None else range_blocks
 
 
 @dataclass(slots=True)

@@ -298,6 +298,33 @@ def test_transfer_summary_is_defensive() -> None:
     assert (summary.request_ids, summary.num_blocks) == (["7"], 2)
 
 
+def test_transfer_summary_reads_numpy_fields() -> None:
+    import numpy as np
+
+    shared = FakeShared(
+        req_ids=np.array(["r1", "r2", "r1"]), block_ids_arr=np.arange(6), is_last_chunks=[], load_keys=[]
+    )
+    ranged = FakeLayerTransferTask(
+        group_id=np.int64(3),  # type: ignore[arg-type]
+        layer_idx_in_group=0,
+        block_ranges=[FakeBlockRange(FakeReq("r3"), np.int64(2), np.int64(5))],  # type: ignore[arg-type]
+    )
+    summary = summarize_transfer_tasks([FakeLayerTransferTask(1, 0, shared_block_data=shared), ranged])
+    assert (summary.group_ids, summary.request_ids, summary.num_blocks) == ([1, 3], ["r1", "r2", "r3"], 9)
+
+
+def test_unreadable_transfer_task_does_not_raise() -> None:
+    class Exploding:
+        group_id = 5
+
+        @property
+        def shared_block_data(self) -> object:
+            raise RuntimeError("cleared by upstream")
+
+    summary = summarize_transfer_tasks([Exploding(), FakeLayerTransferTask(2, 0)])
+    assert summary.group_ids == [2, 5] and summary.num_blocks == 0
+
+
 def test_encoders_agree_and_round_trip(make_record: Callable[..., TaskRecord]) -> None:
     """Text line, dict line and direct protobuf are one request (one span model, three encodings)."""
     records = [make_record(), make_record(layer_id=6, outcome=Outcome.ERROR, error=ValueError('quote " and \u00e9'))]
