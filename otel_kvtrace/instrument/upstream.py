@@ -245,7 +245,7 @@ def _init_params(cls: type | None) -> set[str]:
     if cls is None:
         return set()
     try:
-        return set(inspect.signature(cls.__init__).parameters)
+        return set(inspect.signature(getattr(cls, "__init__")).parameters)  # noqa: B009 (mypy: unsound access)
     except (TypeError, ValueError):
         return set()
 
