@@ -13,7 +13,7 @@ import click
 
 COMMANDS: dict[str, tuple[str, str, str]] = {
     # name: (module, attribute, short help shown by `kvtrace --help`)
-    "async": ("otel_kvtrace.asynccheck.cli", "async_group", "Did async scheduling take effect? `check` timelines, `doctor` a live process."),
+    "async": ("otel_kvtrace.asynccheck.cli", "async_group", "Did async scheduling take effect? `check` timelines, `doctor` a live process, `replica`."),
     "doctor": ("otel_kvtrace.doctor", "doctor_command", "Check every patch point against the installed vLLM-Ascend (or --source DIR)."),
     "demo": ("otel_kvtrace.demo", "demo_command", "Run the CPU replica (HOL and FIFO-optimal scenarios), traced, and summarise it."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),

@@ -77,6 +77,29 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
         render_check(check(list(paths), json_path=json_path), console)
 
 
+@async_group.command("replica")
+@click.option("--mode", type=click.Choice(["sync", "async", "serialised"]), multiple=True,
+              help="Engine loop(s) to run (repeat; default all three).")
+@click.option("--steps", "num_steps", type=click.IntRange(min=1), default=24, show_default=True, help="Engine steps.")
+@click.option("--comm-overlap", is_flag=True, help="Run each layer's all-reduce under the next layer's compute.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvtrace-data/async", show_default=True,
+              help="Directory for the trace files.")
+def replica_command(mode: tuple[str, ...], num_steps: int, comm_overlap: bool, out_dir: str) -> None:
+    """Run the engine-loop replica (virtual clock, fake device) and write traces for `check`.
+
+    \b
+    Example:
+      kvtrace async replica --mode sync --mode async
+      kvtrace async check --compare sync=kvtrace-data/async/kvtrace-async-replica-sync.jsonl \\
+                          --compare async=kvtrace-data/async/kvtrace-async-replica-async.jsonl
+    """
+    from otel_kvtrace.asynccheck.replica import ReplicaConfig, run_replica
+
+    for m in mode or ("sync", "async", "serialised"):
+        path = run_replica(ReplicaConfig(mode=m, num_steps=num_steps, comm_overlap=comm_overlap), out_dir=Path(out_dir))
+        click.echo(f"{m}: {path}")
+
+
 @async_group.command("doctor")
 @click.option("--pid", type=int, help="Live process to inspect (reads /proc/PID/environ and cmdline).")
 @click.option("--cmdline", help='Command line to inspect instead, e.g. "vllm serve M --async-scheduling".')

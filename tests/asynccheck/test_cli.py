@@ -60,7 +60,16 @@ def test_check_input_errors_exit_2(args: list[str], message: str) -> None:
 
 
 def test_help_teaches_with_examples() -> None:
-    for sub in ("check", "doctor"):
+    for sub in ("check", "doctor", "replica"):
         result = CliRunner().invoke(main, ["async", sub, "--help"])
         assert result.exit_code == 0
         assert "Example:" in result.output
+
+
+def test_replica_command_writes_traces_that_check_reads(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["async", "replica", "--mode", "serialised", "--steps", "5",
+                                       "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    path = tmp_path / "kvtrace-async-replica-serialised.jsonl"
+    assert str(path) in result.output
+    assert check([path]).metrics.steps == 5
