@@ -60,7 +60,7 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
 class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
-    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt")
+    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted")
 
     def __init__(self, buffer: StampBuffer) -> None:
         self.buffer = buffer
@@ -70,15 +70,30 @@ class LoopState:
         self.in_update = False
         self.enabled = True
         self.adopt: Callable[[Any], None] = lambda engine: None
+        self.adopted = False
 
 
 Wrapper = Callable[[Any, Any, tuple, dict], Any]
 
 
 def _step_wrapper(batch_queue: int) -> Callable[[LoopState], Wrapper]:
+    """Note which loop runs; on the first step, patch the engine's concrete scheduler/executor classes.
+
+    vLLM loads general plugins inside ``EngineCore.__init__``, so an ``__init__`` hook would miss the
+    engine; the first ``step`` is the earliest point where ``engine.scheduler`` is known. vLLM-Ascend
+    picks scheduler subclasses by configuration, and one that overrides ``schedule()`` without being in
+    the owner table would otherwise go unseen.
+    """
+
     def make(state: LoopState) -> Wrapper:
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             state.batch_queue = batch_queue
+            if not state.adopted:
+                state.adopted = True
+                try:
+                    state.adopt(instance)
+                except Exception:  # noqa: BLE001 - instrumentation failures never reach the host
+                    logger.exception("otel-kvtrace: could not patch the engine's scheduler/executor classes")
             return wrapped(*args, **kwargs)
 
         return wrapper
@@ -110,25 +125,6 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
-def _init_wrapper(state: LoopState) -> Wrapper:
-    """After ``EngineCore.__init__``: also patch the concrete scheduler/executor classes it chose.
-
-    vLLM-Ascend picks scheduler subclasses by configuration; one that overrides ``schedule()`` and is
-    not in the owner table would otherwise go unseen. Runs once per engine, never on the hot path.
-    """
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        result = wrapped(*args, **kwargs)
-        if state.enabled:
-            try:
-                state.adopt(instance)
-            except Exception:  # noqa: BLE001 - instrumentation failures never reach the host
-                logger.exception("otel-kvtrace: could not patch the engine's scheduler/executor classes")
-        return result
-
-    return wrapper
-
-
 def _done_wrapper(state: LoopState) -> Wrapper:
     stamp = state.buffer.stamp
     done_code = int(StampKind.DONE)
@@ -152,7 +148,6 @@ class PatchPoint:
 
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
-    PatchPoint("engine", "__init__", _init_wrapper),
     PatchPoint("engine", "step", _step_wrapper(0)),
     PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
     PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
