@@ -44,6 +44,9 @@ class QueueArrays:
     w2: list[int]
     w3: list[int]
     done: list[int]
+    ws: list[int]
+    wg: list[int]
+    wl: list[int]
     final: list[bool]
     step: list[int]
     step_values: list[int]
@@ -149,6 +152,7 @@ class QueueArrays:
             w0=[t.work_ns[0] for t in tasks], w1=[t.work_ns[1] for t in tasks],
             w2=[t.work_ns[2] for t in tasks], w3=[t.work_ns[3] for t in tasks],
             done=[min(t.completion_ns, t.work_ns[3] + t.work_ns[2]) for t in tasks],
+            ws=[t.wake_ns[0] for t in tasks], wg=[t.wake_ns[1] for t in tasks], wl=[t.wake_ns[2] for t in tasks],
             final=[t.final_layer for t in tasks],
             step=step, step_values=list(step_index),
             gate=[-1 if t.gate_id is None else t.gate_id for t in tasks],
@@ -300,15 +304,15 @@ class QueueState:
             t = now + q.w0[i]
             r = self.eff_rs[i]
             if t < r:
-                t = r
+                t = r + q.ws[i]
             t += q.w1[i]
             r = self.eff_rg[i]
             if t < r:
-                t = r
+                t = r + q.wg[i]
             t += q.w2[i]
             r = q.rl[i]
             if t < r:
-                t = r
+                t = r + q.wl[i]
             self.passed[i] = t
             t += q.w3[i]
             self.start[i] = now
@@ -323,6 +327,7 @@ class QueueState:
         q = self.q
         W = [0, 0, 0, 0]
         RS = RG = RL = NONE
+        LS = LG = LL = 0
         done_total = 0
         for i in batch:
             if self.served[i]:
@@ -336,15 +341,16 @@ class QueueState:
             RS = max(RS, self.eff_rs[i])
             RG = max(RG, self.eff_rg[i], q.arr[i])
             RL = max(RL, q.rl[i])
+            LS, LG, LL = max(LS, q.ws[i]), max(LG, q.wg[i]), max(LL, q.wl[i])
         saving = (len(batch) - 1) * q.call_overhead_ns + done_total
         for seg in (3, 2, 1, 0):
             take = min(saving, W[seg])
             W[seg] -= take
             saving -= take
         t = now + W[0]
-        t = max(t, RS) + W[1]
-        t = max(t, RG) + W[2]
-        t = max(t, RL)
+        t = (RS + LS if t < RS else t) + W[1]
+        t = (RG + LG if t < RG else t) + W[2]
+        t = RL + LL if t < RL else t
         passed = t
         t += W[3]
         self.batches += 1
@@ -377,18 +383,18 @@ class QueueState:
             self._effective(i)
         while True:
             if ph == 1:
-                r, w = self.eff_rs[i], q.w1[i]
+                r, w, lag = self.eff_rs[i], q.w1[i], q.ws[i]
             elif ph == 2:
-                r, w = self.eff_rg[i], q.w2[i]
+                r, w, lag = self.eff_rg[i], q.w2[i], q.wg[i]
             else:
-                r, w = q.rl[i], q.w3[i]
+                r, w, lag = q.rl[i], q.w3[i], q.wl[i]
             if ph < 3 and not det and (q.ks[i] >= 0 if ph == 1 else q.kg[i] >= 0):
                 self.phase[i] = ph
                 self.blocked[q.step[i]].append(i)
                 break
             if r > t:
                 self.phase[i] = ph
-                heapq.heappush(self.waiting, (r, i))
+                heapq.heappush(self.waiting, (r + lag, i))  # noticed after the recorded wake-up lag
                 break
             if t > now and i != self.head():
                 # a wait point is a scheduling point: a lower-seq task may have become runnable meanwhile
@@ -415,7 +421,11 @@ class QueueState:
         if ph == 0:
             return q.arr[i]
         self._effective(i)
-        return self.eff_rs[i] if ph == 1 else self.eff_rg[i] if ph == 2 else q.rl[i]
+        if ph == 1:
+            return self.eff_rs[i] + q.ws[i]
+        if ph == 2:
+            return self.eff_rg[i] + q.wg[i]
+        return q.rl[i] + q.wl[i]
 
     def _after(self, i: int) -> None:
         q = self.q

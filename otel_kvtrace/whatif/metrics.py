@@ -131,10 +131,11 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
     for h in order:
         t = rep.start[h] + q.w0[h]
         intervals = []
-        for r, w in ((rep.eff_rs[h], q.w1[h]), (rep.eff_rg[h], q.w2[h]), (q.rl[h], q.w3[h])):
+        for r, w, lag in ((rep.eff_rs[h], q.w1[h], q.ws[h]), (rep.eff_rg[h], q.w2[h], q.wg[h]),
+                          (q.rl[h], q.w3[h], q.wl[h])):
             if r > t:
-                intervals.append((t, r))
-                t = r
+                intervals.append((t, r + lag))
+                t = r + lag
             t += w
         if not intervals:
             continue

@@ -244,7 +244,7 @@ def confirm_cell(cell: SweepCell, out_dir: Path, base: Any = None, *, repeats: i
         cfg = cell_config(cell, seed, base)
         run_id = f"confirm-{cell.slug}-s{seed}"
         session = start_tracing(replica_targets(cfg.behaviour), resource=cfg.resource_attributes(),
-                                out_dir=trace_dir, run_id=run_id)
+                                out_dir=trace_dir, run_id=run_id, npu_timing=True)
         try:
             result = run_threaded(cfg)
         finally:

@@ -15,6 +15,9 @@ max(``ts_dep_gate_record``, ``ts_dep_gate_npu``), slot = ``ts_dep_slot_release``
 the upper bound (``bound="hi"``, conservative) or the lower bound (``bound="lo"``). A dependency time is
 never later than the observed end of its wait (the waiter returned, so it was satisfied by then).
 A slot-release wait that returned without blocking means the slot was already free: no constraint.
+When a dependency time is exact and the thread blocked on it, the delay between that time and the
+wait's return (wake-up / synchronize latency) is kept per wait and paid again when a replayed wait
+blocks (not for bounded times: there the gap is uncertainty, not latency).
 """
 
 from __future__ import annotations
@@ -54,6 +57,9 @@ class ReplayTask:
     final_layer: bool = False
     gate_id: int | None = None
     wait_for_save_layer: int | None = None
+    wake_ns: tuple[int, int, int] = (0, 0, 0)
+    """Per wait (save, gate, slot): how long after the exactly known dependency time the blocked thread
+    returned (event wake-up / synchronize latency). Paid again only when a replayed wait blocks."""
     completion_ns: int = 0
     """The ``completion`` stage (backend return -> load event set); the tail of the last work segment."""
     backend_submit_ns: int = 0
@@ -125,15 +131,20 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
     dequeue = _int(row.get("ts_dequeue"))
     complete = _int(row.get("ts_complete"))
     ready: list[int | None] = [None, None, None]
+    wake = [0, 0, 0]
     waits: list[tuple[int, int] | None] = [None, None, None]
     for kind in (SAVE, GATE, SLOT):
         times = [t for t in (_dep_time(row, d, bound) for d in WAIT_DEPS[kind]) if t is not None]
+        exact = all(_int(_get(row, f"ts_dep_{d}")) is not None for d in WAIT_DEPS[kind]
+                    if _dep_time(row, d, bound) is not None)
         spans = [s for s in (_stage(row, n) for n in WAIT_STAGES[kind]) if s is not None]
         wait = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
         r = max(times) if times else None
         if wait is not None:
             if r is None or r > wait[1]:
                 r = wait[1]  # satisfied no later than the waiter's return
+            elif exact and r > wait[0]:
+                wake[kind] = wait[1] - r  # blocked: the thread woke this long after the exact event time
             if kind == SLOT and wait[1] <= wait[0]:
                 r = None  # returned without blocking: the slot was already free
         waits[kind] = wait
@@ -164,6 +175,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         layer_id=int(row["layer_id"]),
         arrival_ns=arrival,
         work_ns=(work[0], work[1], work[2], work[3]),
+        wake_ns=(wake[0], wake[1], wake[2]),
         ready_save_ns=ready[SAVE],
         ready_gate_ns=ready[GATE],
         ready_slot_ns=ready[SLOT],
