@@ -154,6 +154,7 @@ def run_demo(
         try:
             replica = run_threaded(
                 cfg,
+                keep_log=False,
                 on_step=(lambda step, name=name, total=cfg.steps: on_progress(name, step + 1, total))
                 if on_progress is not None else None,
             )

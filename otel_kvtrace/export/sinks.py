@@ -39,7 +39,9 @@ class SpanSink(Protocol):
     """One destination for exported spans. Called only from the exporter (one thread at a time)."""
 
     def export(self, span_texts: Sequence[str], dropped: int) -> bool:
-        """Deliver one batch (one text per task); ``dropped``: cumulative records lost. False = batch lost."""
+        """Deliver one batch. Each text is one or more comma-separated OTLP/JSON span objects (one task's
+        spans from ``SpanBuilder.build_json``, or single spans); ``dropped`` is the cumulative count of
+        lost records. Returns False when the batch was lost."""
         ...
 
     def shutdown(self) -> None:

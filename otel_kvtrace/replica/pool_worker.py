@@ -42,7 +42,9 @@ class EnqueueLogEntry:
 class KVPoolWorker:
     """Producer side of the layerwise pipeline for one rank."""
 
-    def __init__(self, cfg: ReplicaConfig, plan: WorkPlan, npu: FakeNPU, *, wait_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self, cfg: ReplicaConfig, plan: WorkPlan, npu: FakeNPU, *, wait_timeout_s: float = 10.0, keep_log: bool = True
+    ) -> None:
         cfg.validate()
         self.cfg = cfg
         self.plan = plan
@@ -71,6 +73,8 @@ class KVPoolWorker:
         self.kv_recv_thread: KVTransferThread | None = None
         self.kv_send_thread: KVTransferThread | None = None
         self._step = -1
+        self.keep_log = keep_log
+        """Keep ``enqueue_log`` / ``gates_by_layer`` (they grow with the run: off for long runs)."""
         self.enqueue_log: list[EnqueueLogEntry] = []
         self.gates_by_layer: dict[tuple[int, int], object] = {}
 
@@ -177,7 +181,8 @@ class KVPoolWorker:
         if main:
             recv.raise_if_failed()
         gate = gate_module.reset_attention_compute_start_gate()
-        self.gates_by_layer[(self._step, c)] = gate
+        if self.keep_log:
+            self.gates_by_layer[(self._step, c)] = gate
         self._submit_ready_layer_loads()
         has = bool(self.layer_load_tasks[c])
         event = self.layer_load_finished_events[c]
@@ -208,7 +213,8 @@ class KVPoolWorker:
                 continue
             gate = gate_module.get_attention_compute_start_gate() if sub.gate_layer is not None else None
             task = LayerLoadTask(sub.wait_for_save_layer, self.layer_load_tasks[layer], layer, gate)
-            self.enqueue_log.append(EnqueueLogEntry(self._step, c, layer, sub.wait_for_save_layer, gate))
+            if self.keep_log:
+                self.enqueue_log.append(EnqueueLogEntry(self._step, c, layer, sub.wait_for_save_layer, gate))
             recv.add_request(task)
             submitted += 1
 

@@ -61,17 +61,19 @@ def run_threaded(
     wait_timeout_s: float = 10.0,
     shutdown_timeout_s: float = 5.0,
     npu: FakeNPU | None = None,
+    keep_log: bool = True,
 ) -> ThreadedResult:
     """Run ``cfg`` on real threads and the real clock. Errors raised by the forward are captured.
 
-    Pass ``npu`` (a real-clock ``FakeNPU``, e.g. with ``keep_kernels``) to inspect the device timeline.
+    Pass ``npu`` (a real-clock ``FakeNPU``, e.g. with ``keep_kernels``) to inspect the device timeline;
+    ``keep_log=False`` drops the per-task enqueue log (memory stays flat on long runs).
     """
     cfg.validate()
     plan = build_plan(cfg)
     npu = npu if npu is not None else FakeNPU(RealClock())
     set_default_device(npu)
     clock = npu.clock
-    worker = KVPoolWorker(cfg, plan, npu, wait_timeout_s=wait_timeout_s)
+    worker = KVPoolWorker(cfg, plan, npu, wait_timeout_s=wait_timeout_s, keep_log=keep_log)
     worker.register_kv_caches()
     compute = npu.compute
     n = cfg.num_layers

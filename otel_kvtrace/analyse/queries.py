@@ -1,0 +1,146 @@
+"""The SQL files in ``queries/``: find them, read their documented headers, run them.
+
+Each ``queries/<name>.sql`` is one SELECT over the tables ``spans``/``tasks`` with a header comment
+(``-- name:``, ``-- requires:``, ``-- purpose:``, ``-- definition:``, ``-- columns:``). A query may build on
+another one (``hol_summary`` reads ``hol_intervals``); ``run_query`` creates the ones it requires as
+temporary views first, so every file stays a plain, readable SELECT. ``install_views`` creates a view per
+query, so a database written by the loader can be explored from the DuckDB CLI
+(``SELECT * FROM hol_summary``).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import duckdb
+
+QUERIES_ENV = "OTEL_KVTRACE_QUERIES_DIR"
+"""Overrides where the ``.sql`` files are read from (default: the repository's ``queries/``)."""
+
+_COLUMN_LINE = re.compile(r"^--\s{3,}(\w+)\s+([A-Z][A-Z0-9_\[\]()]*)\s+(.*)$")
+
+
+@dataclass(slots=True)
+class ColumnDoc:
+    name: str
+    type: str
+    description: str
+
+
+@dataclass(slots=True)
+class QueryDoc:
+    """A query file and its documented header."""
+
+    name: str
+    path: Path
+    sql: str
+    requires: list[str] = field(default_factory=list)
+    purpose: str = ""
+    columns: list[ColumnDoc] = field(default_factory=list)
+
+    @property
+    def query_dependencies(self) -> list[str]:
+        """Other queries (not tables) this one reads."""
+        return [r for r in self.requires if r not in ("spans", "tasks")]
+
+
+@dataclass(slots=True)
+class QueryResult:
+    """Column names and rows of one query, with a dict view for JSON and templates."""
+
+    columns: list[str]
+    rows: list[tuple]
+
+    def records(self) -> list[dict[str, Any]]:
+        return [dict(zip(self.columns, row)) for row in self.rows]
+
+    def column(self, name: str) -> list[Any]:
+        index = self.columns.index(name)
+        return [row[index] for row in self.rows]
+
+
+def queries_dir() -> Path:
+    """Directory holding the ``.sql`` files."""
+    override = os.environ.get(QUERIES_ENV)
+    if override:
+        return Path(override)
+    return Path(__file__).resolve().parents[2] / "queries"
+
+
+def parse_header(path: Path) -> QueryDoc:
+    """Read the ``-- key: value`` header and the ``-- columns:`` block of one query file."""
+    sql = path.read_text()
+    doc = QueryDoc(name=path.stem, path=path, sql=sql)
+    section = ""
+    for line in sql.splitlines():
+        if not line.startswith("--"):
+            break
+        column = _COLUMN_LINE.match(line)
+        if section == "columns" and column:
+            doc.columns.append(ColumnDoc(*column.groups()))
+            continue
+        match = re.match(r"^--\s?(\w+):\s*(.*)$", line)
+        if match:
+            section, value = match.group(1), match.group(2).strip()
+            if section == "name":
+                doc.name = value
+            elif section == "requires":
+                doc.requires = [r.strip() for r in value.split(",") if r.strip()]
+            elif section == "purpose":
+                doc.purpose = value
+        elif section == "purpose":
+            doc.purpose += " " + line.lstrip("- ").strip()
+    return doc
+
+
+@cache
+def _load_all(directory: str) -> dict[str, QueryDoc]:
+    return {p.stem: parse_header(p) for p in sorted(Path(directory).glob("*.sql"))}
+
+
+def all_queries() -> dict[str, QueryDoc]:
+    """Every query file by name."""
+    return _load_all(str(queries_dir()))
+
+
+def get_query(name: str) -> QueryDoc:
+    queries = all_queries()
+    if name not in queries:
+        raise KeyError(f"no query {name!r} in {queries_dir()} (have: {', '.join(sorted(queries))})")
+    return queries[name]
+
+
+def _ensure_views(con: duckdb.DuckDBPyConnection, doc: QueryDoc, temporary: bool, done: set[str]) -> None:
+    for dep in doc.query_dependencies:
+        if dep in done:
+            continue
+        dep_doc = get_query(dep)
+        _ensure_views(con, dep_doc, temporary, done)
+        kind = "TEMP VIEW" if temporary else "VIEW"
+        con.execute(f"CREATE OR REPLACE {kind} {dep} AS {dep_doc.sql}").fetchall()
+        done.add(dep)
+
+
+def run_query(con: duckdb.DuckDBPyConnection, name: str) -> QueryResult:
+    """Run ``queries/<name>.sql`` (after creating the queries it requires as temporary views)."""
+    doc = get_query(name)
+    _ensure_views(con, doc, temporary=True, done=set())
+    cursor = con.execute(doc.sql)
+    columns = [d[0] for d in cursor.description]
+    return QueryResult(columns, cursor.fetchall())
+
+
+def install_views(con: duckdb.DuckDBPyConnection) -> list[str]:
+    """Create one persistent view per query file (in dependency order); returns their names."""
+    done: set[str] = set()
+    for doc in all_queries().values():
+        _ensure_views(con, doc, temporary=False, done=done)
+        if doc.name not in done:
+            con.execute(f"CREATE OR REPLACE VIEW {doc.name} AS {doc.sql}").fetchall()
+            done.add(doc.name)
+    return sorted(done)
