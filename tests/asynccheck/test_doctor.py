@@ -128,3 +128,39 @@ def test_bad_env_file_line_names_the_option(tmp_path: Path) -> None:
     env_file.write_text("JUSTAWORD\n")
     with pytest.raises(DoctorError, match=r"--env-file .*bad.env:1: expected KEY=VALUE"):
         doctor(cmdline="vllm serve m", env_file=env_file)
+
+
+def _doctor_error_as(uid: int | None, pid: int) -> str:
+    """Run ``doctor(pid=...)`` in a forked child, as ``uid`` when given; return the DoctorError text."""
+    read_fd, write_fd = os.pipe()
+    child_pid = os.fork()
+    if child_pid == 0:  # pragma: no cover - runs in the forked child
+        try:
+            if uid is not None:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+            doctor(pid=pid)
+            message = "no error"
+        except DoctorError as exc:
+            message = str(exc)
+        except BaseException as exc:  # noqa: BLE001
+            message = f"unexpected {type(exc).__name__}: {exc}"
+        os.write(write_fd, message.encode())
+        os._exit(0)
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as fh:
+        message = fh.read().decode()
+    os.waitpid(child_pid, 0)
+    return message
+
+
+def test_unreadable_process_is_a_clear_permission_error() -> None:
+    if os.geteuid() == 0:
+        # a root-owned child, inspected by an unprivileged user: /proc/PID/environ is 0400 root
+        with child([], {}) as pid:
+            message = _doctor_error_as(65534, pid)
+    else:
+        message = _doctor_error_as(None, 1)  # PID 1 belongs to root
+    assert "permission denied" in message, message
+    assert "--pid" in message
