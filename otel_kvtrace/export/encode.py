@@ -154,7 +154,7 @@ def spans_to_request(
         span.kind = doc["kind"]
         span.start_time_unix_nano = int(doc["startTimeUnixNano"])
         span.end_time_unix_nano = int(doc["endTimeUnixNano"])
-        _fill_attributes(span.attributes, doc["attributes"])
+        _fill_attributes(span.attributes, doc.get("attributes", ()))
         status = doc.get("status")
         if status is not None:  # present-but-empty must stay present, as json_format would parse it
             span.status.SetInParent()
@@ -203,11 +203,11 @@ def spans_to_readable_spans(spans: Sequence[JsonSpan], resource: Any, dropped: i
                 context=SpanContext(trace_id, int(doc["spanId"], 16), False, flags),
                 parent=SpanContext(trace_id, int(parent_hex, 16), False, flags) if parent_hex else None,
                 resource=resource,
-                attributes={a["key"]: _plain_value(a["value"]) for a in doc["attributes"]},
+                attributes={a["key"]: _plain_value(a["value"]) for a in doc.get("attributes", ())},
                 events=[
                     Event(
                         e["name"],
-                        {a["key"]: _plain_value(a["value"]) for a in e["attributes"]},
+                        {a["key"]: _plain_value(a["value"]) for a in e.get("attributes", ())},
                         int(e["timeUnixNano"]),
                     )
                     for e in doc.get("events", ())

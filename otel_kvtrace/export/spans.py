@@ -112,12 +112,14 @@ _PRECISION_EXACT = _str_attr_text("kvtrace.ready_precision", "exact")
 _PRECISION_BOUNDED = _str_attr_text("kvtrace.ready_precision", "bounded")
 _FINAL_TEXT = (_bool_attr_text("kvtrace.final_layer", False), _bool_attr_text("kvtrace.final_layer", True))
 _THREAD_FORWARD = _str_attr_text("kvtrace.thread", "forward")
-# Child span: f'{head}{span_id}{_CHILD_NAME}{name}{_TIMES}{start}{_END_TIME}{end}{_ATTRS}{attrs}{_CLOSE}'
+# Child span: f'{head}{span_id}{_CHILD_NAME}{name}{_TIMES}{start}{_END_TIME}{end}{_ATTRS}{attrs}{_CLOSE}';
+# a span without attributes has no "attributes" key (as the Collector writes it): ...{end}{_CLOSE_NO_ATTRS}
 _CHILD_NAME = '","name":"'
 _TIMES = '","kind":1,"startTimeUnixNano":"'
 _END_TIME = '","endTimeUnixNano":"'
 _ATTRS = '","attributes":['
 _CLOSE = '],"status":{}}'
+_CLOSE_NO_ATTRS = '","status":{}}'
 _SPAN_NAMES = tuple(STAGE_SPAN_NAMES)
 
 
@@ -351,7 +353,7 @@ class SpanBuilder:
                 attrs = f"{attrs},{calls_text}" if attrs else calls_text
             text = (
                 f"{head}{child_ids[stage + 1]}{child_parent}{_CHILD_NAME}{_SPAN_NAMES[stage]}{_TIMES}{start + offset}"
-                f"{_END_TIME}{end + offset}{_ATTRS}{attrs}{_CLOSE}"
+                f"{_END_TIME}{end + offset}{f'{_ATTRS}{attrs}{_CLOSE}' if attrs else _CLOSE_NO_ATTRS}"
             )
             if links:
                 text = f"{text[:-1]}{links}}}"
@@ -364,7 +366,7 @@ class SpanBuilder:
                 hi = end
             parts.append(
                 f"{head}{child_ids[_COMPLETION_IDX]}{child_parent}{_CHILD_NAME}{COMPLETION_SPAN}"
-                f"{_TIMES}{t_ret + offset}{_END_TIME}{end + offset}{_ATTRS}{_CLOSE}"
+                f"{_TIMES}{t_ret + offset}{_END_TIME}{end + offset}{_CLOSE_NO_ATTRS}"
             )
 
         # -- root span: enqueue (or the earliest child) -> the latest child end or completion -------
