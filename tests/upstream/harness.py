@@ -176,9 +176,10 @@ class FakeMemcacheClient:
 
     def batch_copy(self, gvas: list[int], addrs: list[int], sizes: list[int], direction: int) -> int:
         start = time.perf_counter()
-        if self.owner.copy_s > 0:
-            time.sleep(self.owner.copy_s)
-        result = self.owner.results.pop(0) if self.owner.results else 0
+        duration = self.owner.save_copy_s if direction == 0 else self.owner.copy_s
+        if duration > 0:
+            time.sleep(duration)
+        result = self.owner.results.pop(0) if self.owner.results and direction == 1 else 0
         self.owner.log("batch_copy", start, (len(gvas), int(sum(sizes)), direction, result))
         return result
 
@@ -186,8 +187,10 @@ class FakeMemcacheClient:
 class FakeBackend:
     """``m_store`` stand-in with the calls the recv threads make; every call is logged with its thread."""
 
-    def __init__(self, copy_s: float = 0.0, get_error: BaseException | None = None) -> None:
+    def __init__(self, copy_s: float = 0.0, get_error: BaseException | None = None,
+                 save_copy_s: float | None = None) -> None:
         self.copy_s = copy_s
+        self.save_copy_s = copy_s if save_copy_s is None else save_copy_s  # direction 0 (L2G, send thread)
         self.get_error = get_error
         self.results: list[int] = []
         self.calls: list[BackendCall] = []
@@ -413,6 +416,8 @@ class TaskTrace:
 
     root: SpanView
     children: dict[str, SpanView]
+    trace_id: str = ""
+    links: dict[str, list[str]] = field(default_factory=dict)  # child name -> linked trace ids
 
     @property
     def attrs(self) -> dict[str, Any]:
@@ -423,8 +428,8 @@ class TaskTrace:
         return [s.name for s in sorted(self.children.values(), key=lambda s: (s.start, s.end))]
 
 
-def task_traces(spans: list[dict[str, Any]]) -> list[TaskTrace]:
-    """Group OTLP/JSON spans into tasks (root ``kvtrace.recv.task`` + children sharing its trace id)."""
+def task_traces(spans: list[dict[str, Any]], root_name: str = "kvtrace.recv.task") -> list[TaskTrace]:
+    """Group OTLP/JSON spans into tasks (root ``root_name`` + children sharing its trace id)."""
     views: dict[str, list[tuple[dict[str, Any], SpanView]]] = {}
     for span in spans:
         view = SpanView(span["name"], int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]),
@@ -433,9 +438,11 @@ def task_traces(spans: list[dict[str, Any]]) -> list[TaskTrace]:
     tasks = []
     for members in views.values():
         roots = [v for s, v in members if not s.get("parentSpanId")]
-        if len(roots) != 1 or roots[0].name != "kvtrace.recv.task":
+        if len(roots) != 1 or roots[0].name != root_name:
             continue
-        tasks.append(TaskTrace(roots[0], {v.name: v for s, v in members if s.get("parentSpanId")}))
+        children = {v.name: v for s, v in members if s.get("parentSpanId")}
+        links = {s["name"]: [link["traceId"] for link in s.get("links", [])] for s, _ in members if s.get("links")}
+        tasks.append(TaskTrace(roots[0], children, members[0][0]["traceId"], links))
     return sorted(tasks, key=lambda t: t.attrs["kvtrace.seq"])
 
 
@@ -498,11 +505,14 @@ def pool_worker(up: Upstream, num_layers: int, prefetch: int, backend: FakeBacke
     return worker
 
 
-def drive_step(up: Upstream, worker: Any, loads: dict[int, list[SimpleNamespace]]) -> None:
+def drive_step(up: Upstream, worker: Any, loads: dict[int, list[SimpleNamespace]],
+               saves: dict[int, list[SimpleNamespace]] | None = None) -> None:
     """One forward step as vLLM runs it: start_load_kv, then per layer wait -> attention -> save."""
     worker.start_load_kv(SimpleNamespace(requests=[]))
     for layer, requests in loads.items():  # what process_layer_data would have prepared
         worker.layer_load_tasks[layer][:] = up.gva_task(layer, requests).transfer_tasks
+    for layer, requests in (saves or {}).items():  # same block data, copied L2G by the send thread
+        worker.layer_save_tasks[layer][:] = up.gva_task(layer, requests).transfer_tasks
     for _ in range(worker.num_layers):
         worker.wait_for_layer_load()
         up.gate_module.record_attention_compute_start()

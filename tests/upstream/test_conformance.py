@@ -353,3 +353,57 @@ def test_npu_timing_turns_bounds_into_the_device_completion_time(upstream: Upstr
         assert task.attrs["kvtrace.ready_precision"] == "exact"
     assert task.attrs["kvtrace.ts.ready"] == pytest.approx(max(gate_done, task.attrs["kvtrace.ts.dep.save_cpu"]),
                                                            abs=1_000_000)
+
+
+def test_real_send_thread_feeds_save_dependencies_and_reuse_hol_is_visible(upstream: Upstream) -> None:
+    """Real worker + real send and recv threads, main's reuse layout N=8 B=2 P=4 independent=[0,4].
+
+    The research note observed it on CPU: T4 (independent, ready once gate G1 opens) sits behind T3,
+    which waits for the save of layer 1. The trace must show it, with the save time coming from the
+    real send thread (and linked to its save span). On 0.23 there is no reuse: no task has a source.
+    """
+    import importlib
+
+    from .harness import drive_step, pool_worker
+
+    n = 8
+    pool_worker_module = importlib.import_module(upstream.binding.modules["pool_worker"])
+    build = getattr(pool_worker_module, "build_layerwise_cache_layout", None)
+    if build is not None:
+        layout = build(n, {"layerwise_num_shared_buffers": 2, "layerwise_prefetch_layers": 4,
+                           "layerwise_independent_layers": [0, 4]})
+        prefetch, reuse_map = layout.num_prefetch_layers, layout.prefetch_layer_map
+        assert reuse_map == {3: 1, 5: 2, 6: 3, 7: 5}
+    else:
+        prefetch, reuse_map = 4, {}
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="reuse", npu_timing=True)
+    try:
+        backend = FakeBackend(copy_s=0.001, save_copy_s=0.008)  # D2H saves are the slow part
+        worker = pool_worker(upstream, n, prefetch, backend)
+        worker.prefetch_layer_map = reuse_map
+        FakeNpuEvent.device_lag_s = 0.002
+        request = upstream.request("r1", 2)
+        drive_step(upstream, worker, {layer: [request] for layer in range(n)}, {layer: [request] for layer in range(n)})
+        assert wait_until(lambda: session.stats().submitted >= 2 * n)
+        spans = records_to_spans(session)
+    finally:
+        session.shutdown()
+    recv = {t.attrs["kvtrace.layer_id"]: t for t in task_traces(spans)}
+    send = {t.attrs["kvtrace.layer_id"]: t for t in task_traces(spans, "kvtrace.send.task")}
+    assert sorted(recv) == sorted(send) == list(range(n))
+    saves = [c for c in backend.calls if c.op == "batch_copy" and c.args[2] == 0]
+    assert len(saves) == n and all(send[layer].attrs["kvtrace.bytes"] == saves[0].args[1] for layer in send)
+    if not reuse_map:
+        assert all("kvtrace.wait_for_save_layer" not in t.attrs for t in recv.values())
+        return
+    for layer, src in reuse_map.items():
+        task = recv[layer]
+        assert task.attrs["kvtrace.wait_for_save_layer"] == src
+        # the save dependency is met when the real send thread set the event, at the end of its task
+        assert abs(task.attrs["kvtrace.ts.dep.save_cpu"] - send[src].attrs["kvtrace.ts.complete"]) <= 1_000_000
+        assert task.links["save_cpu_wait"] == [send[src].trace_id]
+    head, behind = recv[3], recv[4]
+    assert behind.attrs["kvtrace.ready_precision"] == "exact"
+    assert behind.attrs["kvtrace.ts.ready"] < head.attrs["kvtrace.ts.dep.save_cpu"], "T4 ready while T3 waits"
+    assert behind.attrs["kvtrace.ts.dequeue"] >= head.attrs["kvtrace.ts.complete"]
+    assert behind.attrs["kvtrace.ts.dequeue"] - behind.attrs["kvtrace.ts.ready"] > 5_000_000  # > 5 ms of HOL
