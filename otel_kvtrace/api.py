@@ -123,7 +123,12 @@ def start_tracing(
         recorder.anchor = ClockAnchor.take(clock)
     if npu_timing is None:
         npu_timing = os.environ.get(ENV_NPU_TIMING, "").strip().lower() in ("1", "true", "yes", "on")
-    runtime = Runtime(recorder=recorder, run_id=run_id or default_run_id(), npu_timing_wanted=npu_timing)
+    runtime = Runtime(
+        recorder=recorder,
+        run_id=run_id or default_run_id(),
+        npu_timing_wanted=npu_timing,
+        npu_event_class=targets.npu_event_class,
+    )
     installed = patches.install(targets, runtime)
     resource_attrs = dict(resource or {})
     resource_attrs.setdefault("kvtrace.run_id", runtime.run_id)

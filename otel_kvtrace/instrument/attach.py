@@ -8,6 +8,7 @@ post-hook when the worker is instrumented, otherwise lazily at a thread's first 
 from __future__ import annotations
 
 import os
+import sys
 from threading import get_ident
 from typing import Any
 
@@ -122,14 +123,27 @@ def gate_id(gate: Any, state: QueueState) -> int:
     return layer
 
 
-def npu_timing_for(rt: Runtime, event_type: Any) -> NpuTiming | None:
-    """The session's device-time mapper, created from the first NPU event type seen."""
+def npu_timing_for(rt: Runtime, event_type: Any = None) -> NpuTiming | None:
+    """The session's device-time mapper, created once, at attach time (never per task).
+
+    The event class comes from the first NPU event seen, else from ``Targets.npu_event_class``, else
+    from an already imported ``torch.npu.Event``; with none of them, timing stays off (bounds only).
+    """
     if not rt.npu_timing_wanted:
         return None
     if rt.npu_timing is None:
+        event_type = event_type or rt.npu_event_class or _imported_torch_npu_event()
+        if event_type is None:
+            return None
         rt.npu_timing = NpuTiming(event_type, rt.recorder.clock)
         rt.recorder.npu_resolver = rt.npu_timing.resolve
     return rt.npu_timing
+
+
+def _imported_torch_npu_event() -> Any:
+    torch = sys.modules.get("torch")  # never import torch ourselves
+    npu = getattr(torch, "npu", None) if torch is not None else None
+    return getattr(npu, "Event", None)
 
 
 def _replace_items(lst: Any, make: Any, state: QueueState) -> None:
@@ -156,9 +170,10 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
         state,
     )
     sync_events = getattr(thread, "sync_save_events", None)
+    if rt.npu_timing_wanted:  # calibrate now, before the gate's first record needs a mark
+        first_event = sync_events[0] if isinstance(sync_events, list) and sync_events else None
+        npu_timing_for(rt, type(first_event) if first_event is not None else None)
     if isinstance(sync_events, list) and sync_events:
-        if rt.npu_timing_wanted:
-            npu_timing_for(rt, type(sync_events[0]))
         _replace_items(sync_events, lambda i, ev: TracedNpuEvent(ev, rt, state), state)
     builders = thread.__dict__.get("group_builders")
     if isinstance(builders, list) and builders:

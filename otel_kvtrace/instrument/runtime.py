@@ -30,6 +30,7 @@ class Runtime:
     run_id: str
     npu_timing: Any = None  # NpuTiming | None; created lazily from the first NPU event type seen
     npu_timing_wanted: bool = False
+    npu_event_class: Any = None  # hint for creating timing events before any NPU event was seen
     state_by_thread: dict[int, QueueState] = field(default_factory=dict)
     queues: list[QueueState] = field(default_factory=list)
     workers: list[Any] = field(default_factory=list)  # objects that got a WorkerState attribute

@@ -15,6 +15,8 @@ class Targets:
     recv_thread_classes: tuple[type, ...] = ()
     send_thread_classes: tuple[type, ...] = ()
     gate_class: type | None = None
+    # The NPU event class (``torch.npu.Event`` or the replica's fake), for OTEL_KVTRACE_NPU_TIMING marks.
+    npu_event_class: Any = None
     source: str = "replica"
     version: str = ""
     flags: dict[str, Any] = field(default_factory=dict)

@@ -254,21 +254,23 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
     clock = rt.recorder.clock
 
     def record(self: Any, *args: Any, **kwargs: Any) -> Any:
-        first = getattr(self, "_event", None) is None
-        t = clock()
-        result = original(self, *args, **kwargs)
-        if first and rt.recorder.enabled:
+        # Stamp (and mark) before the original notifies: a waiter woken by it must see both.
+        if (
+            getattr(self, "_event", None) is None
+            and rt.recorder.enabled
+            and self.__dict__.get("_kvtrace_record_ns") is None
+        ):
             try:
-                event = getattr(self, "_event", None)
-                if event is not None and getattr(self, "_kvtrace_record_ns", NO_TIME) == NO_TIME:
-                    self._kvtrace_record_ns = t
-                    if rt.npu_timing_wanted:
-                        timing = attach.npu_timing_for(rt, type(event))
-                        if timing is not None:
-                            self._kvtrace_mark = timing.mark(*args, **kwargs)
+                self._kvtrace_record_ns = clock()
+                if rt.npu_timing_wanted:
+                    timing = attach.npu_timing_for(rt)
+                    if timing is not None:
+                        # Recorded just before the gate's own event on the same stream, with no work in
+                        # between, so the device reaches both at the same point.
+                        self._kvtrace_mark = timing.mark(*args, **kwargs)
             except Exception as exc:
                 rt.fail(exc)
-        return result
+        return original(self, *args, **kwargs)
 
     return _mark(record, original)
 

@@ -318,13 +318,6 @@ def test_real_worker_steps_gates_and_consumer_waits(upstream: Upstream, tracing:
 
 def test_npu_timing_turns_bounds_into_the_device_completion_time(upstream: Upstream,
                                                                  request: pytest.FixtureRequest) -> None:
-    if not upstream.binding.flags["recv_save_npu_sync"]:
-        # Known instrumentation bug, reported to the integrator: without sync_save_events on the recv
-        # thread (0.23, key path) the NpuTiming calibration is created lazily inside the first gate
-        # record(), synchronizes there (forward thread), and the gate's timing mark is attached only after
-        # the recv thread's wait() has already returned, so the first gate keeps bounds. strict: this test
-        # starts failing (XPASS) as soon as it is fixed; then delete this marker.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="lazy NpuTiming calibration in gate record"))
     session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="npu", npu_timing=True)
     try:
         env = upstream.gva_thread(N_LAYERS, FakeBackend())
