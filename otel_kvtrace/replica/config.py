@@ -7,8 +7,6 @@ key path the prefetch depth defaults to 1 and there is no buffer reuse. Times ar
 
 from __future__ import annotations
 
-import math
-import random
 from dataclasses import dataclass, field, replace
 
 BEHAVIOURS = ("main", "v0.23")
@@ -227,50 +225,3 @@ def _is_int(value: object) -> bool:
 def _check(ok: bool, option: str, message: str) -> None:
     if not ok:
         raise ReplicaConfigError(f"{option}: {message}")
-
-
-class Jitter:
-    """Seeded duration sampler: the same config and seed give the same durations on both engines."""
-
-    __slots__ = ("_rng", "_kind", "_spread")
-
-    def __init__(self, timing: Timing, seed: int, stream: int) -> None:
-        self._rng = random.Random(seed * 1_000_003 + stream)
-        self._kind = timing.jitter
-        self._spread = timing.jitter_spread
-
-    def ns(self, mean_us: float) -> int:
-        """One duration in ns with mean ``mean_us`` (never negative)."""
-        if mean_us <= 0:
-            return 0
-        kind = self._kind
-        if kind == "none" or self._spread == 0:
-            return int(mean_us * 1000)
-        rng = self._rng
-        if kind == "uniform":
-            factor = 1.0 + rng.uniform(-self._spread, self._spread)
-        elif kind == "lognormal":
-            sigma = self._spread
-            factor = math.exp(-0.5 * sigma * sigma + sigma * rng.gauss(0.0, 1.0))
-        else:  # exponential tail on top of the mean: mean*(1-spread) + Exp(mean*spread)
-            factor = (1.0 - self._spread) + rng.expovariate(1.0 / self._spread)
-        return max(0, int(mean_us * 1000 * factor))
-
-    def many_ns(self, mean_us: float, count: int) -> list[int]:
-        """``count`` durations (same distribution as ``ns``), sampled in one tight loop."""
-        if mean_us <= 0:
-            return [0] * count
-        base = mean_us * 1000
-        kind, spread, rng = self._kind, self._spread, self._rng
-        if kind == "none" or spread == 0:
-            return [int(base)] * count
-        if kind == "uniform":
-            uni = rng.uniform
-            return [max(0, int(base * (1.0 + uni(-spread, spread)))) for _ in range(count)]
-        if kind == "lognormal":
-            gauss, exp = rng.gauss, math.exp
-            mu = -0.5 * spread * spread
-            return [max(0, int(base * exp(mu + spread * gauss(0.0, 1.0)))) for _ in range(count)]
-        expo = rng.expovariate
-        rate = 1.0 / spread
-        return [max(0, int(base * ((1.0 - spread) + expo(rate)))) for _ in range(count)]

@@ -1,14 +1,21 @@
 """Per-step work plan: requests, block counts and every sampled duration, drawn once from the seed.
 
 Both engines read durations from the same plan, so a threaded run and a virtual run of one config see
-the same work; only the clock differs.
+the same work; only the clock differs. Sampling is vectorised with numpy (one generator seeded with
+``seed``, tables drawn in a fixed order), so plans stay cheap next to the simulation itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from otel_kvtrace.replica.config import Jitter, ReplicaConfig
+import numpy as np
+
+from otel_kvtrace.replica.config import ReplicaConfig, Timing
+
+DURATION_TABLES = (
+    "host_launch", "attention", "compute", "save_copy", "load_copy", "meta_build", "slot_release",
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,8 +41,8 @@ class WorkPlan:
     save_copy: list[int]
     load_copy: list[int]
     meta_build: list[int]
-    stagger: list[int]
     slot_release: list[int]
+    stagger: list[int]
     late_gate: list[int]
     fail_index: int
     """``step * num_layers + layer`` whose load copy fails, or -1."""
@@ -45,62 +52,78 @@ class WorkPlan:
         return bool(self.requests[step])
 
 
-def build_plan(cfg: ReplicaConfig) -> WorkPlan:
+def _factors(timing: Timing, rng: np.random.Generator, size: int) -> np.ndarray | None:
+    """Multiplicative jitter with mean 1 (``None`` = no jitter)."""
+    spread = timing.jitter_spread
+    if timing.jitter == "none" or spread == 0:
+        return None
+    if timing.jitter == "uniform":
+        return 1.0 + rng.uniform(-spread, spread, size)
+    if timing.jitter == "lognormal":
+        return rng.lognormal(-0.5 * spread * spread, spread, size)
+    return (1.0 - spread) + rng.exponential(spread, size)  # exponential tail on a fixed floor
+
+
+def _sample_ns(mean_us: np.ndarray, timing: Timing, rng: np.random.Generator) -> np.ndarray:
+    factors = _factors(timing, rng, mean_us.size)
+    ns = mean_us * 1000.0 if factors is None else mean_us * 1000.0 * factors
+    return np.maximum(ns, 0.0).astype(np.int64)
+
+
+def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
     """Sample the whole run. Deterministic for a given config (including ``seed``)."""
-    cfg.validate()
+    if validate:
+        cfg.validate()
     t = cfg.timing
     s = cfg.slow
-    n = cfg.num_layers
-    jit = Jitter(t, cfg.seed, 0)
+    n, steps = cfg.num_layers, cfg.steps
+    rng = np.random.default_rng(cfg.seed)
+
+    per_chunk = t.blocks_per_request
+    block_counts = _sample_ns(np.full(steps * cfg.requests_per_step, float(per_chunk)), t, rng) // 1000
     requests: list[list[PlannedRequest]] = []
     blocks: list[int] = []
-    per_chunk = t.blocks_per_request
-    for step in range(cfg.steps):
+    k = 0
+    for step in range(steps):
         batch = []
         for slot in range(cfg.requests_per_step):
             # Requests are staggered by slot, so concurrent requests are at different chunks in a step.
             chunk = (step + slot) % cfg.chunks_per_request
             generation = (step + slot) // cfg.chunks_per_request
             req_id = f"req-{generation * cfg.requests_per_step + slot}"
-            nblocks = per_chunk if t.jitter == "none" else max(1, jit.ns(per_chunk) // 1000)
+            nblocks = max(1, int(block_counts[k]))
+            k += 1
             batch.append(PlannedRequest(req_id, chunk == cfg.chunks_per_request - 1, nblocks, chunk * per_chunk))
         requests.append(batch)
         blocks.append(sum(r.num_blocks for r in batch))
-    total = cfg.steps * n
-    slow_save = set(s.slow_save_layers)
-    slow_release = set(s.slow_slot_release_layers)
-    late_gate = set(s.late_gate_layers)
-    tables: dict[str, list[int]] = {k: [0] * total for k in (
-        "host_launch", "attention", "compute", "save_copy", "load_copy", "meta_build", "stagger",
-        "slot_release", "late_gate")}
-    jitters = {k: Jitter(t, cfg.seed, i + 1) for i, k in enumerate(tables)}
-    for step in range(cfg.steps):
-        nb = blocks[step]
-        means = {
-            "host_launch": t.host_launch_us,
-            "attention": t.attention_us,
-            "compute": t.layer_compute_us,
-            "save_copy": t.copy_call_us + nb * t.save_d2h_us_per_block,
-            "load_copy": t.copy_call_us + nb * t.load_h2d_us_per_block,
-            "meta_build": t.meta_build_us,
-            "slot_release": t.slot_release_us,
-        }
-        base = step * n
-        for key, mean in means.items():
-            table = tables[key]
-            table[base:base + n] = jitters[key].many_ns(mean, n)
-        for layer in range(n):
-            i = base + layer
-            tables["stagger"][i] = int(((cfg.tp_rank + layer) % cfg.tp_size) * t.h2d_stagger_us * 1000)
-            if layer in slow_save:
-                tables["save_copy"][i] += int(s.slow_save_us * 1000)
-            if layer in slow_release:
-                tables["slot_release"][i] += int(s.slow_slot_release_us * 1000)
-            if layer in late_gate:
-                tables["late_gate"][i] = int(s.late_gate_us * 1000)
+
+    total = steps * n
+    step_blocks = np.repeat(np.asarray(blocks, dtype=np.float64), n)
+    means = {
+        "host_launch": np.full(total, t.host_launch_us),
+        "attention": np.full(total, t.attention_us),
+        "compute": np.full(total, t.layer_compute_us),
+        "save_copy": t.copy_call_us + step_blocks * t.save_d2h_us_per_block,
+        "load_copy": t.copy_call_us + step_blocks * t.load_h2d_us_per_block,
+        "meta_build": np.full(total, t.meta_build_us),
+        "slot_release": np.full(total, t.slot_release_us),
+    }
+    tables = {name: _sample_ns(means[name], t, rng) for name in DURATION_TABLES}
+    layer_of = np.tile(np.arange(n), steps)
+    if s.slow_save_layers:
+        tables["save_copy"] += np.isin(layer_of, s.slow_save_layers) * int(s.slow_save_us * 1000)
+    if s.slow_slot_release_layers:
+        tables["slot_release"] += np.isin(layer_of, s.slow_slot_release_layers) * int(s.slow_slot_release_us * 1000)
+    late_gate = np.isin(layer_of, s.late_gate_layers) * int(s.late_gate_us * 1000)
+    stagger = ((cfg.tp_rank + layer_of) % cfg.tp_size * (t.h2d_stagger_us * 1000)).astype(np.int64)
     fail = -1
     if s.fail_copy_at is not None:
         fail = s.fail_copy_at[0] * n + s.fail_copy_at[1]
     waiter = cfg.behaviour == "main" and cfg.path == "gva" and (
         t.slot_release_us > 0 or bool(s.slow_slot_release_layers))
-    return WorkPlan(n, cfg.steps, requests, blocks, fail_index=fail, has_slot_release_waiter=waiter, **tables)
+    return WorkPlan(
+        n, steps, requests, blocks,
+        **{name: table.tolist() for name, table in tables.items()},
+        stagger=stagger.tolist(), late_gate=late_gate.tolist(),
+        fail_index=fail, has_slot_release_waiter=waiter,
+    )

@@ -147,7 +147,7 @@ def ready_time(rec: TaskRecord) -> int:
 def simulate(cfg: ReplicaConfig, *, run_id: str | None = None, pid: int = 0) -> SimResult:
     """Run ``cfg`` on the virtual clock; deterministic for a given config (including its seed)."""
     cfg.validate()
-    plan = build_plan(cfg)
+    plan = build_plan(cfg, validate=False)
     # The run allocates many small long-lived records; cyclic GC passes over them cost more than the
     # simulation itself, and nothing here creates reference cycles that need collecting mid-run.
     was_enabled = gc.isenabled()
