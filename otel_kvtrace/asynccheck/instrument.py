@@ -3,8 +3,9 @@
 Wrap points (``docs/async_check.md``, research §4.5): ``EngineCore.step`` / ``step_with_batch_queue``
 (which loop ran the step), ``Scheduler.schedule`` (``batch_schedule``), ``Executor.execute_model``
 (``model_execute``: host dispatch; returns a Future in async mode), ``AsyncGPUModelRunnerOutput
-.get_output`` (``execute_done``: device output ready, on the output thread) and
-``Scheduler.update_from_output`` (``update_output``). vLLM-Ascend's scheduler subclasses that override
+.get_output`` (``execute_done``: device output ready, on the output thread),
+``Scheduler.update_from_output`` (``update_output``) and ``ParallelConfig.has_unfinished_dp`` (the DP
+engines' step all-reduce: ``communication``). vLLM-Ascend's scheduler subclasses that override
 ``schedule()`` are listed too; a re-entrancy flag keeps ``super().schedule()`` chains to one span.
 
 Nothing here imports vLLM or torch at module import; ``install_from_env`` does nothing unless
@@ -54,13 +55,17 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
         "vllm.v1.executor.multiproc_executor:MultiprocExecutor",
     ),
     "output": ("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",),
+    # DP engines all-reduce "unfinished requests" on the engine loop (every 32 steps in recent vLLM)
+    "dp_sync": ("vllm.config:ParallelConfig", "vllm.config.parallel:ParallelConfig"),
 }
 
 
 class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
-    __slots__ = ("buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted")
+    __slots__ = (
+        "buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted", "step"
+    )
 
     def __init__(self, buffer: StampBuffer) -> None:
         self.buffer = buffer
@@ -71,6 +76,7 @@ class LoopState:
         self.enabled = True
         self.adopt: Callable[[Any], None] = lambda engine: None
         self.adopted = False
+        self.step = -1  # steps scheduled so far - 1: the step a communication belongs to
 
 
 Wrapper = Callable[[Any, Any, tuple, dict], Any]
@@ -108,11 +114,14 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
 
     def make(state: LoopState) -> Wrapper:
         stamp = state.buffer.stamp
+        counts_steps = begin == StampKind.SCHED_BEGIN
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             if not state.enabled or getattr(state, flag):
                 return wrapped(*args, **kwargs)
             setattr(state, flag, True)
+            if counts_steps:
+                state.step += 1
             stamp(begin_code, state.batch_queue)
             try:
                 return wrapped(*args, **kwargs)
@@ -123,6 +132,23 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
         return wrapper
 
     return make
+
+
+def _comm_wrapper(state: LoopState) -> Wrapper:
+    """A collective on the engine loop (DP step synchronisation): one ``communication`` interval."""
+    buffer = state.buffer
+    clock = buffer.clock
+    comm_code = int(StampKind.COMM)
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        start = clock()
+        try:
+            return wrapped(*args, **kwargs)
+        finally:
+            if state.enabled:
+                buffer.put(comm_code, start, clock(), max(state.step, 0))
+
+    return wrapper
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:
@@ -156,6 +182,7 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
     ),
+    PatchPoint("dp_sync", "has_unfinished_dp", _comm_wrapper),
 )
 
 

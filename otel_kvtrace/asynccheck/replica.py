@@ -44,6 +44,9 @@ class ReplicaConfig:
     comm_ns: int = 500_000
     comm_overlap: bool = False
     batch_queue_size: int = 2
+    dp_sync_ns: int = 0
+    """Cost of the DP engines' "unfinished requests" all-reduce on the engine loop; 0 = one DP rank."""
+    dp_sync_every: int = 1
     epoch_ns: int = 1_767_225_600_000_000_000  # 2026-01-01T00:00:00Z
 
     def __post_init__(self) -> None:
@@ -81,6 +84,9 @@ class FakeDevice:
         for _ in range(cfg.layers):
             compute_end = t + cfg.compute_ns
             self.buffer.put(StampKind.COMPUTE, t, compute_end, step)
+            if not cfg.comm_ns:
+                t = compute_end
+                continue
             comm_start = max(compute_end, comm_free)
             comm_free = comm_start + cfg.comm_ns
             self.buffer.put(StampKind.COMM, comm_start, comm_free, step)
@@ -129,6 +135,22 @@ class VirtualFuture:
             self.clock.now_ns = max(now, self.done_ns)
             self._resolved = True
         return self._value
+
+
+class ReplicaDPGroup:
+    """The DP process group: an all-reduce costs ``dp_sync_ns`` of engine-loop time."""
+
+    def __init__(self, clock: VirtualClock, cost_ns: int) -> None:
+        self.clock = clock
+        self.cost_ns = cost_ns
+
+
+class ReplicaParallelConfig:
+    @staticmethod
+    def has_unfinished_dp(dp_group: ReplicaDPGroup, has_unfinished: bool) -> bool:
+        """Like ``vllm.config.ParallelConfig.has_unfinished_dp``: a CPU all-reduce across DP ranks."""
+        dp_group.clock.advance(dp_group.cost_ns)
+        return has_unfinished
 
 
 class ReplicaScheduler:
@@ -181,6 +203,9 @@ class ReplicaEngineCore:
         if self.batch_queue_size > 1:
             self.batch_queue = deque(maxlen=self.batch_queue_size)
         self.step_fn = self.step if self.batch_queue is None else self.step_with_batch_queue
+        self.cfg = cfg
+        self.dp_group = ReplicaDPGroup(clock, cfg.dp_sync_ns) if cfg.dp_sync_ns else None
+        self.step_counter = 0
 
     def step(self) -> bool:
         if not self.scheduler.has_requests():
@@ -207,9 +232,19 @@ class ReplicaEngineCore:
         self.scheduler.update_from_output(so, output)
         return True
 
+    def _has_global_unfinished_reqs(self, local_unfinished: bool) -> bool:
+        """``DPEngineCoreProc``'s check after each step: all-reduce every ``dp_sync_every`` steps."""
+        self.step_counter += 1
+        if self.dp_group is None or self.step_counter % self.cfg.dp_sync_every:
+            return local_unfinished
+        return ReplicaParallelConfig.has_unfinished_dp(self.dp_group, local_unfinished)
+
     def run(self) -> None:
-        while self.step_fn():
-            pass
+        while True:
+            executed = self.step_fn()
+            self._has_global_unfinished_reqs(executed)
+            if not executed:
+                return
 
 
 REPLICA_OWNERS = {
@@ -217,6 +252,7 @@ REPLICA_OWNERS = {
     "scheduler": (ReplicaScheduler,),
     "executor": (ReplicaExecutor,),
     "output": (ReplicaModelRunnerOutput,),
+    "dp_sync": (ReplicaParallelConfig,),
 }
 
 

@@ -76,3 +76,12 @@ def test_too_few_steps_cannot_tell(tmp_path: Path) -> None:
 def test_bad_mode_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="mode must be one of"):
         ReplicaConfig(mode="fast")
+
+
+@pytest.mark.parametrize(("mode", "exposed"), [("sync", 1.0), ("async", 0.0)])
+def test_dp_step_all_reduce_is_traced_as_communication(tmp_path: Path, mode: str, exposed: float) -> None:
+    # The DP engines' all-reduce runs on the engine loop every 4 steps (1 ms). Sync: the device idles
+    # meanwhile, all of it is exposed; async: the device is executing the queued step, all hidden.
+    result = _check(tmp_path, mode=mode, comm_ns=0, dp_sync_ns=1_000_000, dp_sync_every=4)
+    assert result.metrics.comm_total_ms == pytest.approx(24 / 4 * 1.0)
+    assert result.metrics.comm_exposed_share == pytest.approx(exposed)
