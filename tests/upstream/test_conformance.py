@@ -316,8 +316,7 @@ def test_real_worker_steps_gates_and_consumer_waits(upstream: Upstream, tracing:
 # ---- exact device times (OTEL_KVTRACE_NPU_TIMING=1) -------------------------------------------------
 
 
-def test_npu_timing_turns_bounds_into_the_device_completion_time(upstream: Upstream,
-                                                                 request: pytest.FixtureRequest) -> None:
+def test_npu_timing_turns_bounds_into_the_device_completion_time(upstream: Upstream) -> None:
     session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="npu", npu_timing=True)
     try:
         env = upstream.gva_thread(N_LAYERS, FakeBackend())
