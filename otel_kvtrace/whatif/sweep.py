@@ -215,7 +215,10 @@ def run_sweep(
         v.extra["path"] = cell.path
         v.extra["hol_example"] = next((r.hol_example for r in runs if r.hol_example), "")
         verdicts.append(v)
-    confirmation = confirm_cell(pick_confirmation(verdicts, cells), out, base) if confirm and cells else None
+    confirmation = None
+    if confirm and cells:
+        confirmation = confirm_cell(pick_confirmation(verdicts, cells), out, base, repeats=matrix.repeats,
+                                   reproduce=reproduce_command(out, quick, matrix.repeats, confirm))
     return SweepResult(out, verdicts, ran, resumed, confirmation, cells)
 
 
@@ -229,10 +232,11 @@ def pick_confirmation(verdicts: Sequence[ConfigVerdict], cells: Sequence[SweepCe
     return cells[best]
 
 
-def confirm_cell(cell: SweepCell, out_dir: Path, base: Any = None, *, repeats: int = 1) -> ConfigVerdict:
-    """Run ``cell`` on the real clock (threaded replica, traced to OTLP/JSON, loaded into DuckDB),
-    replay the loaded ``tasks`` table and decide. A single real-clock run is a confirmation of the
-    FIFO replay error and of the gain's sign, not a verdict by itself (the verdict says so)."""
+def confirm_cell(cell: SweepCell, out_dir: Path, base: Any = None, *, repeats: int = 3,
+                 reproduce: str = "") -> ConfigVerdict:
+    """Run ``cell`` on the real clock (threaded replica, traced to OTLP/JSON with NPU timing, loaded
+    into DuckDB) ``repeats`` times, replay the loaded ``tasks`` table and decide, exactly as
+    ``kvtrace whatif`` does on recorded traces."""
     from otel_kvtrace.api import start_tracing
     from otel_kvtrace.load import load_traces
     from otel_kvtrace.replica.threaded import replica_targets, run_threaded
@@ -256,7 +260,7 @@ def confirm_cell(cell: SweepCell, out_dir: Path, base: Any = None, *, repeats: i
         tasks = [replace(t, run_id=run_id, cfg_label=cfg.label) for t in tasks]
         runs.append(replay_run(tasks).summary())
     v = decide(runs, cfg_label=cell_config(cell, 0, base).label, config={**cell.to_dict(), "clock": "real"},
-               reproduce=f"kvtrace sweep --out {out_dir} --confirm --report")
+               reproduce=reproduce or f"kvtrace sweep --out {out_dir} --confirm --report")
     v.extra["slug"] = cell.slug
     v.extra["clock"] = "real"
     return v

@@ -99,3 +99,15 @@ def test_cli_sweep_quick_writes_the_report(tmp_path: Path) -> None:
     assert (out / "whatif_ttft.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rerun = CliRunner().invoke(main, ["sweep", "--quick", "--out", str(out)])
     assert "0 run(s) computed" in rerun.output
+
+
+def test_confirmation_reruns_the_chosen_cell_on_the_real_clock(tmp_path: Path) -> None:
+    result = run_sweep(tmp_path, quick=True, confirm=True)
+    c = result.confirmation
+    assert c is not None and c.config["clock"] == "real"
+    # the chosen cell is the quick matrix's switch cell (non-prefix independent layers)
+    assert tuple(c.config["independent_layers"]) == (0, 4)
+    assert len(c.run_ids) == 3
+    assert c.validated and c.fifo_median_error_pct <= 5.0
+    assert all(n > 0 for n in c.hol_events)
+    assert list((tmp_path / "realclock").glob("*/traces/*.jsonl"))
