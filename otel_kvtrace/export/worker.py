@@ -132,13 +132,14 @@ class BackgroundExporter:
     def shutdown(self, timeout_s: float | None = None) -> bool:
         """Drain everything pending, stop the thread, close the sink. Idempotent; never raises.
 
-        Returns True when every pending record was delivered in time. Records still pending at the
-        deadline are counted as dropped.
+        Returns True when every pending record was delivered in time (none left at the deadline, no
+        batch failed during the drain). Records still pending at the deadline are counted as dropped.
         """
         with self._shutdown_lock:
             if self._shutdown_done:
                 return self.recorder.pending == 0
             self._shutdown_done = True
+        failed_before = self.failed_batches
         with contextlib.suppress(Exception):  # interpreter teardown
             atexit.unregister(self._atexit)
         timeout = self.timeout_s if timeout_s is None else timeout_s
@@ -158,7 +159,7 @@ class BackgroundExporter:
             self._discard(self.recorder.drain(left), count=True)
         self._safe_sink_shutdown()
         self._report_drops(final=True)
-        return left == 0
+        return left == 0 and self.failed_batches == failed_before and not self._broken
 
     def _shutdown_at_exit(self) -> None:
         self.shutdown()

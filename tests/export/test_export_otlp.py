@@ -207,7 +207,7 @@ def test_refusing_endpoint_counts_failed_batch(
     exporter = create_exporter(recorder, RESOURCE, endpoint=f"http://127.0.0.1:{port}", protocol="http/protobuf")
     _record_tasks(recorder, 10)
     with caplog.at_level("WARNING", logger="otel_kvtrace"):
-        exporter.shutdown(timeout_s=10)
+        assert exporter.shutdown(timeout_s=10) is False  # the batch was lost
     assert exporter.failed_batches == 1
     assert recorder.dropped == 10
     drop_lines = [r for r in caplog.records if r.name == "otel_kvtrace" and "dropped" in r.getMessage()]
