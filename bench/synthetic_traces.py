@@ -145,27 +145,32 @@ def simulate_queue(
     seed: int = 0,
     *,
     start_ns: int = BASE_NS,
-    hol_probability: float = 0.3,
+    hol_probability: float = 0.05,
     bounded_probability: float = 0.0,
 ) -> list[SynthTask]:
     """A realistic layerwise workload: steps of ``num_layers`` tasks, some blocked on slow dependencies.
 
-    With probability ``hol_probability`` a task's save dependency arrives late (tens of ms), so the tasks
+    With probability ``hol_probability`` a task's save dependency arrives late (1-8 ms), so the tasks
     behind it (whose dependencies are already met) are bypass-ready: head-of-line blocking. With
     ``bounded_probability`` an NPU dependency is only known within ``[lo, hi]``.
     """
     rng = random.Random(seed)
     tasks: list[SynthTask] = []
-    t = start_ns
     n_layers = spec.num_layers
+    step_start = start_ns
+    t = start_ns
     for seq in range(n_tasks):
         step, layer = divmod(seq, n_layers)
+        if layer == 0 and seq:
+            # The next step's loads are enqueued once the forward of this one is under way.
+            step_start += n_layers * rng.randint(300_000, 600_000)
+            t = max(t, step_start)
         t += rng.randint(5_000, 60_000)
         task = SynthTask(seq=seq, step=step, layer_id=layer, final_layer=layer == n_layers - 1, enqueue=t)
         if layer % 2 == 0:
             task.wait_for_save_layer = layer
             slow = rng.random() < hol_probability
-            done = t + (rng.randint(2_000_000, 20_000_000) if slow else rng.randint(0, 300_000))
+            done = t + (rng.randint(1_000_000, 8_000_000) if slow else rng.randint(0, 300_000))
             task.deps["save_cpu"] = (done, done)
             npu = done - rng.randint(1_000, 50_000)
             if rng.random() < bounded_probability:

@@ -137,9 +137,11 @@ class SubmitWindow:
         return out
 
 
-def enqueue_plan(cfg: ReplicaConfig, has_transfer: Callable[[int], bool] | None = None) -> list[list[Submission]]:
+def enqueue_plan(
+    cfg: ReplicaConfig, has_transfer: Callable[[int], bool] | None = None, layout: ReuseLayout | None = None
+) -> list[list[Submission]]:
     """Per forward layer ``c``, the submissions its ``wait_for_layer_load`` makes in one step."""
-    layout = build_layout(cfg)
+    layout = layout if layout is not None else build_layout(cfg)
     window = SubmitWindow(
         cfg.num_layers,
         cfg.resolved_prefetch,

@@ -190,9 +190,9 @@ class _Simulation:
         self.windows = {
             has: [
                 [(sub.layer_id, sub.wait_for_save_layer, sub.gate_layer) for sub in subs]
-                for subs in enqueue_plan(cfg, lambda _layer, has=has: has)
+                for subs in enqueue_plan(cfg, lambda _layer, has=has: has, self.layout)
             ]
-            for has in (True, False)
+            for has in {plan.has_transfer(step) for step in range(cfg.steps)}
         }
 
     def _transfer_tasks(self, step: int) -> list[list[LayerTransferTask]]:
@@ -465,14 +465,21 @@ class _Simulation:
 
 
 def _fill_depths(records: list[TaskRecord]) -> None:
-    """``queue_depth_at_enqueue`` / ``inflight_at_enqueue`` from FIFO dequeue and completion times."""
-    deq = 0
-    done = 0
+    """``queue_depth_at_enqueue`` / ``inflight_at_enqueue`` from FIFO dequeue and completion times.
+
+    In one FIFO, dequeue and completion times are non-decreasing in ``seq``, so two pointers suffice.
+    A task never dequeued (or never completed, e.g. after a fatal error) counts as still queued.
+    """
+    never = 1 << 62
+    error = Outcome.ERROR
+    deq_t = [r.t_dequeue if r.t_dequeue >= 0 else never for r in records]
+    done_t = [r.t_complete if r.t_complete >= 0 and r.outcome != error else never for r in records]
+    deq = done = 0
     for idx, rec in enumerate(records):
         t = rec.t_enqueue
-        while deq < idx and 0 <= records[deq].t_dequeue <= t:
+        while deq < idx and deq_t[deq] <= t:
             deq += 1
-        while done < idx and records[done].outcome != Outcome.ERROR and 0 <= records[done].t_complete <= t:
+        while done < idx and done_t[done] <= t:
             done += 1
         rec.queue_depth_at_enqueue = idx - deq
         rec.inflight_at_enqueue = idx - done
