@@ -136,3 +136,46 @@ def test_device_timeline_never_reuses_a_buffer_early_or_crosses_the_attention_bo
     for step, (t_release, _keys) in enumerate(res.lease_releases):
         step_loads = [se[1] for i, se in loads if i // n == step]
         assert t_release >= max(step_loads)  # the final layer releases the leases after every copy
+
+
+@pytest.mark.parametrize("behaviour", ["main", "v0.23"])
+def test_run_loop_exception_semantics(behaviour: str) -> None:
+    """main: the thread records _fatal_error and dies, later items stay queued; v0.23: logs, goes on."""
+    from otel_kvtrace.replica.backend import FakeMStore, FakeTokenDatabase
+    from otel_kvtrace.replica.kv_transfer import KVCacheStoreKeyLayerRecvingThread
+    from otel_kvtrace.replica.metadata import LayerBlockRange, LayerLoadTask, LayerTransferTask, ReqMeta
+    from otel_kvtrace.replica.plan import build_plan
+
+    cfg = ReplicaConfig(path="key", behaviour=behaviour, num_layers=2, steps=1)
+    plan = build_plan(cfg)
+    npu = FakeNPU(RealClock())
+    set_default_device(npu)
+    loads = [threading.Event(), threading.Event()]
+    saves = [threading.Event(), threading.Event()]
+    ready = threading.Event()
+    thread = KVCacheStoreKeyLayerRecvingThread(
+        FakeMStore(plan, npu), FakeTokenDatabase(plan, npu), 128, 0, 1, 1, ready, threading.Event(), loads, saves, 2,
+        behaviour=behaviour)
+    thread.start()
+    assert ready.wait(5)
+    rng = [LayerBlockRange(ReqMeta("r", True, 2), 0, 2)]
+    bad = LayerLoadTask(None, [LayerTransferTask(0, rng), LayerTransferTask(0, rng)], 0, None)  # >1 task: ValueError
+    good = LayerLoadTask(None, [LayerTransferTask(1, rng)], 1, None)
+    thread.add_request(bad)
+    thread.add_request(good)
+    if behaviour == "main":
+        thread.join(5)
+        assert not thread.is_alive()
+        assert isinstance(thread._fatal_error, ValueError)
+        with pytest.raises(RuntimeError) as info:
+            thread.raise_if_failed()
+        assert info.value.__cause__ is thread._fatal_error
+        assert not loads[1].is_set() and thread.request_queue.qsize() == 1
+    else:
+        assert loads[1].wait(5)
+        assert thread.is_alive() and thread._fatal_error is None
+        thread.raise_if_failed()
+        thread.stop()
+        thread.join(5)
+        assert not thread.is_alive()
+        assert thread.request_queue.unfinished_tasks == 1  # v0.23 never task_done()s the failed item
