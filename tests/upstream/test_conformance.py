@@ -248,8 +248,8 @@ def test_key_path_traces_gate_and_synchronous_get(upstream: Upstream, tracing: A
 
     assert task.attrs["kvtrace.path"] == "key"
     names = task.stage_names()
-    assert names[:3] == ["queue_wait", "gate_cond_wait", "gate_npu_sync"]
-    assert "backend_submit" in names and names[-1] == "completion"
+    assert names == ["queue_wait", "gate_cond_wait", "gate_npu_sync", "meta_build", "backend_submit", "completion"]
+    assert task.children["meta_build"].end <= task.children["backend_submit"].start  # key + address build
     (get,) = [c for c in backend.calls if c.op == "get"]
     submit = task.children["backend_submit"]
     assert submit.start <= epoch_of(tracing, get.start) + TOL_NS
