@@ -281,7 +281,7 @@ class _Simulation:
                 # save_kv_layer(c): record the save event after attention, hand the save over
                 save_npu[i] = tail
                 if has:
-                    srec = TaskRecord(sq, send_kind, len(send_items), step, c, c == last, None, None,
+                    srec = TaskRecord(sq, send_kind, len(send_items), step, c, False, None, None,
                                       0, 0, now, deps=_NO_DEPS[:])
                     send_items.append(srec)
                     sig = sq_sig + len(send_items) - 1
@@ -373,9 +373,9 @@ class _Simulation:
                 g = step * n + gate
                 t0 = now
                 t = yield gate_sig + g
-                if t > now:
+                if t > now:  # a condition wait only when the record had not happened yet
                     now = t
-                stages.append((g_cond, t0, now))
+                    stages.append((g_cond, t0, now))
                 gn = gate_npu[g]
                 deps[4] = deps[5] = t
                 deps[6] = deps[7] = gn
@@ -388,9 +388,8 @@ class _Simulation:
                 stages.append((s_meta, now, now + meta[i]))
                 now += meta[i]
             else:
-                if stagger[i]:
-                    stages.append((s_stag, now, now + stagger[i]))
-                    now += stagger[i]
+                stages.append((s_stag, now, now + stagger[i]))  # always called upstream, often a no-op
+                now += stagger[i]
                 if waiter:
                     end = now + slot_release[i]
                     stages.append((s_slot, now, end))
@@ -431,7 +430,6 @@ class _Simulation:
         items = self.send_items
         save_npu, save_copy, blocks, meta = self.save_npu, plan.save_copy, plan.blocks, plan.meta_build
         s_npu, s_back = Stage.SAVE_NPU_SYNC, Stage.BACKEND_SUBMIT
-        dep_bit = 1 << Dep.SAVE_NPU
         now = 0
         tail = 0  # d2h stream
         k = 0
@@ -448,9 +446,7 @@ class _Simulation:
             t0 = now
             if sn > now:
                 now = sn
-            rec.stages.append((s_npu, t0, now))
-            rec.deps[2] = rec.deps[3] = sn
-            rec.has_dep |= dep_bit
+            rec.stages.append((s_npu, t0, now))  # like the instrumentation: a stage, no dependency record
             t0 = now
             if tail > now:
                 now = tail
