@@ -12,7 +12,7 @@ from typing import Any
 
 from otel_kvtrace.whatif.engine import FEEDBACKS
 from otel_kvtrace.whatif.render import VerdictReport, write_json, write_markdown, write_pngs
-from otel_kvtrace.whatif.replay import group_runs, replay_run
+from otel_kvtrace.whatif.replay import group_runs, replay_run, write_task_times
 from otel_kvtrace.whatif.sweep import SweepResult
 from otel_kvtrace.whatif.task import BOUNDS, tasks_from_duckdb
 from otel_kvtrace.whatif.verdict import decide
@@ -45,6 +45,7 @@ def whatif(
     json_path: str | Path | None = None,
     md_path: str | Path | None = None,
     png_dir: str | Path | None = None,
+    tasks_csv: str | Path | None = None,
     policies: Sequence[str] | None = None,
     feedback: str = "full",
     bound: str = "hi",
@@ -54,7 +55,8 @@ def whatif(
     """Load recorded traces, replay every queue of every run under each policy, decide per configuration.
 
     A configuration is a ``cfg_label``; its runs (``run_id``) are the independent repeats. Writes the
-    JSON/Markdown/PNG outputs that are asked for and returns the report.
+    JSON/Markdown/PNG outputs that are asked for (``tasks_csv``: per-task start/complete under every
+    policy) and returns the report.
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """
@@ -69,7 +71,7 @@ def whatif(
     tasks = tasks_from_duckdb(loaded.con, where=where, bound=bound)
     configs = _configs(loaded.con)
     args = [str(p) for p in paths]
-    for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir)):
+    for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir), ("--tasks-csv", tasks_csv)):
         if value is not None:
             args += [flag, str(value)]
     for name in policies or ():
@@ -82,10 +84,14 @@ def whatif(
         args += ["--where", where]
     command = "kvtrace whatif " + shlex.join(args)
     verdicts = []
+    replayed = []
     for label, runs in group_runs(tasks).items():
         say(f"replaying {label}: {len(runs)} run(s)")
-        summaries = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label).summary()
-                     for run_id, ts in runs.items()]
+        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label)
+                for run_id, ts in runs.items()]
+        summaries = [r.summary() for r in done]
+        if tasks_csv is not None:
+            replayed.extend(done)
         v = decide(summaries, cfg_label=label, config=configs.get(label, {}), reproduce=command)
         v.extra["path"] = str(configs.get(label, {}).get("path") or "")
         examples = [s.hol_example for s in summaries if s.hol_example]
@@ -94,6 +100,8 @@ def whatif(
     report = VerdictReport("What-if verdict on recorded traces", command, verdicts,
                            model={"feedback": feedback, "npu_bound": bound}, notes=list(MODEL_NOTES))
     _write(report, json_path, md_path, png_dir)
+    if tasks_csv is not None:
+        write_task_times(replayed, tasks_csv)
     return report
 
 

@@ -42,6 +42,8 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the Markdown report.")
 @click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write whatif_ttft.png and whatif_gain.png here.")
+@click.option("--tasks-csv", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write per-task start/complete (ns) under every policy as CSV.")
 @click.option("--policy", "policies", multiple=True,
               help="Policy to compare with FIFO (repeatable; default: all registered).")
 @click.option("--feedback", type=click.Choice(FEEDBACKS), default="full", show_default=True,
@@ -50,7 +52,8 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
               help="Bounded NPU times: upper bound (proven) or lower bound (possible).")
 @click.option("--where", help="SQL filter on the tasks table, e.g. \"path = 'gva'\".")
 def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Path | None, png_dir: Path | None,
-                   policies: tuple[str, ...], feedback: str, bound: str, where: str | None) -> None:
+                   tasks_csv: Path | None, policies: tuple[str, ...], feedback: str, bound: str,
+                   where: str | None) -> None:
     """Replay recorded recv queues under fifo / ready_queue / gate_group and decide: keep FIFO or switch.
 
     PATHS are trace files or directories (OTLP/JSON lines). Runs (run_id) of one configuration
@@ -65,7 +68,7 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
     from otel_kvtrace.whatif.api import whatif
 
     try:
-        report = whatif(list(paths), json_path=json_path, md_path=md_path, png_dir=png_dir,
+        report = whatif(list(paths), json_path=json_path, md_path=md_path, png_dir=png_dir, tasks_csv=tasks_csv,
                         policies=list(policies) or None, feedback=feedback, bound=bound, where=where,
                         progress=lambda m: click.echo(m, err=True))
     except ValueError as exc:

@@ -138,6 +138,20 @@ def _detail(v: ConfigVerdict) -> list[str]:
             f"| {_f(m['ttft_ms_p99']['max'])} | {int(m['peak_inflight']['max'])} "
             f"| {_f(m['throughput_tasks_per_s']['mean'], 0)} "
             f"| {_range(gain['ttft_gain_ms']) if gain else '-'} |")
+    if v.layers:
+        names = list(v.layers)
+        layer_ids = v.layers[names[0]]["layer"]
+        lines += ["", "Per layer (means over runs, ms): load completion after the step's first enqueue / "
+                  "forward's consumer wait.", "",
+                  "| layer | " + " | ".join(f"{n} done / wait" for n in names) + " |",
+                  "|---|" + "---|" * len(names)]
+        for k, layer in enumerate(layer_ids):
+            cells = []
+            for n in names:
+                prof = v.layers[n]
+                j = prof["layer"].index(layer) if layer in prof["layer"] else -1
+                cells.append(f"{_f(prof['load_done_ms'][j])} / {_f(prof['consumer_wait_ms'][j])}" if j >= 0 else "-")
+            lines.append(f"| {int(layer)} | " + " | ".join(cells) + " |")
     lines += ["", f"**Verdict: {v.verdict}**: {v.reason}.", ""]
     return lines
 

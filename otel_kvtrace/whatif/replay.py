@@ -6,8 +6,10 @@ queues replayed under each policy, summarised into ``RunFigures`` (what the cons
 
 from __future__ import annotations
 
+import csv
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.whatif.engine import NONE, QueueArrays, QueueReplay, replay_queue
@@ -78,7 +80,30 @@ class RunReplay:
             fifo_errors_ns=errors, service_ns=services, hol_events=len(self.hol), hol_ms=self.hol_ms,
             hol_example=(f"seq {first.seq} (step {first.step} layer {first.layer_id}) blocked seq "
                          f"{first.evidence_seq} for {first.duration_ns / 1e6:.3f} ms") if first else "",
+            layers={name: self.layer_profile(name) for name in self.figures},
         )
+
+    def layer_profile(self, policy: str) -> dict[str, list[float]]:
+        """Per physical layer, means over (queue, step): load completion after the step's first enqueue
+        and the forward's consumer wait, in ms (``layer`` lists the layers)."""
+        done: dict[int, list[int]] = {}
+        wait: dict[int, list[int]] = {}
+        for per in self.replays.values():
+            rep = per[policy]
+            q = rep.arrays
+            for s, chain in enumerate(q.chain):
+                first = min(q.arr[i] for i in chain)
+                for p, i in enumerate(chain):
+                    layer = q.layer[i]
+                    done.setdefault(layer, []).append(rep.complete[i] - first)
+                    if rep.fwd_arrive[s][p] != NONE:
+                        wait.setdefault(layer, []).append(rep.fwd_end[s][p] - rep.fwd_arrive[s][p])
+        layers = sorted(done)
+        return {
+            "layer": [float(x) for x in layers],
+            "load_done_ms": [sum(done[x]) / len(done[x]) / 1e6 for x in layers],
+            "consumer_wait_ms": [sum(wait.get(x, [0])) / max(1, len(wait.get(x, []))) / 1e6 for x in layers],
+        }
 
 
 @dataclass(slots=True)
@@ -93,13 +118,15 @@ class RunSummary:
     hol_events: int
     hol_ms: float
     hol_example: str = ""
+    layers: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """policy -> per-layer profile (``RunReplay.layer_profile``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RunSummary:
-        return cls(**{k: data[k] for k in cls.__slots__})  # type: ignore[attr-defined]
+        return cls(**{k: data[k] for k in cls.__slots__ if k in data})  # type: ignore[attr-defined]
 
     @property
     def validation(self) -> Validation:
@@ -161,6 +188,22 @@ def group_runs(tasks: Iterable[ReplayTask]) -> dict[str, dict[str, list[ReplayTa
     out: dict[str, dict[str, list[ReplayTask]]] = {}
     for t in tasks:
         out.setdefault(t.cfg_label or "(unlabelled)", {}).setdefault(t.run_id or "(run)", []).append(t)
+    return out
+
+
+def write_task_times(runs: Sequence[RunReplay], path: str | Path) -> Path:
+    """CSV of per-task start/complete under every policy (absolute ns, the input's clock)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fields = ["run_id", "policy", "correlation_id", "queue", "seq", "step", "layer_id", "start_ns", "complete_ns"]
+    with out.open("w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=fields)
+        writer.writeheader()
+        for run in runs:
+            for per in run.replays.values():
+                for policy, rep in per.items():
+                    for row in task_times(rep):
+                        writer.writerow({"run_id": run.run_id, "policy": policy, **row})
     return out
 
 

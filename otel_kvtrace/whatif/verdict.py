@@ -59,6 +59,9 @@ class ConfigVerdict:
     verdict: str
     reason: str
     reproduce: str = ""
+    layers: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+    """policy -> per-layer means over runs: ``layer``, ``load_done_ms`` (after the step's first
+    enqueue), ``consumer_wait_ms``."""
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +101,7 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
             "inflight_regression": inflight_regress,
         }
     hol_events = [r.hol_events for r in runs]
+    layers = _mean_layers(runs, names)
     hol_ms = [r.hol_ms for r in runs]
     verdict, reason = _rule(runs, validated, med, worst, hol_events, gains, noise)
     return ConfigVerdict(
@@ -105,7 +109,24 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
         fifo_median_error_pct=round(med, 3), fifo_p95_error_pct=round(p95, 3), validated=validated,
         hol_events=hol_events, hol_ms=hol_ms, policies=policies if validated else {"fifo": policies["fifo"]},
         gains=gains if validated else {}, noise_ms=noise, verdict=verdict, reason=reason, reproduce=reproduce,
+        layers=layers if validated else {k: v for k, v in layers.items() if k == "fifo"},
     )
+
+
+def _mean_layers(runs: list[RunSummary], names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per policy, the per-layer profile averaged over runs (layers present in every run)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    for name in names:
+        profiles = [r.layers[name] for r in runs if r.layers and name in r.layers]
+        if not profiles:
+            continue
+        common = sorted(set.intersection(*(set(p["layer"]) for p in profiles)))
+        merged: dict[str, list[float]] = {"layer": common}
+        for key in ("load_done_ms", "consumer_wait_ms"):
+            merged[key] = [
+                sum(p[key][p["layer"].index(x)] for p in profiles) / len(profiles) for x in common]
+        out[name] = merged
+    return out
 
 
 def _rule(runs: list[RunSummary], validated: bool, med: float, worst: float, hol_events: list[int],

@@ -3,6 +3,7 @@ target, and the verdict report is complete. Runs the demo's two scenarios three 
 
 from __future__ import annotations
 
+import csv
 import json
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def test_report_files_carry_verdict_error_and_reproduction(report, traces: Path)
         assert cfg["verdict"] in ("keep FIFO", "switch to ready_queue", "switch to gate_group")
         assert set(cfg["policies"]) == {"fifo", "ready_queue", "gate_group"}
         assert len(cfg["policies"]["fifo"]["ttft_ms_mean"]["per_run"]) == 3
+        assert cfg["layers"]["ready_queue"]["layer"] == [float(x) for x in range(8)]
+        fifo_done = cfg["layers"]["fifo"]["load_done_ms"]
+        assert fifo_done == sorted(fifo_done) and fifo_done[0] > 0  # FIFO loads complete in layer order
     md = (out / "v.md").read_text()
     assert rep.reproduce in md
     assert "![whatif_ttft](png/whatif_ttft.png)" in md
@@ -72,9 +76,15 @@ def test_report_files_carry_verdict_error_and_reproduction(report, traces: Path)
 def test_cli_whatif_matches_the_api(traces: Path, tmp_path: Path, report) -> None:  # type: ignore[no-untyped-def]
     rep, _ = report
     result = CliRunner().invoke(main, ["whatif", str(traces), "--json", str(tmp_path / "c.json"),
-                                       "--policy", "ready_queue"])
+                                       "--policy", "ready_queue", "--tasks-csv", str(tmp_path / "t.csv")])
     assert result.exit_code == 0, result.output
     doc = json.loads((tmp_path / "c.json").read_text())
+    with (tmp_path / "t.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    tasks = sum(len(v.run_ids) for v in rep.verdicts)  # 3 runs per scenario
+    assert {r["policy"] for r in rows} == {"fifo", "ready_queue"}
+    assert len(rows) == 2 * len({(r["run_id"], r["queue"], r["seq"]) for r in rows}) and tasks == 6
+    assert all(int(r["complete_ns"]) >= int(r["start_ns"]) for r in rows)
     api = {v.cfg_label: v for v in rep.verdicts}
     for cfg in doc["configurations"]:
         assert set(cfg["policies"]) == {"fifo", "ready_queue"}
