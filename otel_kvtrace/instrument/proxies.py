@@ -237,10 +237,20 @@ class TracedKeyStore(_Proxy):
                 rec.t_backend_return = t1
                 sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
                 if sizes is not None:
-                    try:
-                        rec.nbytes += int(sum(sizes))
-                    except Exception:
-                        pass
+                    rec.nbytes += _total_size(sizes)
+
+
+def _total_size(sizes: Any) -> int:
+    """Bytes in a size list, flat or one level nested (key path: sizes per key, per layer)."""
+    try:
+        return int(sum(sizes))
+    except TypeError:
+        try:
+            return int(sum(sum(inner) for inner in sizes))
+        except Exception:
+            return 0
+    except Exception:
+        return 0
 
 
 def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:

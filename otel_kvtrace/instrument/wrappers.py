@@ -16,7 +16,7 @@ from typing import Any
 from otel_kvtrace.instrument import attach
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.record.model import NO_TIME, Dep, Outcome, Stage, TaskKind
+from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
 
 GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
 GATE_NPU_SYNC = int(Stage.GATE_NPU_SYNC)
@@ -74,7 +74,7 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
         if st.is_send:
             rec.kind = TaskKind.SEND
             rec.layer_id = worker.forward_layer
-            rec.transfer_tasks = item
+            rec.transfer_tasks = list(item) if item else None  # the sender clears the worker's list
         else:
             layer_id = item.layer_id
             if not worker.driven:  # no start_load_kv: a repeated layer starts a new step
@@ -159,8 +159,12 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                     t_exit = clock()
                     st.current = None
                     st.completed += 1
-                    if rec.outcome != Outcome.ERROR and rec.t_backend_return == NO_TIME:
-                        rec.outcome = Outcome.EMPTY
+                    if rec.outcome != Outcome.ERROR:
+                        if rec.t_backend_return == NO_TIME:
+                            rec.outcome = Outcome.EMPTY
+                        elif rec.backend_result:  # failed copy that did not raise (0.23)
+                            rec.outcome = Outcome.ERROR
+                            rec.error = BackendResultError(rec.backend_result)
                     if rec.t_complete == NO_TIME:
                         rec.t_complete = t_exit
                     release(rt, rec)
@@ -214,6 +218,8 @@ def _stage_wrapper(stage: int, rt: Runtime, original: Callable, name: str) -> Ca
 
 
 def wrap_stagger(original: Callable, rt: Runtime) -> Callable:
+    # Recorded on every call, also when h2d_stagger_us == 0 makes it a no-op (a zero-length span that
+    # shows the stagger point was passed); the virtual replica does the same.
     return _stage_wrapper(H2D_STAGGER, rt, original, "_stagger_h2d_submit")
 
 

@@ -71,6 +71,20 @@ class Outcome(IntEnum):
 OUTCOME_NAMES: tuple[str, ...] = ("ok", "empty", "error")
 
 
+class BackendResultError(RuntimeError):
+    """A backend copy returned a non-zero result code without raising (vLLM-Ascend 0.23 logs and goes on).
+
+    The message is built only when read (export), never on the recording thread.
+    """
+
+    def __init__(self, code: int) -> None:
+        super().__init__(code)
+        self.code = code
+
+    def __str__(self) -> str:
+        return f"backend copy returned result code {self.code}"
+
+
 class TaskKind(IntEnum):
     RECV = 0
     SEND = 1

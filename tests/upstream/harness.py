@@ -408,6 +408,7 @@ class SpanView:
     end: int
     attrs: dict[str, Any]
     status_code: int
+    status_message: str = ""
 
 
 @dataclass(slots=True)
@@ -433,7 +434,8 @@ def task_traces(spans: list[dict[str, Any]], root_name: str = "kvtrace.recv.task
     views: dict[str, list[tuple[dict[str, Any], SpanView]]] = {}
     for span in spans:
         view = SpanView(span["name"], int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"]),
-                        otlp_attrs(span.get("attributes", [])), int(span.get("status", {}).get("code", 0) or 0))
+                        otlp_attrs(span.get("attributes", [])), int(span.get("status", {}).get("code", 0) or 0),
+                        str(span.get("status", {}).get("message", "")))
         views.setdefault(span["traceId"], []).append((span, view))
     tasks = []
     for members in views.values():

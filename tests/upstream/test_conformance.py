@@ -230,7 +230,9 @@ def test_failing_batch_copy_is_traced_with_the_version_specific_aftermath(upstre
         assert env.thread.is_alive() and env.load_done[0].is_set() and env.load_done[1].is_set()
         assert env.thread.request_queue.unfinished_tasks == 0
         assert second.children["backend_submit"].attrs["kvtrace.result"] == 0
-        assert task.root.status_code != 2 and task.attrs["kvtrace.outcome"] == "ok"  # nothing raised
+        # nothing raised, but the copy failed: exported as an error with the result code as the reason
+        assert task.root.status_code == 2 and task.attrs["kvtrace.outcome"] == "error"
+        assert "result code 7" in task.root.status_message
     assert task.children["backend_submit"].attrs["kvtrace.result"] == 7
     assert [c.args[3] for c in backend.calls if c.op == "batch_copy"][0] == 7
 
