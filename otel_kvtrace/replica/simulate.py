@@ -388,7 +388,7 @@ class _Simulation:
                 stages.append((s_meta, now, now + meta[i]))
                 now += meta[i]
             else:
-                stages.append((s_stag, now, now + stagger[i]))  # always called upstream, often a no-op
+                stages.append((s_stag, now, now + stagger[i]))  # recorded also as a no-op, like the instrumentation
                 now += stagger[i]
                 if waiter:
                     end = now + slot_release[i]

@@ -9,7 +9,7 @@ import pytest
 from otel_kvtrace.api import start_tracing
 from otel_kvtrace.record.model import TaskKind
 from otel_kvtrace.replica import fake_npu
-from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection
+from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection, Timing
 from otel_kvtrace.replica.fake_npu import FakeNPU, RealClock, set_default_device
 from otel_kvtrace.replica.plan import build_plan
 from otel_kvtrace.replica.pool_worker import KVPoolWorker
@@ -104,6 +104,8 @@ AGREEMENT = {
     "main-empty": ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3, requests_per_step=0, steps=2),
     "v0.23": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2),
     "key": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2),
+    "stagger": ReplicaConfig(num_layers=6, prefetch_layers=3, tp_size=2, tp_rank=1, steps=2,
+                             timing=Timing(h2d_stagger_us=200)),
 }
 
 
