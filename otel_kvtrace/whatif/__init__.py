@@ -7,7 +7,12 @@ See docs/whatif.md.
 """
 
 from otel_kvtrace.whatif.api import sweep_report, whatif
-from otel_kvtrace.whatif.engine import QueueArrays, QueueReplay, ReplayStalled, replay_queue
+from otel_kvtrace.whatif.engine import (
+    QueueArrays,
+    QueueReplay,
+    ReplayStalled,
+    replay_queue,
+)
 from otel_kvtrace.whatif.policy import Policy, get_policy, policy_names
 from otel_kvtrace.whatif.replay import RunFigures, RunReplay, RunSummary, replay_run
 from otel_kvtrace.whatif.sweep import SweepCell, SweepMatrix, SweepResult, run_sweep

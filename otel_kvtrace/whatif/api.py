@@ -11,17 +11,22 @@ from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.whatif.engine import FEEDBACKS
-from otel_kvtrace.whatif.render import VerdictReport, write_json, write_markdown, write_pngs
+from otel_kvtrace.whatif.render import (
+    VerdictReport,
+    write_json,
+    write_markdown,
+    write_pngs,
+)
 from otel_kvtrace.whatif.replay import group_runs, replay_run, write_task_times
 from otel_kvtrace.whatif.sweep import SweepResult
 from otel_kvtrace.whatif.task import BOUNDS, tasks_from_duckdb
 from otel_kvtrace.whatif.verdict import decide
 
 MODEL_NOTES = [
-    "service time = recv-thread time excluding dependency waits (dispatch gap, meta_build, h2d_stagger, "
-    "backend_submit, completion, untraced bookkeeping); dependency times are the recorded ones",
-    "forward: reaches its first load wait at the recorded time, keeps its recorded compute gaps and wake-up "
-    "lag; gates and saves move with the replayed forward",
+    ("service time = recv-thread time excluding dependency waits (dispatch gap, meta_build, h2d_stagger, "
+     "backend_submit, completion, untraced bookkeeping); dependency times are the recorded ones"),
+    ("forward: reaches its first load wait at the recorded time, keeps its recorded compute gaps and wake-up "
+     "lag; gates and saves move with the replayed forward"),
     "TTFT estimate = step's first enqueue -> forward leaves its last load wait",
 ]
 

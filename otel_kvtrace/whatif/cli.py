@@ -100,7 +100,13 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
       kvtrace sweep --report                 # full matrix, a few seconds to minutes
       kvtrace sweep --quick --out /tmp/sw --report --confirm
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
 
     from otel_kvtrace.whatif.api import sweep_report
     from otel_kvtrace.whatif.sweep import SweepMatrix, run_sweep

@@ -56,8 +56,7 @@ def peak_inflight(arr: list[int], complete: list[int]) -> int:
     cur = peak = 0
     for _, d in events:
         cur += d
-        if cur > peak:
-            peak = cur
+        peak = max(peak, cur)
     return peak
 
 
@@ -148,7 +147,7 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
             j = h + 1
             while j < n and q.arr[j] < b:
                 if not q.final[j] and rep.start[j] >= a:
-                    e = ready[j] if ready[j] > q.arr[j] else q.arr[j]
+                    e = max(q.arr[j], ready[j])
                     if e < b and (e_min is None or e < e_min):
                         e_min, j_min = e, j
                 j += 1

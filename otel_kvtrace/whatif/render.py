@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_kvtrace.whatif.verdict import KEEP, MAX_FIFO_ERROR_PCT, MIN_REPEATS, ConfigVerdict
+from otel_kvtrace.whatif.verdict import (
+    KEEP,
+    MAX_FIFO_ERROR_PCT,
+    MIN_REPEATS,
+    ConfigVerdict,
+)
 
 DETAIL_LIMIT = 20
 """Above this many configurations, per-configuration sections are written only for cells with HOL."""
@@ -43,7 +49,7 @@ def write_json(report: VerdictReport, path: str | Path) -> Path:
 
 
 def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and value != value:  # NaN
+    if isinstance(value, float) and math.isnan(value):
         return None
     if isinstance(value, tuple | set):
         return list(value)
@@ -75,10 +81,10 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
     if report.model:
         lines.append("Replay model: " + ", ".join(f"{k}={v}" for k, v in report.model.items()) + ".")
     lines += [
-        f"Rules: FIFO replay must reproduce recorded completions (median |error| <= {MAX_FIFO_ERROR_PCT:.0f}% "
-        f"of the median service time) before any policy is compared; switch only when the TTFT gain's lower "
-        f"bound over >= {MIN_REPEATS} runs is > 0 and > run-to-run noise (stdev of FIFO's mean TTFT), with "
-        "no p99 TTFT or peak in-flight regression.", "",
+        (f"Rules: FIFO replay must reproduce recorded completions (median |error| <= {MAX_FIFO_ERROR_PCT:.0f}% "
+         f"of the median service time) before any policy is compared; switch only when the TTFT gain's lower "
+         f"bound over >= {MIN_REPEATS} runs is > 0 and > run-to-run noise (stdev of FIFO's mean TTFT), with "
+         "no p99 TTFT or peak in-flight regression."), "",
     ]
     lines += [f"- {n}" for n in report.notes]
     if report.notes:
@@ -92,8 +98,8 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
         group = [v for v in report.verdicts if str(v.extra.get("path") or v.config.get("path") or "") == path]
         lines += [f"## {path.upper() + ' path' if path else 'Configurations'}", ""]
         lines += [
-            "| configuration | runs | FIFO err % (p95) | HOL events/run | HOL ms/run | best gain LB ms | noise ms "
-            "| verdict | reason |",
+            ("| configuration | runs | FIFO err % (p95) | HOL events/run | HOL ms/run | best gain LB ms | noise ms "
+             "| verdict | reason |"),
             "|---|---|---|---|---|---|---|---|---|",
         ]
         for v in group:
@@ -129,8 +135,8 @@ def _detail(v: ConfigVerdict) -> list[str]:
     lines.append(f"HOL: {', '.join(str(n) for n in v.hol_events)} event(s) per run, "
                  f"{', '.join(_f(x, 3) for x in v.hol_ms)} ms per run." +
                  (f" Example: {v.extra['hol_example']}." if v.extra.get("hol_example") else ""))
-    lines += ["", "| policy | TTFT est. ms mean (min–max) | consumer wait ms/step | p99 TTFT ms | peak in-flight "
-              "| tasks/s | TTFT gain ms (min–max) |", "|---|---|---|---|---|---|---|"]
+    lines += ["", ("| policy | TTFT est. ms mean (min–max) | consumer wait ms/step | p99 TTFT ms | peak in-flight "
+                   "| tasks/s | TTFT gain ms (min–max) |"), "|---|---|---|---|---|---|---|"]
     for name, m in v.policies.items():
         gain = v.gains.get(name)
         lines.append(
@@ -141,8 +147,8 @@ def _detail(v: ConfigVerdict) -> list[str]:
     if v.layers:
         names = list(v.layers)
         layer_ids = v.layers[names[0]]["layer"]
-        lines += ["", "Per layer (means over runs, ms): load completion after the step's first enqueue / "
-                  "forward's consumer wait.", "",
+        lines += ["", ("Per layer (means over runs, ms): load completion after the step's first enqueue / "
+                       "forward's consumer wait."), "",
                   "| layer | " + " | ".join(f"{n} done / wait" for n in names) + " |",
                   "|---|" + "---|" * len(names)]
         for k, layer in enumerate(layer_ids):

@@ -5,7 +5,12 @@ from __future__ import annotations
 import duckdb
 import pytest
 
-from otel_kvtrace.whatif.task import ReplayInputError, task_from_row, tasks_from_duckdb, tasks_from_rows
+from otel_kvtrace.whatif.task import (
+    ReplayInputError,
+    task_from_row,
+    tasks_from_duckdb,
+    tasks_from_rows,
+)
 
 
 def row(**kw: object) -> dict[str, object]:
