@@ -197,6 +197,8 @@ def attach_worker(worker: Any, rt: Runtime) -> None:
         thread = getattr(worker, name, None)
         if thread is not None and thread.__dict__.get(STATE_ATTR) is None:
             queue_state(thread, rt, worker=worker)
+    for callback in rt.on_worker_attached:
+        callback(worker)
 
 
 def detach(state: QueueState) -> None:

@@ -34,6 +34,9 @@ class Runtime:
     state_by_thread: dict[int, QueueState] = field(default_factory=dict)
     queues: list[QueueState] = field(default_factory=list)
     workers: list[Any] = field(default_factory=list)  # objects that got a WorkerState attribute
+    # Called once per worker after its transfer threads are attached (e.g. to add its config and ranks
+    # to the resource). Exceptions disable tracing like any other instrumentation failure.
+    on_worker_attached: list[Callable[[Any], None]] = field(default_factory=list)
 
     @property
     def clock(self) -> Callable[[], int]:
