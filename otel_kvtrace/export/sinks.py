@@ -124,26 +124,45 @@ def _make_grpc_exporter(**kwargs: Any) -> Any:
     return RequestGrpcExporter(**kwargs)
 
 
-class OtlpGrpcSink:
+class _SdkExporterSink:
+    """Holds one SDK exporter per process: after a fork the child builds its own (gRPC channels and
+    HTTP connection pools must not be shared across a fork)."""
+
+    def __init__(self, resource: Mapping[str, Any], endpoint: str | None) -> None:
+        self._endpoint_arg = endpoint
+        self._resource_attrs = dict(resource)
+        self._resource = resource_json(resource)
+        self._pid = os.getpid()
+        self._exporter = self._make_exporter()
+        self.endpoint = getattr(self._exporter, "_endpoint", endpoint)
+
+    def _make_exporter(self) -> Any:
+        raise NotImplementedError
+
+    def _current(self) -> Any:
+        pid = os.getpid()
+        if pid != self._pid:
+            self._pid = pid
+            self._exporter = self._make_exporter()
+        return self._exporter
+
+    def shutdown(self) -> None:
+        if os.getpid() == self._pid and not getattr(self._exporter, "_shutdown", False):
+            self._exporter.shutdown()
+
+
+class OtlpGrpcSink(_SdkExporterSink):
     """OTLP/gRPC through the SDK's ``OTLPSpanExporter`` (``OTEL_EXPORTER_OTLP_*`` settings apply)."""
 
     protocol = "grpc"
 
-    def __init__(self, resource: Mapping[str, Any], endpoint: str | None = None) -> None:
-        kwargs: dict[str, Any] = {}
-        if endpoint:
-            kwargs["endpoint"] = endpoint
-        self._exporter = _make_grpc_exporter(**kwargs)
-        self.endpoint = getattr(self._exporter, "_endpoint", endpoint)
-        self._resource = resource_json(resource)
+    def _make_exporter(self) -> Any:
+        return _make_grpc_exporter(**({"endpoint": self._endpoint_arg} if self._endpoint_arg else {}))
 
     def export(self, span_texts: Sequence[str], dropped: int) -> bool:
+        exporter = self._current()
         request = spans_to_request(texts_to_spans(span_texts), self._resource, dropped)
-        return self._exporter.export(request) == SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        if not getattr(self._exporter, "_shutdown", False):
-            self._exporter.shutdown()
+        return exporter.export(request) == SpanExportResult.SUCCESS
 
 
 def http_traces_url(endpoint: str) -> str:
@@ -154,7 +173,7 @@ def http_traces_url(endpoint: str) -> str:
     return endpoint
 
 
-class OtlpHttpSink:
+class OtlpHttpSink(_SdkExporterSink):
     """OTLP/HTTP (protobuf) through the SDK's ``OTLPSpanExporter`` (``OTEL_EXPORTER_OTLP_*`` settings apply).
 
     ``endpoint`` is a base URL like ``OTEL_EXPORTER_OTLP_ENDPOINT`` (``/v1/traces`` is appended when it
@@ -163,33 +182,24 @@ class OtlpHttpSink:
 
     protocol = "http/protobuf"
 
-    def __init__(self, resource: Mapping[str, Any], endpoint: str | None = None) -> None:
+    def _make_exporter(self) -> Any:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-        self._exporter = OTLPSpanExporter(endpoint=http_traces_url(endpoint) if endpoint else None)
-        self.endpoint = getattr(self._exporter, "_endpoint", endpoint)
-        self._resource_attrs = dict(resource)
-        self._resource = resource_json(resource)
-        # The SDK's HTTP client (retries, compression, headers) takes serialized bytes; older SDKs
-        # lack it, and then the batch goes through the public ReadableSpan path instead.
-        client = getattr(self._exporter, "_client", None)
-        self._send_bytes = getattr(client, "export", None)
-        self._sdk_resource: Any = None
+        endpoint = self._endpoint_arg
+        return OTLPSpanExporter(endpoint=http_traces_url(endpoint) if endpoint else None)
 
     def export(self, span_texts: Sequence[str], dropped: int) -> bool:
-        if getattr(self._exporter, "_shutdown", False):
+        exporter = self._current()
+        if getattr(exporter, "_shutdown", False):
             return False
         spans = texts_to_spans(span_texts)
-        if self._send_bytes is not None:
+        # The SDK's HTTP client (retries, compression, headers) takes serialized bytes; older SDKs
+        # lack it, and then the batch goes through the public ReadableSpan path instead.
+        send_bytes = getattr(getattr(exporter, "_client", None), "export", None)
+        if send_bytes is not None:
             data = spans_to_request(spans, self._resource, dropped).SerializeToString()
-            return bool(self._send_bytes(data).success)
-        if self._sdk_resource is None:
-            from opentelemetry.sdk.resources import Resource
+            return bool(send_bytes(data).success)
+        from opentelemetry.sdk.resources import Resource
 
-            self._sdk_resource = Resource(self._resource_attrs)
-        readable = spans_to_readable_spans(spans, self._sdk_resource, dropped)
-        return self._exporter.export(readable) == SpanExportResult.SUCCESS
-
-    def shutdown(self) -> None:
-        if not getattr(self._exporter, "_shutdown", False):
-            self._exporter.shutdown()
+        readable = spans_to_readable_spans(spans, Resource(self._resource_attrs), dropped)
+        return exporter.export(readable) == SpanExportResult.SUCCESS

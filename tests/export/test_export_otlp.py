@@ -212,3 +212,34 @@ def test_refusing_endpoint_counts_failed_batch(
     assert recorder.dropped == 10
     drop_lines = [r for r in caplog.records if r.name == "otel_kvtrace" and "dropped" in r.getMessage()]
     assert len(drop_lines) == 1
+
+
+def test_sdk_readable_span_path_sends_the_same_spans(http_receiver: tuple[str, Received]) -> None:
+    """The ReadableSpan encoding (bench candidate, fallback for SDKs without the bytes client) sent by the
+    unmodified SDK exporter arrives as the same spans as our directly built request."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+
+    from otel_kvtrace.export.encode import spans_to_readable_spans, texts_to_spans
+    from otel_kvtrace.record.model import Outcome
+
+    endpoint, received = http_receiver
+    builder = SpanBuilder(Recorder().anchor)
+    failed = fill_record(TaskRecord(), layer_id=6, outcome=Outcome.ERROR, error=OSError("x"))
+    records = [fill_record(TaskRecord()), failed]
+    texts = [builder.build_json(rec) for rec in records]
+    sink = OtlpHttpSink(RESOURCE, endpoint)
+    assert sink.export(texts, 0)
+    sink.shutdown()
+    sdk = OTLPSpanExporter(endpoint=f"{endpoint}/v1/traces")
+    readable = spans_to_readable_spans(texts_to_spans(texts), Resource(RESOURCE), 0)
+    assert sdk.export(readable).name == "SUCCESS"
+    sdk.shutdown()
+    ours, theirs = (list(r.resource_spans[0].scope_spans[0].spans) for r in received.requests)
+    assert len(ours) == len(theirs) == 24
+    for a, b in zip(ours, theirs, strict=True):
+        for span in (a, b):  # the SDK also sends W3C trace flags on spans and links
+            span.ClearField("flags")
+            for link in span.links:
+                link.ClearField("flags")
+        assert a == b, a.name
