@@ -8,6 +8,8 @@ the chain position its save and gate dependencies sit behind.
 
 from __future__ import annotations
 
+import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from otel_kvtrace.whatif.task import ReplayTask
@@ -58,80 +60,20 @@ class QueueArrays:
         """Columns of one queue; ``tasks`` must share a queue and be in ``seq`` order."""
         if not tasks:
             raise ValueError("tasks: empty queue")
-        n = len(tasks)
         t0 = min(t.arrival_ns for t in tasks)
 
         def rb(v: int | None) -> int:
             return NONE if v is None else v - t0
 
         arr = [t.arrival_ns - t0 for t in tasks]
-        for i in range(1, n):
+        for i in range(1, len(arr)):
             arr[i] = max(arr[i], arr[i - 1])  # seq is enqueue order; clamp clock noise
         step_index: dict[int, int] = {}
-        step = []
-        for t in tasks:
-            s = step_index.setdefault(t.step, len(step_index))
-            step.append(s)
-        nsteps = len(step_index)
-        chain: list[list[int]] = [[] for _ in range(nsteps)]
-        for i, t in enumerate(tasks):
-            chain[step[i]].append(i)
-        chain_pos = [0] * n
-        rec_arrive: list[list[int]] = []
-        rec_end: list[list[int]] = []
-        gap: list[list[int | None]] = []
-        lag: list[list[int]] = []
-        layers_of: list[list[int]] = []
-        for s in range(nsteps):
-            c = sorted(chain[s], key=lambda i: (tasks[i].layer_id, i))
-            chain[s] = c
-            for p, i in enumerate(c):
-                chain_pos[i] = p
-            ra = [rb(tasks[i].consumer_wait_start_ns) for i in c]
-            re = []
-            for i in c:
-                t = tasks[i]
-                end = t.consumer_wait_end_ns if t.consumer_wait_end_ns is not None else t.recorded_complete_ns
-                re.append(rb(end))
-            gp: list[int | None] = []
-            for p in range(len(c) - 1):
-                gp.append(ra[p + 1] - re[p] if ra[p + 1] != NONE and re[p] != NONE else None)
-            gp.append(None)
-            lg = []
-            for p, i in enumerate(c):
-                rc = rb(tasks[i].recorded_complete_ns)
-                blocked = ra[p] != NONE and rc != NONE and re[p] != NONE and ra[p] < rc < re[p]
-                lg.append(re[p] - rc if blocked else 0)
-            lag.append(lg)
-            rec_arrive.append(ra)
-            rec_end.append(re)
-            gap.append(gp)
-            layers_of.append([tasks[i].layer_id for i in c])
-
-        def kpos(s: int, layer: int | None) -> int:
-            if layer is None:
-                return -1
-            k = -1
-            for p, lay in enumerate(layers_of[s]):
-                if lay <= layer:
-                    k = p
-                else:
-                    break
-            return k
-
-        ks = [kpos(step[i], t.wait_for_save_layer) if t.ready_save_ns is not None or t.wait_for_save_layer is not None
-              else -1 for i, t in enumerate(tasks)]
-        kg = [kpos(step[i], t.gate_id) if t.gate_id is not None else -1 for i, t in enumerate(tasks)]
-        # a dependency on the task itself or a later one is inconsistent input: drop the link
-        for i in range(n):
-            if ks[i] >= 0 and chain[step[i]][ks[i]] >= i:
-                ks[i] = -1
-            if kg[i] >= 0 and chain[step[i]][kg[i]] >= i:
-                kg[i] = -1
-        need = [max(ks[i], kg[i]) for i in range(n)]
-        step_count = [len(c) for c in chain]
+        step = [step_index.setdefault(t.step, len(step_index)) for t in tasks]
+        fwd = _ForwardChains.build(tasks, step, len(step_index), rb)
+        ks, kg = _dependency_positions(tasks, step, fwd)
         return cls(
-            tasks=tasks, t0=t0, n=n, arr=arr,
+            tasks=tasks, t0=t0, n=len(tasks), arr=arr,
             rs=[rb(t.ready_save_ns) for t in tasks],
             rg=[rb(t.ready_gate_ns) for t in tasks],
             rl=[rb(t.ready_slot_ns) for t in tasks],
@@ -144,10 +86,69 @@ class QueueArrays:
             gate=[-1 if t.gate_id is None else t.gate_id for t in tasks],
             layer=[t.layer_id for t in tasks],
             rec_complete=[rb(t.recorded_complete_ns) for t in tasks],
-            ks=ks, kg=kg, need=need, chain=chain, chain_pos=chain_pos,
-            rec_arrive=rec_arrive, rec_end=rec_end, gap=gap, lag=lag, step_count=step_count,
+            ks=ks, kg=kg, need=[max(a, b) for a, b in zip(ks, kg, strict=True)],
+            chain=fwd.chain, chain_pos=fwd.chain_pos, rec_arrive=fwd.rec_arrive, rec_end=fwd.rec_end,
+            gap=fwd.gap, lag=fwd.lag, step_count=[len(c) for c in fwd.chain],
             call_overhead_ns=estimate_call_overhead(tasks),
         )
+
+
+@dataclass(slots=True)
+class _ForwardChains:
+    """Per step: the loads the forward waits on, in layer order, with recorded times (rebased)."""
+
+    chain: list[list[int]]
+    chain_pos: list[int]
+    layers: list[list[int]]
+    rec_arrive: list[list[int]]
+    rec_end: list[list[int]]
+    gap: list[list[int | None]]
+    lag: list[list[int]]
+
+    @classmethod
+    def build(cls, tasks: list[ReplayTask], step: list[int], nsteps: int,
+              rb: Callable[[int | None], int]) -> _ForwardChains:
+        out = cls([[] for _ in range(nsteps)], [0] * len(tasks), [], [], [], [], [])
+        for i in range(len(tasks)):
+            out.chain[step[i]].append(i)
+        for s in range(nsteps):
+            c = sorted(out.chain[s], key=lambda i: (tasks[i].layer_id, i))
+            out.chain[s] = c
+            for p, i in enumerate(c):
+                out.chain_pos[i] = p
+            arrive = [rb(tasks[i].consumer_wait_start_ns) for i in c]
+            # without a recorded consumer wait, the forward is taken to leave when the load completed
+            end = [rb(tasks[i].consumer_wait_end_ns if tasks[i].consumer_wait_end_ns is not None
+                      else tasks[i].recorded_complete_ns) for i in c]
+            gap: list[int | None] = [
+                arrive[p + 1] - end[p] if arrive[p + 1] != NONE and end[p] != NONE else None
+                for p in range(len(c) - 1)]
+            gap.append(None)
+            lag = []
+            for p, i in enumerate(c):
+                done = rb(tasks[i].recorded_complete_ns)
+                blocked = arrive[p] != NONE and done != NONE and end[p] != NONE and arrive[p] < done < end[p]
+                lag.append(end[p] - done if blocked else 0)
+            out.layers.append([tasks[i].layer_id for i in c])
+            out.rec_arrive.append(arrive)
+            out.rec_end.append(end)
+            out.gap.append(gap)
+            out.lag.append(lag)
+        return out
+
+
+def _dependency_positions(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> tuple[list[int], list[int]]:
+    """Per task, the chain position (last load of a layer <= the source/gate layer) its save and gate
+    dependencies sit behind, or -1. A link to the task itself or a later one is inconsistent input and
+    dropped."""
+    ks: list[int] = []
+    kg: list[int] = []
+    for i, t in enumerate(tasks):
+        s = step[i]
+        for layer, out in ((t.wait_for_save_layer, ks), (t.gate_id, kg)):
+            k = -1 if layer is None else bisect.bisect_right(fwd.layers[s], layer) - 1
+            out.append(k if k >= 0 and fwd.chain[s][k] < i else -1)
+    return ks, kg
 
 
 def estimate_call_overhead(tasks: list[ReplayTask]) -> int:
