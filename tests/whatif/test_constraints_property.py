@@ -40,6 +40,7 @@ def schedules(draw: st.DrawFn) -> list[ReplayTask]:
             cw_end = max(cw_start, rec_complete) if cw_start is not None else None
             tasks.append(ReplayTask(
                 queue="q", seq=seq, step=step, layer_id=layer, arrival_ns=clock, work_ns=work,
+                wake_ns=(draw(st.integers(0, 30)), draw(st.integers(0, 30)), draw(st.integers(0, 30))),
                 ready_save_ns=clock + draw(TIME) * 4 if src is not None else None,
                 ready_gate_ns=clock + draw(TIME) * 4 if gate is not None else None,
                 ready_slot_ns=clock + draw(TIME) * 4 if draw(st.booleans()) else None,
