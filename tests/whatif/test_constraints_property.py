@@ -66,7 +66,7 @@ def test_no_policy_violates_a_hard_constraint(tasks: list[ReplayTask], feedback:
 
 @settings(max_examples=60, deadline=None)
 @given(schedules())
-def test_fifo_serves_in_seq_order_and_ready_queue_never_finishes_later_overall(tasks: list[ReplayTask]) -> None:
+def test_fifo_serves_in_seq_order_one_task_at_a_time(tasks: list[ReplayTask]) -> None:
     q = QueueArrays.from_tasks(tasks)
     fifo = replay_queue(q, get_policy("fifo"))
     starts = fifo.start
