@@ -59,8 +59,10 @@ class FakeStoreClient:
         plan = self._plan
         gva = srcs[0] if direction == G2L else dsts[0]
         index = decode_index(gva)
-        blocks = max(1, plan.blocks[index // plan.num_layers])
-        table = plan.load_copy if direction == G2L else plan.save_copy
+        if direction == G2L:
+            blocks, table = max(1, plan.load_blocks[index]), plan.load_copy
+        else:
+            blocks, table = max(1, plan.blocks[index // plan.num_layers]), plan.save_copy
         duration = table[index] * len(sizes) // blocks
         stream = self._h2d if direction == G2L else self._d2h
         end = stream.launch(("load" if direction == G2L else "save", index), duration)

@@ -32,6 +32,10 @@ class Timing:
     h2d_stagger_us: float = 0.0
     slot_release_us: float = 0.0
     blocks_per_request: int = 8
+    independent_load_fraction: float = 1.0
+    """With buffer reuse, reused layers reload a request's whole cached prefix while independent layers load
+    only the part vLLM has not cached (research §2.2): this share of each request's blocks, the tail.
+    0 leaves independent layers without load tasks."""
     jitter: str = "none"
     jitter_spread: float = 0.2
 
@@ -198,6 +202,10 @@ class ReplicaConfig:
         ):
             value = getattr(t, name)
             _check(isinstance(value, int | float) and value >= 0, f"timing.{name}", f"must be >= 0, got {value!r}")
+        _check(
+            isinstance(t.independent_load_fraction, int | float) and 0 <= t.independent_load_fraction <= 1,
+            "timing.independent_load_fraction", f"must be in [0, 1], got {t.independent_load_fraction!r}",
+        )
         _check(_is_int(t.blocks_per_request) and t.blocks_per_request >= 1, "timing.blocks_per_request", f"must be >= 1, got {t.blocks_per_request!r}")
         _check(t.jitter in JITTER_KINDS, "timing.jitter", f"must be one of {JITTER_KINDS}, got {t.jitter!r}")
         s = self.slow

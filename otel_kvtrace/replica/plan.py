@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from otel_kvtrace.replica.config import ReplicaConfig, Timing
+from otel_kvtrace.replica.metadata import LayerBlockRange, ReqMeta
 
 DURATION_TABLES = (
     "host_launch", "attention", "compute", "save_copy", "load_copy", "meta_build", "slot_release",
@@ -24,6 +25,12 @@ class PlannedRequest:
     is_last_chunk: bool
     num_blocks: int
     start_block: int
+    independent_blocks: int
+    """Blocks an independent layer loads (the tail of the request's chunk), when reuse is on."""
+
+    @property
+    def end_block(self) -> int:
+        return self.start_block + self.num_blocks
 
 
 @dataclass(slots=True)
@@ -34,7 +41,11 @@ class WorkPlan:
     steps: int
     requests: list[list[PlannedRequest]]
     blocks: list[int]
-    """Blocks loaded (and saved) per layer in each step."""
+    """Blocks saved per layer in each step (and loaded by reused layers)."""
+    load_blocks: list[int]
+    """Blocks loaded per (step, layer): fewer on independent layers when reuse is on (0 = no load task)."""
+    partial_layers: frozenset[int]
+    """Layers that load only ``independent_blocks`` of each request."""
     host_launch: list[int]
     attention: list[int]
     compute: list[int]
@@ -50,6 +61,11 @@ class WorkPlan:
 
     def has_transfer(self, step: int) -> bool:
         return bool(self.requests[step])
+
+    def load_pattern(self, step: int) -> tuple[bool, ...]:
+        """Per layer: whether the step has a load task for it."""
+        base = step * self.num_layers
+        return tuple(b > 0 for b in self.load_blocks[base:base + self.num_layers])
 
 
 def _factors(timing: Timing, rng: np.random.Generator, size: int) -> np.ndarray | None:
@@ -93,18 +109,25 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
             req_id = f"req-{generation * cfg.requests_per_step + slot}"
             nblocks = max(1, int(block_counts[k]))
             k += 1
-            batch.append(PlannedRequest(req_id, chunk == cfg.chunks_per_request - 1, nblocks, chunk * per_chunk))
+            partial = int(round(nblocks * t.independent_load_fraction))
+            batch.append(PlannedRequest(req_id, chunk == cfg.chunks_per_request - 1, nblocks, chunk * per_chunk, partial))
         requests.append(batch)
         blocks.append(sum(r.num_blocks for r in batch))
 
     total = steps * n
+    partial_layers = frozenset(cfg.resolved_independent) if cfg.reuse_enabled else frozenset()
+    partial_blocks = [sum(r.independent_blocks for r in batch) for batch in requests]
+    load_blocks = [
+        partial_blocks[step] if layer in partial_layers else blocks[step] for step in range(steps) for layer in range(n)
+    ]
     step_blocks = np.repeat(np.asarray(blocks, dtype=np.float64), n)
+    layer_load_blocks = np.asarray(load_blocks, dtype=np.float64)
     means = {
         "host_launch": np.full(total, t.host_launch_us),
         "attention": np.full(total, t.attention_us),
         "compute": np.full(total, t.layer_compute_us),
         "save_copy": t.copy_call_us + step_blocks * t.save_d2h_us_per_block,
-        "load_copy": t.copy_call_us + step_blocks * t.load_h2d_us_per_block,
+        "load_copy": t.copy_call_us + layer_load_blocks * t.load_h2d_us_per_block,
         "meta_build": np.full(total, t.meta_build_us),
         "slot_release": np.full(total, t.slot_release_us),
     }
@@ -122,8 +145,21 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
     waiter = cfg.behaviour == "main" and cfg.path == "gva" and (
         t.slot_release_us > 0 or bool(s.slow_slot_release_layers))
     return WorkPlan(
-        n, steps, requests, blocks,
+        n, steps, requests, blocks, load_blocks, partial_layers,
         **{name: table.tolist() for name, table in tables.items()},
         stagger=stagger.tolist(), late_gate=late_gate.tolist(),
         fail_index=fail, has_slot_release_waiter=waiter,
     )
+
+
+def step_block_ranges(plan: WorkPlan, step: int) -> tuple[list[LayerBlockRange], list[LayerBlockRange]]:
+    """Block ranges of one step: ``(full, partial)``. Saves and reused layers' loads use ``full``;
+    independent layers (``plan.partial_layers``) load ``partial``, the tail of each request's chunk."""
+    full: list[LayerBlockRange] = []
+    partial: list[LayerBlockRange] = []
+    for r in plan.requests[step]:
+        meta = ReqMeta(r.req_id, r.is_last_chunk, r.num_blocks)
+        full.append(LayerBlockRange(meta, r.start_block, r.end_block))
+        if r.independent_blocks > 0:
+            partial.append(LayerBlockRange(meta, r.end_block - r.independent_blocks, r.end_block))
+    return full, partial

@@ -24,8 +24,8 @@ from otel_kvtrace.replica.kv_transfer import (
     LayerBatchBuilder,
 )
 from otel_kvtrace.replica.layout import build_layout, plan_submission, should_wait, submit_count
-from otel_kvtrace.replica.metadata import LayerBlockRange, LayerLoadTask, LayerTransferTask, ReqMeta
-from otel_kvtrace.replica.plan import PlannedRequest, WorkPlan
+from otel_kvtrace.replica.metadata import LayerLoadTask, LayerTransferTask, SharedBlockData
+from otel_kvtrace.replica.plan import PlannedRequest, WorkPlan, step_block_ranges
 
 
 @dataclass(slots=True, frozen=True)
@@ -158,18 +158,20 @@ class KVPoolWorker:
         self.process_layer_data(requests)
 
     def process_layer_data(self, requests: list[PlannedRequest]) -> None:
-        ranges = [
-            LayerBlockRange(ReqMeta(r.req_id, r.is_last_chunk, r.num_blocks), r.start_block, r.start_block + r.num_blocks)
-            for r in requests
-        ]
+        """Build every layer's save and load tasks (and their shared data) for this step."""
+        full, partial = step_block_ranges(self.plan, self._step)
         builder = self._build_group_layer_builders()[0]
-        shared = None
+        shared: dict[bool, SharedBlockData] = {}
         for layer in range(self.num_layers):
-            for lists in (self.layer_save_tasks, self.layer_load_tasks):
+            is_partial = layer in self.plan.partial_layers
+            for lists, ranges, kind in ((self.layer_save_tasks, full, False),
+                                        (self.layer_load_tasks, partial if is_partial else full, is_partial)):
+                if not ranges:
+                    continue
                 task = LayerTransferTask(layer, ranges, 0, layer, step=self._step)
-                if shared is None:
-                    shared = builder.build_shared(task)
-                task.shared_block_data = shared
+                if kind not in shared:
+                    shared[kind] = builder.build_shared(task)
+                task.shared_block_data = shared[kind]
                 lists[layer].append(task)
 
     def wait_for_layer_load(self) -> None:

@@ -25,8 +25,8 @@ from otel_kvtrace.record.recorder import ClockAnchor, Recorder
 from otel_kvtrace.replica.config import ReplicaConfig
 from otel_kvtrace.replica.fake_npu import VirtualClock
 from otel_kvtrace.replica.layout import ReuseLayout, build_layout, enqueue_plan, should_wait
-from otel_kvtrace.replica.metadata import LayerBlockRange, LayerTransferTask, ReqMeta
-from otel_kvtrace.replica.plan import WorkPlan, build_plan
+from otel_kvtrace.replica.metadata import LayerTransferTask
+from otel_kvtrace.replica.plan import WorkPlan, build_plan, step_block_ranges
 
 RECV_THREAD_NAMES = {"gva": "KVCacheStoreLayerRecvingThread", "key": "KVCacheStoreKeyLayerRecvingThread"}
 SEND_THREAD_NAMES = {"gva": "KVCacheStoreLayerSendingThread", "key": "KVCacheStoreKeyLayerSendingThread"}
@@ -186,24 +186,22 @@ class _Simulation:
         self.rq = QueueInfo(run_id, path, RECV_THREAD_NAMES[path], pid, tp=cfg.tp_rank, num_layers=cfg.num_layers)
         self.sq = QueueInfo(run_id, path, SEND_THREAD_NAMES[path], pid, tp=cfg.tp_rank, num_layers=cfg.num_layers)
         self.transfer_tasks = [self._transfer_tasks(step) for step in range(cfg.steps)]
-        # The enqueue plan depends only on whether the step has transfers: compute it once per kind.
+        # The enqueue plan depends only on which layers have a load task: compute it once per pattern.
         self.windows = {
-            has: [
+            pattern: [
                 [(sub.layer_id, sub.wait_for_save_layer, sub.gate_layer) for sub in subs]
-                for subs in enqueue_plan(cfg, lambda _layer, has=has: has, self.layout)
+                for subs in enqueue_plan(cfg, pattern.__getitem__, self.layout)
             ]
-            for has in {plan.has_transfer(step) for step in range(cfg.steps)}
+            for pattern in {plan.load_pattern(step) for step in range(cfg.steps)}
         }
 
     def _transfer_tasks(self, step: int) -> list[list[LayerTransferTask]]:
-        reqs = self.plan.requests[step]
-        if not reqs:
-            return [[] for _ in range(self.cfg.num_layers)]
-        ranges = [
-            LayerBlockRange(ReqMeta(r.req_id, r.is_last_chunk, r.num_blocks), r.start_block, r.start_block + r.num_blocks)
-            for r in reqs
-        ]
-        return [[LayerTransferTask(layer, ranges, 0, layer)] for layer in range(self.cfg.num_layers)]
+        full, partial = step_block_ranges(self.plan, step)
+        out: list[list[LayerTransferTask]] = []
+        for layer in range(self.cfg.num_layers):
+            ranges = partial if layer in self.plan.partial_layers else full
+            out.append([LayerTransferTask(layer, ranges, 0, layer, step=step)] if ranges else [])
+        return out
 
     def run(self) -> SimResult:
         loop = self.loop
@@ -229,7 +227,7 @@ class _Simulation:
         save_sig, gate_sig, rq_sig, sq_sig = total, 2 * total, 3 * total, 4 * total + 1
         main = cfg.behaviour == "main"
         layout = self.layout
-        waits = {has: [should_wait(cfg, layout, c, has) for c in range(n)] for has in (True, False)}
+        waits = {pattern: [should_wait(cfg, layout, c, has) for c, has in enumerate(pattern)] for pattern in self.windows}
         release_on_forward = main and plan.has_slot_release_waiter
         recv_items, send_items, by_index = self.recv_items, self.send_items, self.by_index
         gate_npu, save_npu = self.gate_npu, self.save_npu
@@ -243,10 +241,11 @@ class _Simulation:
         for step in range(cfg.steps):
             step_start = now
             consumer_wait = 0
-            has = plan.has_transfer(step)
+            has = plan.has_transfer(step)  # saves happen whenever the step has requests
             tasks = self.transfer_tasks[step]
-            window = self.windows[has]
-            wait_for = waits[has]
+            pattern = plan.load_pattern(step)
+            window = self.windows[pattern]
+            wait_for = waits[pattern]
             base = step * n
             for c in range(n):
                 i = base + c
@@ -402,7 +401,7 @@ class _Simulation:
             stages.append((s_back, t0, now))
             copies.append((step, layer, t0, now))
             rec.t_backend_return = now
-            rec.nbytes = plan.blocks[step] * BLOCK_BYTES
+            rec.nbytes = plan.load_blocks[i] * BLOCK_BYTES
             if i == plan.fail_index and gva:
                 rec.backend_result = 1
                 if main:  # the thread dies: no load event, no task_done, later tasks stay queued

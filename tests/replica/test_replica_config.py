@@ -42,6 +42,7 @@ def test_independent_layers_negative_and_all() -> None:
         ({"timing": Timing(attention_us=-1)}, "timing.attention_us"),
         ({"timing": Timing(load_h2d_us_per_block=-0.5)}, "timing.load_h2d_us_per_block"),
         ({"timing": Timing(jitter="gauss")}, "timing.jitter"),
+        ({"timing": Timing(independent_load_fraction=1.5)}, "timing.independent_load_fraction"),
         ({"slow": SlowInjection(slow_save_us=-3)}, "slow.slow_save_us"),
         ({"slow": SlowInjection(slow_save_layers=(8,))}, "slow.slow_save_layers"),
         ({"tp_rank": 2, "tp_size": 2}, "tp_rank"),

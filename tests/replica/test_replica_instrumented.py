@@ -104,6 +104,7 @@ AGREEMENT = {
     "main-empty": ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3, requests_per_step=0, steps=2),
     "v0.23": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2),
     "key": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2),
+    "partial-independent": HOL.with_(steps=2, timing=Timing(independent_load_fraction=0.25)),
     "stagger": ReplicaConfig(num_layers=6, prefetch_layers=3, tp_size=2, tp_rank=1, steps=2,
                              timing=Timing(h2d_stagger_us=200)),
 }

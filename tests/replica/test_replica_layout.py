@@ -116,3 +116,33 @@ def test_concurrent_requests_are_staggered_across_chunks() -> None:
         [("req-0", True), ("req-4", False), ("req-5", True)],
         [("req-3", False), ("req-4", True), ("req-8", False)],
     ]
+
+
+def test_independent_layers_load_only_the_uncached_tail() -> None:
+    from otel_kvtrace.replica.config import Timing
+    from otel_kvtrace.replica.plan import build_plan, step_block_ranges
+
+    cfg = ReplicaConfig(num_layers=6, num_shared_buffers=2, independent_layers=(0, 3), requests_per_step=2,
+                        timing=Timing(blocks_per_request=8, independent_load_fraction=0.25), steps=1)
+    plan = build_plan(cfg)
+    assert plan.partial_layers == {0, 3}
+    assert plan.load_blocks == [4, 16, 16, 4, 16, 16]
+    full, partial = step_block_ranges(plan, 0)
+    assert [(r.start_block, r.end_block) for r in partial] == [(6, 8), (6, 8)]
+    assert [(r.start_block, r.end_block) for r in full] == [(0, 8), (0, 8)]
+    # without reuse every layer loads in full
+    assert build_plan(cfg.with_(buffer_reuse=False)).load_blocks == [16] * 6
+
+
+def test_independent_layers_without_load_are_skipped_by_the_window() -> None:
+    from otel_kvtrace.replica.config import Timing
+    from otel_kvtrace.replica.plan import build_plan
+
+    cfg = ReplicaConfig(num_layers=8, num_shared_buffers=2, prefetch_layers=4, independent_layers=(0, 4),
+                        timing=Timing(independent_load_fraction=0.0), steps=1)
+    pattern = build_plan(cfg).load_pattern(0)
+    assert pattern == (False, True, True, True, False, True, True, True)
+    plan = _plan(cfg, has=pattern.__getitem__)
+    # layers 0 and 4 have no load task and no source: skipped without counting
+    assert plan[0] == [(1, None, 0), (2, None, 0), (3, 1, 0), (5, 2, 0)]
+    assert plan[1] == [(6, 3, 1)] and plan[2] == [(7, 5, 2)]

@@ -121,7 +121,15 @@ def _check_invariants(cfg: ReplicaConfig) -> None:
             assert cw[1] >= rec.t_complete
     for s in res.send:
         assert s.kind == TaskKind.SEND and s.t_complete >= s.dep_hi(Dep.SAVE_NPU)
-    assert len(res.recv) == cfg.steps * n or cfg.requests_per_step == 0
+    from otel_kvtrace.replica.plan import build_plan
+
+    plan = build_plan(cfg)
+    main = cfg.behaviour == "main"
+    expected = sum(1 for step in range(cfg.steps) for layer, has in enumerate(plan.load_pattern(step))
+                   if has or (main and layer in lay.prefetch_layer_map))
+    assert len(res.recv) == expected
+    for rec in res.recv:
+        assert rec.nbytes == (plan.load_blocks[rec.step * n + rec.layer_id] * 4096 if rec.transfer_tasks else 0)
 
 
 @settings(max_examples=60, deadline=None)
@@ -137,12 +145,14 @@ def _check_invariants(cfg: ReplicaConfig) -> None:
     release=st.sampled_from([0.0, 300.0]),
     requests=st.integers(0, 3),
     seed=st.integers(0, 5),
+    fraction=st.sampled_from([1.0, 0.5, 0.0]),
 )
-def test_invariants_hold_for_any_config(n, b, p, indep, behaviour, path, jitter, slow, release, requests, seed) -> None:
+def test_invariants_hold_for_any_config(n, b, p, indep, behaviour, path, jitter, slow, release, requests, seed,
+                                        fraction) -> None:
     cfg = ReplicaConfig(
         behaviour=behaviour, path=path, num_layers=n, num_shared_buffers=b, prefetch_layers=p,
         independent_layers=tuple(x for x in indep if x < n) or (0,), requests_per_step=requests, steps=3, seed=seed,
-        timing=Timing(jitter=jitter, slot_release_us=release),
+        timing=Timing(jitter=jitter, slot_release_us=release, independent_load_fraction=fraction),
         slow=SlowInjection(slow_save_layers=(slow % n,), slow_save_us=2000, late_gate_layers=(0,), late_gate_us=500),
     )
     _check_invariants(cfg)
