@@ -144,3 +144,12 @@ def install_views(con: duckdb.DuckDBPyConnection) -> list[str]:
             con.execute(f"CREATE OR REPLACE VIEW {doc.name} AS {doc.sql}").fetchall()
             done.add(doc.name)
     return sorted(done)
+
+
+def ensure_view(con: duckdb.DuckDBPyConnection, name: str) -> str:
+    """Create ``name`` (and what it requires) as temporary views so other SQL can select from it."""
+    doc = get_query(name)
+    done: set[str] = set()
+    _ensure_views(con, doc, temporary=True, done=done)
+    con.execute(f"CREATE OR REPLACE TEMP VIEW {name} AS {doc.sql}").fetchall()
+    return name

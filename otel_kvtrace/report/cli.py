@@ -1,0 +1,64 @@
+"""``kvtrace report``: the command-line shell over ``build_report`` and the renderers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from otel_kvtrace.load import LoadError
+
+
+@click.command("report")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write the machine-readable report (tasks, stages, hol with every interval) to this file.")
+@click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path),
+              help="Write stage CDFs, the HOL duration histogram and per-queue timelines as PNG files here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write one self-contained HTML page (zoomable timeline, tables, plots) to this file.")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
+              show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime.")
+@click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache.")
+@click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also keep the tables in this DuckDB database, with one view per queries/*.sql, "
+                   "for the DuckDB CLI (parses the JSON; the cache is not used).")
+@click.option("--timeline-tasks", type=click.IntRange(min=10), default=1500, show_default=True,
+              help="Tasks drawn in the timelines (a window around each queue's longest HOL event).")
+def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None, html_path: Path | None,
+           cache_dir: Path, no_cache: bool, db_path: Path | None, timeline_tasks: int) -> None:
+    """Answer "is there head-of-line blocking, how often, how long, and what proves it?" for traces.
+
+    PATHS are OTLP/JSON lines files (from the local sink or the OpenTelemetry Collector's file
+    exporter), directories holding them, or globs; .gz files are read too.
+
+    \b
+    Example:
+      kvtrace report ./kvtrace-data/traces --html report.html --json report.json
+      kvtrace report 'runs/*/traces/*.jsonl.gz' --png-dir plots/
+    """
+    import duckdb
+
+    from otel_kvtrace.analyse import install_views
+    from otel_kvtrace.report import build_report, render_terminal, write_html, write_json, write_pngs
+
+    console = Console(stderr=False)
+    con = duckdb.connect(str(db_path)) if db_path else None
+    try:
+        with console.status("loading traces ...") as status:
+            result = build_report(list(paths), cache_dir=None if (no_cache or db_path) else cache_dir, con=con,
+                                  timeline_tasks=timeline_tasks, progress=status.update)
+    except LoadError as exc:
+        raise click.BadParameter(str(exc), param_hint="PATHS") from exc
+    render_terminal(result, console)
+    if db_path:
+        install_views(con)
+        console.print(f"DuckDB database with tables and query views: {db_path}")
+    if json_path:
+        console.print(f"JSON report: {write_json(result, json_path)}")
+    if png_dir:
+        for path in write_pngs(result, png_dir):
+            console.print(f"plot: {path}")
+    if html_path:
+        console.print(f"HTML report: {write_html(result, html_path)}")

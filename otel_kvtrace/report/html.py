@@ -1,0 +1,123 @@
+"""One self-contained HTML page: zoomable timeline, tables and plots, no network access needed.
+
+Everything is inline: CSS, the small vanilla-JS SVG timeline (``timeline_js.py``), the
+report data as a JSON script block and the plots as base64 PNG. Times in the page are microseconds
+since the first task shown (epoch nanoseconds do not fit a JavaScript number).
+"""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import orjson
+
+from otel_kvtrace.analyse.queries import QueryResult
+from otel_kvtrace.report.model import Report
+from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, figure_base64, report_figures
+from otel_kvtrace.report.terminal import hol_headline
+from otel_kvtrace.report.timeline_js import TIMELINE_JS
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 1.2em; color: #222; }
+h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; }
+table.data { border-collapse: collapse; font-size: 0.82em; margin: 0.4em 0; }
+table.data th, table.data td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; }
+table.data th { background: #f0f0f0; } table.data td.text { text-align: left; }
+#controls button { margin-right: 0.3em; }
+#timeline-wrap { border: 1px solid #bbb; max-height: 620px; overflow-y: auto; overflow-x: hidden; cursor: grab; }
+#timeline { display: block; user-select: none; }
+#timeline rect.stage:hover { stroke: #000; stroke-width: 1; }
+#timeline rect.selected { stroke: #000; stroke-width: 2; }
+#details { border: 1px solid #bbb; padding: 0.5em; margin-top: 0.6em; min-height: 3em; font-size: 0.9em; }
+.legend span { display: inline-block; margin-right: 0.8em; font-size: 0.8em; }
+.legend i { display: inline-block; width: 12px; height: 12px; margin-right: 3px; vertical-align: middle; }
+.headline { font-weight: bold; padding: 0.5em; background: #fff4e5; border-left: 4px solid #e6550d; }
+img.plot { max-width: 100%; border: 1px solid #ddd; margin: 0.3em 0; }
+"""
+
+
+def _cell(value: object, column: str) -> str:
+    if value is None:
+        text = "-"
+    elif isinstance(value, float):
+        text = f"{value:.3f}" if abs(value) < 1000 else f"{value:,.1f}"
+    else:
+        text = str(value)
+    cls = ' class="text"' if isinstance(value, str) else ""
+    return f"<td{cls}>{html.escape(text)}</td>"
+
+
+def table_html(result: QueryResult, columns: list[str] | None = None, limit: int | None = None,
+               table_id: str = "") -> str:
+    columns = columns or result.columns
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+    body = "".join(
+        "<tr>" + "".join(_cell(r[c], c) for c in columns) + "</tr>" for r in result.records()[:limit]
+    )
+    ident = f' id="{table_id}"' if table_id else ""
+    return f'<table class="data"{ident}><tr>{head}</tr>{body}</table>'
+
+
+def render_html(report: Report) -> str:
+    """The whole page as a string."""
+    timeline = report.timeline
+    data = orjson.dumps({"timeline": timeline, "colors": STAGE_COLORS, "holColors": HOL_COLORS})
+    data_text = data.decode().replace("</", "<\\/")
+    script = TIMELINE_JS
+    legend = "".join(f'<span><i style="background:{c}"></i>{html.escape(s)}</span>' for s, c in STAGE_COLORS.items())
+    legend += "".join(f'<span><i style="background:{c};opacity:.35"></i>HOL {k}</span>' for k, c in HOL_COLORS.items())
+    plots = "".join(
+        f'<h3>{html.escape(stem)}</h3><img class="plot" alt="{html.escape(stem)}" '
+        f'src="data:image/png;base64,{figure_base64(fig)}">'
+        for stem, fig in report_figures(report).items()
+    )
+    stats = report.stats
+    malformed = "".join(f"<li>{html.escape(str(m))}</li>" for m in stats.malformed[:50])
+    shown = (f"{timeline.get('shown', 0)} of {timeline.get('total', 0)} tasks shown "
+             f"(a window around each queue's longest HOL event)")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>kvtrace report</title>
+<style>{_CSS}</style></head>
+<body>
+<h1>kvtrace report: head-of-line blocking in the KV recv queue</h1>
+<p class="headline" id="headline">{html.escape(hol_headline(report))}</p>
+<p>{stats.tasks} recv tasks, {stats.send_tasks} send tasks, {stats.spans} spans from {len(stats.files)} file(s);
+{stats.malformed_count} malformed line(s) skipped.</p>
+{f'<ul id="malformed">{malformed}</ul>' if malformed else ''}
+<h2>Timeline</h2>
+<p>{html.escape(shown)}. Wheel: zoom, drag: pan, double-click: whole window. Click a task bar for its stages and
+dependency times.</p>
+<div id="controls"><button id="zoom-in">+</button><button id="zoom-out">&minus;</button>
+<button id="zoom-reset">reset</button><button id="zoom-all">whole window</button><span id="range"></span></div>
+<div class="legend">{legend}</div>
+<div id="timeline-wrap"><svg id="timeline" xmlns="http://www.w3.org/2000/svg"></svg></div>
+<div id="details">Click a task.</div>
+<h2>Head-of-line blocking</h2>
+{table_html(report.hol_summary, table_id="hol-summary")}
+<h3>Longest HOL intervals</h3>
+{table_html(QueryResult(report.hol_intervals.columns, sorted(report.hol_intervals.rows,
+            key=lambda r: -r[report.hol_intervals.columns.index("dur_ns")])),
+            ["head_correlation_id", "class", "start_ns", "dur_ns", "evidence_correlation_id",
+             "evidence_ready_ns"], limit=25)}
+<h2>Stages</h2>
+{table_html(report.stages, table_id="stages")}
+<h2>Queue depth</h2>
+{table_html(report.queue_depth)}
+<h2>Consumer stall per step</h2>
+{table_html(report.consumer_stall)}
+<h2>Tasks not explained by their stages within 1%: {report.wait_explained_total}</h2>
+{table_html(report.wait_explained, limit=50)}
+<h2>Plots</h2>
+{plots}
+<script type="application/json" id="kvtrace-data">{data_text}</script>
+<script>{script}</script>
+</body></html>
+"""
+
+
+def write_html(report: Report, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render_html(report), encoding="utf-8")
+    return path

@@ -1,0 +1,180 @@
+"""The HTML report's timeline script (vanilla JS, SVG), kept as a Python string so it ships with the
+package without package-data configuration.
+
+Rows: one header per queue, then one row per task; a task is a bar split into its stage spans (the
+forward thread's consumer_wait is drawn thin below). HOL intervals are shaded across their queue's rows
+and outlined on the head's row. Wheel zooms around the pointer, drag pans, double-click resets; clicking
+a bar fills ``#details`` with the task's stages, dependency times and HOL intervals.
+"""
+
+TIMELINE_JS = r"""
+(function () {
+  "use strict";
+  const DATA = JSON.parse(document.getElementById("kvtrace-data").textContent);
+  const T = DATA.timeline, COLORS = DATA.colors, HOLC = DATA.holColors;
+  const svg = document.getElementById("timeline");
+  const wrap = document.getElementById("timeline-wrap");
+  const details = document.getElementById("details");
+  const NS = "http://www.w3.org/2000/svg";
+  const ROW = 12, HEADER = 18, AXIS = 22, LABEL = 150;
+  const byCid = new Map();
+  T.tasks.forEach(t => byCid.set(t.cid, t));
+
+  // Layout: y of every task row, queue header rows in between.
+  const layout = [];  // {kind: "queue"|"task", y, queue, task}
+  let y = AXIS;
+  T.queues.forEach((q, qi) => {
+    layout.push({kind: "queue", y: y, queue: qi});
+    y += HEADER;
+    T.tasks.filter(t => t.queue === qi).forEach(t => { layout.push({kind: "task", y: y, queue: qi, task: t}); t._y = y; y += ROW; });
+  });
+  const height = Math.max(y + 4, 60);
+  let tMin = Infinity, tMax = -Infinity;
+  T.tasks.forEach(t => {
+    tMin = Math.min(tMin, t.enqueue);
+    t.stages.forEach(s => { tMax = Math.max(tMax, s[2]); });
+  });
+  if (!isFinite(tMin)) { tMin = 0; tMax = 1; }
+  if (tMax <= tMin) tMax = tMin + 1;
+  let view = [tMin, tMax];
+  if (T.hol.length) {  // start on the longest HOL interval, with some context around it
+    const h = T.hol.reduce((a, b) => (b.end - b.start > a.end - a.start ? b : a));
+    const pad = Math.max(3 * (h.end - h.start), 200);
+    view = [Math.max(tMin, h.start - pad), Math.min(tMax, h.end + pad)];
+  }
+  const initialView = view.slice();
+  let selected = null;
+
+  function width() { return Math.max(300, wrap.clientWidth - 2); }
+  function xOf(t) { return LABEL + (t - view[0]) / (view[1] - view[0]) * (width() - LABEL - 4); }
+  function el(name, attrs, parent) {
+    const e = document.createElementNS(NS, name);
+    for (const k in attrs) e.setAttribute(k, attrs[k]);
+    if (parent) parent.appendChild(e);
+    return e;
+  }
+  function fmt(us) { return us === null || us === undefined ? "-" : (us >= 1000 ? (us / 1000).toFixed(3) + " ms" : us.toFixed(1) + " us"); }
+
+  function render() {
+    const W = width();
+    svg.setAttribute("width", W);
+    svg.setAttribute("height", height);
+    while (svg.firstChild) svg.removeChild(svg.firstChild);
+    const clip = el("clipPath", {id: "plot-clip"}, el("defs", {}, svg));
+    el("rect", {x: LABEL, y: 0, width: W - LABEL, height: height}, clip);
+    const plot = el("g", {"clip-path": "url(#plot-clip)"}, svg);
+    // Axis ticks.
+    const span = view[1] - view[0];
+    const step = Math.pow(10, Math.floor(Math.log10(span / 6)));
+    const tick = [1, 2, 5, 10].map(m => m * step).find(s => span / s <= 10) || step * 10;
+    for (let t = Math.ceil(view[0] / tick) * tick; t <= view[1]; t += tick) {
+      const x = xOf(t);
+      el("line", {x1: x, x2: x, y1: AXIS - 4, y2: height, stroke: "#eee"}, plot);
+      const label = el("text", {x: x + 2, y: AXIS - 8, "font-size": 10, fill: "#555"}, svg);
+      label.textContent = fmt(t);
+    }
+    // HOL bands across each queue's rows.
+    T.hol.forEach(h => {
+      if (h.end < view[0] || h.start > view[1]) return;
+      const rows = layout.filter(r => r.kind === "task" && r.queue === h.queue);
+      if (!rows.length) return;
+      const y0 = rows[0].y, y1 = rows[rows.length - 1].y + ROW;
+      const x0 = xOf(h.start), x1 = xOf(h.end);
+      el("rect", {x: x0, y: y0, width: Math.max(1, x1 - x0), height: y1 - y0, fill: HOLC[h.class],
+                  "fill-opacity": 0.12, class: "hol", "data-head": h.head}, plot);
+      const head = byCid.get(h.head);
+      if (head) el("rect", {x: x0, y: head._y, width: Math.max(1, x1 - x0), height: ROW - 2, fill: "none",
+                            stroke: HOLC[h.class], "stroke-width": 1.5, class: "hol-head"}, plot);
+    });
+    layout.forEach(r => {
+      if (r.kind === "queue") {
+        const t = el("text", {x: 4, y: r.y + 13, "font-size": 11, "font-weight": "bold"}, svg);
+        t.textContent = T.queues[r.queue];
+        return;
+      }
+      const task = r.task;
+      const label = el("text", {x: 4, y: r.y + 9, "font-size": 9, fill: "#333"}, svg);
+      label.textContent = "s" + task.step + " l" + task.layer + (task.final ? " (final)" : "") + " #" + task.seq;
+      task.stages.forEach(s => {
+        if (s[2] < view[0] || s[1] > view[1]) return;
+        const x0 = xOf(s[1]), x1 = xOf(s[2]);
+        const consumer = s[0] === "consumer_wait";
+        const rect = el("rect", {x: x0, y: consumer ? r.y + ROW - 4 : r.y + 1, width: Math.max(1, x1 - x0),
+                                 height: consumer ? 2 : ROW - 4, fill: COLORS[s[0]] || "#000",
+                                 class: "stage" + (selected === task.cid ? " selected" : ""),
+                                 "data-cid": task.cid, "data-stage": s[0]}, plot);
+        const title = el("title", {}, rect);
+        title.textContent = task.cid + "\n" + s[0] + ": " + fmt(s[2] - s[1]);
+      });
+    });
+    document.getElementById("range").textContent = " showing " + fmt(view[0]) + " .. " + fmt(view[1]);
+  }
+
+  function showDetails(cid) {
+    const t = byCid.get(cid);
+    if (!t) return;
+    selected = cid;
+    const rows = t.stages.map(s => "<tr><td class='text'>" + s[0] + "</td><td>" + fmt(s[1]) + "</td><td>" + fmt(s[2] - s[1]) + "</td></tr>").join("");
+    const deps = Object.keys(t.deps).map(d => {
+      const v = t.deps[d];
+      return "<tr><td class='text'>" + d + "</td><td>" + (Array.isArray(v) ? "[" + fmt(v[0]) + ", " + fmt(v[1]) + "] (bounded)" : fmt(v)) + "</td></tr>";
+    }).join("") || "<tr><td colspan='2'>no dependencies</td></tr>";
+    const hol = T.hol.filter(h => h.head === cid || h.evidence === cid).map(h =>
+      "<li>" + (h.head === cid ? "blocked head, " : "evidence for " + h.head + ", ") + h.class + " " + fmt(h.start) + " .. " + fmt(h.end) +
+      " (" + fmt(h.end - h.start) + ")" + (h.head === cid ? ", ready behind it: " + h.evidence : "") + "</li>").join("");
+    const esc = s => String(s).replace(/[&<>]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;"}[c]));
+    details.innerHTML = "<b>" + esc(t.cid) + "</b> seq " + t.seq + ", step " + t.step + ", layer " + t.layer +
+      (t.final ? " (final layer)" : "") + ", outcome " + esc(t.outcome) + ", ready precision " + esc(t.precision) +
+      "<br>enqueue " + fmt(t.enqueue) + ", dequeue " + fmt(t.dequeue) + ", ready " + fmt(t.ready) +
+      (t.ready_lo !== null ? " (lower bound " + fmt(t.ready_lo) + ")" : "") + ", complete " + fmt(t.complete) +
+      "<table class='data' id='detail-stages'><tr><th>stage</th><th>start</th><th>duration</th></tr>" + rows + "</table>" +
+      "<table class='data' id='detail-deps'><tr><th>dependency</th><th>satisfied at</th></tr>" + deps + "</table>" +
+      (hol ? "<ul id='detail-hol'>" + hol + "</ul>" : "<p>No HOL interval involves this task.</p>");
+    render();
+  }
+
+  function zoom(factor, centerT) {
+    const c = centerT === undefined ? (view[0] + view[1]) / 2 : centerT;
+    let a = c - (c - view[0]) * factor, b = c + (view[1] - c) * factor;
+    if (b - a < 0.01) return;
+    if (b - a > (tMax - tMin)) { a = tMin; b = tMax; }
+    view = [a, b];
+    render();
+  }
+  function tAt(clientX) {
+    const rect = svg.getBoundingClientRect();
+    return view[0] + (clientX - rect.left - LABEL) / (width() - LABEL - 4) * (view[1] - view[0]);
+  }
+  svg.addEventListener("wheel", e => {
+    if (!e.ctrlKey && Math.abs(e.deltaY) < Math.abs(e.deltaX)) return;
+    e.preventDefault();
+    zoom(e.deltaY > 0 ? 1.25 : 0.8, tAt(e.clientX));
+  }, {passive: false});
+  let drag = null;
+  svg.addEventListener("mousedown", e => { drag = {x: e.clientX, view: view.slice(), moved: false}; });
+  window.addEventListener("mousemove", e => {
+    if (!drag) return;
+    const dx = e.clientX - drag.x;
+    if (Math.abs(dx) > 3) drag.moved = true;
+    if (!drag.moved) return;
+    const dt = dx / (width() - LABEL - 4) * (drag.view[1] - drag.view[0]);
+    view = [drag.view[0] - dt, drag.view[1] - dt];
+    render();
+  });
+  window.addEventListener("mouseup", e => {
+    if (drag && !drag.moved) {
+      const target = e.target;
+      if (target && target.getAttribute && target.getAttribute("data-cid")) showDetails(target.getAttribute("data-cid"));
+    }
+    drag = null;
+  });
+  svg.addEventListener("dblclick", () => { view = [tMin, tMax]; render(); });
+  document.getElementById("zoom-reset").addEventListener("click", () => { view = initialView.slice(); render(); });
+  document.getElementById("zoom-in").addEventListener("click", () => zoom(0.5));
+  document.getElementById("zoom-out").addEventListener("click", () => zoom(2));
+  document.getElementById("zoom-all") && document.getElementById("zoom-all").addEventListener("click", () => { view = [tMin, tMax]; render(); });
+  window.addEventListener("resize", render);
+  window.kvtraceTimeline = {showDetails: showDetails, zoom: zoom, view: () => view.slice()};
+  render();
+})();
+"""
