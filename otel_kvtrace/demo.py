@@ -242,14 +242,15 @@ def print_demo_summary(result: DemoResult, console: Any = None) -> None:
 
 
 def _print_hol_report(result: DemoResult, console: Any) -> None:
-    """HOL via the analysis package's summary, once it exists (``otel_kvtrace.report.print_summary``)."""
+    """HOL per scenario through the analysis package (DuckDB over the files just written)."""
     try:
-        from otel_kvtrace.report import print_summary  # type: ignore[attr-defined]
-    except ImportError:
-        console.print("(HOL summary: run `kvtrace report` once the analysis package is installed)")
+        from otel_kvtrace.report import print_summary
+    except ImportError:  # pragma: no cover - the report package ships with otel_kvtrace
+        console.print("(HOL summary unavailable: run `kvtrace report` on the traces)")
         return
-    for sc in result.scenarios:
-        print_summary(sc.trace_files, console=console)
+    files = [path for sc in result.scenarios for path in sc.trace_files]
+    if files:
+        print_summary(files, console=console)
 
 
 @click.command("demo")

@@ -72,6 +72,7 @@ def test_cli_runs_and_summarises(tmp_path) -> None:
                                        "--out", str(tmp_path)])
     assert result.exit_code == 0, result.output
     assert "backend_submit" in result.output and "recv tasks 12" in result.output
+    assert "Head-of-line blocking" in result.output  # the analysis package's summary of the same files
     files = list((tmp_path / "traces").glob("kvtrace-demo-fifo-optimal-*.jsonl"))
     assert len(files) == 1
     assert len(_roots(files[0])[1]) == 12
