@@ -17,7 +17,12 @@ from otel_kvtrace.whatif.render import (
     write_markdown,
     write_pngs,
 )
-from otel_kvtrace.whatif.replay import group_runs, replay_run, write_task_times
+from otel_kvtrace.whatif.replay import (
+    config_key,
+    group_runs,
+    replay_run,
+    write_task_times,
+)
 from otel_kvtrace.whatif.sweep import SweepResult
 from otel_kvtrace.whatif.task import BOUNDS, tasks_from_duckdb
 from otel_kvtrace.whatif.verdict import decide
@@ -35,13 +40,17 @@ _CFG_COLUMNS = ("cfg_num_layers", "cfg_prefetch_layers", "cfg_num_shared_buffers
 
 
 def _configs(con: Any) -> dict[str, dict[str, Any]]:
+    """``cfg_*`` columns per configuration key (``config_key(cfg_label, path)``)."""
     cols = {r[0] for r in con.execute("DESCRIBE tasks").fetchall()}
     present = [c for c in _CFG_COLUMNS if c in cols]
-    if "cfg_label" not in cols or not present:
+    if not present:
         return {}
-    sql = ("SELECT coalesce(cfg_label, '(unlabelled)'), "
-           + ", ".join(f"any_value({c})" for c in present) + " FROM tasks GROUP BY 1")
-    return {row[0]: dict(zip(present, row[1:], strict=True)) for row in con.execute(sql).fetchall()}
+    label = "cfg_label" if "cfg_label" in cols else "NULL"
+    path = "path" if "path" in cols else "NULL"
+    sql = (f"SELECT {label}, {path}, " + ", ".join(f"any_value({c})" for c in present)
+           + " FROM tasks GROUP BY 1, 2")
+    return {config_key(row[0], row[1]): dict(zip(present, row[2:], strict=True))
+            for row in con.execute(sql).fetchall()}
 
 
 def whatif(
@@ -59,7 +68,7 @@ def whatif(
 ) -> VerdictReport:
     """Load recorded traces, replay every queue of every run under each policy, decide per configuration.
 
-    A configuration is a ``cfg_label``; its runs (``run_id``) are the independent repeats. Writes the
+    A configuration is a ``cfg_label`` (and path); its runs (``run_id``) are the independent repeats. Writes the
     JSON/Markdown/PNG outputs that are asked for (``tasks_csv``: per-task start/complete under every
     policy) and returns the report.
 

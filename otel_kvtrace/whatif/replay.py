@@ -183,11 +183,20 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     return RunReplay(run_id, cfg_label, replays, figures, validation, hol)
 
 
+def config_key(cfg_label: str | None, path: str | None) -> str:
+    """The configuration a task belongs to: its ``cfg_label``, plus ``[path]`` when the label does not
+    name the path already (GVA and key-path queues are always decided separately)."""
+    label = cfg_label or "(unlabelled)"
+    if path and path not in label.split():
+        label += f" [{path}]"
+    return label
+
+
 def group_runs(tasks: Iterable[ReplayTask]) -> dict[str, dict[str, list[ReplayTask]]]:
-    """Tasks per configuration label, then per run id (a run is one independent repeat)."""
+    """Tasks per configuration (``config_key``), then per run id (a run is one independent repeat)."""
     out: dict[str, dict[str, list[ReplayTask]]] = {}
     for t in tasks:
-        out.setdefault(t.cfg_label or "(unlabelled)", {}).setdefault(t.run_id or "(run)", []).append(t)
+        out.setdefault(config_key(t.cfg_label, t.path), {}).setdefault(t.run_id or "(run)", []).append(t)
     return out
 
 

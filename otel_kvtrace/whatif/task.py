@@ -71,6 +71,7 @@ class ReplayTask:
     correlation_id: str = ""
     run_id: str = ""
     cfg_label: str = ""
+    path: str = ""
 
     @property
     def service_ns(self) -> int:
@@ -192,6 +193,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         correlation_id=str(row.get("correlation_id") or ""),
         run_id=str(row.get("run_id") or ""),
         cfg_label=str(row.get("cfg_label") or ""),
+        path=str(row.get("path") or ""),
     )
 
 
@@ -276,6 +278,7 @@ def row_from_record(rec: Any, *, run_id: str = "", cfg_label: str = "") -> dict[
         "ts_complete": rec.t_complete if rec.t_complete >= 0 else None,
         "run_id": run_id or (q.run_id if q else ""),
         "cfg_label": cfg_label,
+        "path": q.path if q is not None else "",
     }
     deps = rec.deps
     for d, name in enumerate(_DEP_NAMES):

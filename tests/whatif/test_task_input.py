@@ -92,3 +92,15 @@ def test_tasks_from_duckdb_reads_the_tasks_table() -> None:
     assert [(t.seq, t.final_layer, t.service_ns) for t in tasks] == [(0, False, 10), (1, True, 20)]
     with pytest.raises(ReplayInputError, match="no rows"):
         tasks_from_duckdb(con, where="path = 'none'")
+
+
+def test_gva_and_key_queues_of_one_label_are_separate_configurations() -> None:
+    from otel_kvtrace.whatif.replay import config_key, group_runs
+
+    tasks = tasks_from_rows([
+        row(queue="g", path="gva", cfg_label="upstream", run_id="r1", ts_enqueue=0),
+        row(queue="k", path="key", cfg_label="upstream", run_id="r1", ts_enqueue=0),
+        row(queue="m", path="gva", cfg_label="main gva N=8", run_id="r1", ts_enqueue=0),
+    ])
+    assert set(group_runs(tasks)) == {"upstream [gva]", "upstream [key]", "main gva N=8"}
+    assert config_key(None, None) == "(unlabelled)"
