@@ -22,9 +22,12 @@ blocks (not for bounded times: there the gap is uncertainty, not latency).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+logger = logging.getLogger("otel_kvtrace")
 
 SAVE, GATE, SLOT = 0, 1, 2
 WAIT_KINDS = ("save", "gate", "slot")
@@ -226,8 +229,21 @@ def group_by_queue(tasks: Iterable[ReplayTask]) -> dict[str, list[ReplayTask]]:
 
 
 def tasks_from_rows(rows: Iterable[Mapping[str, Any]], *, bound: str = "hi") -> list[ReplayTask]:
-    """``ReplayTask``s from ``tasks`` rows (dicts), with dispatch gaps folded in, in (queue, seq) order."""
-    by_queue = group_by_queue(task_from_row(r, bound=bound) for r in rows)
+    """``ReplayTask``s from ``tasks`` rows (dicts), with dispatch gaps folded in, in (queue, seq) order.
+
+    Rows without ``ts_complete`` (never served: the thread died, or the trace was cut) are left out, with
+    a warning: their service time is unknown, and replaying them as free would flatter every policy.
+    """
+    kept = []
+    skipped = 0
+    for r in rows:
+        if r.get("ts_complete") is None:
+            skipped += 1
+            continue
+        kept.append(task_from_row(r, bound=bound))
+    if skipped:
+        logger.warning("whatif: %d task(s) without ts_complete left out of the replay", skipped)
+    by_queue = group_by_queue(kept)
     out: list[ReplayTask] = []
     for lst in by_queue.values():
         add_dispatch_gaps(lst)

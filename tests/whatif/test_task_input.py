@@ -78,7 +78,9 @@ def test_dispatch_gap_is_service_time_and_missing_columns_are_named() -> None:
     ])
     assert [t.work_ns[0] for t in tasks] == [50, 50]
     with pytest.raises(ReplayInputError, match="tasks.ts_enqueue"):
-        tasks_from_rows([{"queue": "q", "seq": 0, "step": 0, "layer_id": 0}])
+        tasks_from_rows([{"queue": "q", "seq": 0, "step": 0, "layer_id": 0, "ts_complete": 5}])
+    # never served (no completion): left out, not replayed as free work
+    assert [t.seq for t in tasks_from_rows([row(seq=0, ts_complete=5), row(seq=1)])] == [0]
 
 
 def test_tasks_from_duckdb_reads_the_tasks_table() -> None:
