@@ -166,7 +166,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
             segment = kind + 1
         work[segment] += max(0, complete - cursor)
     elif complete is not None:
-        work[3] = max(0, complete - max(arrival, *(r for r in ready if r is not None)))
+        work[3] = max(0, complete - max([arrival, *(r for r in ready if r is not None)]))
     cstage = _stage(row, "completion")
     bstage = _stage(row, "backend_submit")
     cwait = _stage(row, "consumer_wait")

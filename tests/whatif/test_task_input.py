@@ -79,6 +79,8 @@ def test_dispatch_gap_is_service_time_and_missing_columns_are_named() -> None:
     assert [t.work_ns[0] for t in tasks] == [50, 50]
     with pytest.raises(ReplayInputError, match="tasks.ts_enqueue"):
         tasks_from_rows([{"queue": "q", "seq": 0, "step": 0, "layer_id": 0, "ts_complete": 5}])
+    # no dequeue stamp: the service is what lies between readiness and completion
+    assert tasks_from_rows([row(seq=0, ts_enqueue=0, ts_complete=7)])[0].work_ns == (0, 0, 0, 7)
     # never served (no completion): left out, not replayed as free work
     assert [t.seq for t in tasks_from_rows([row(seq=0, ts_complete=5), row(seq=1)])] == [0]
 
@@ -100,9 +102,9 @@ def test_gva_and_key_queues_of_one_label_are_separate_configurations() -> None:
     from otel_kvtrace.whatif.replay import config_key, group_runs
 
     tasks = tasks_from_rows([
-        row(queue="g", path="gva", cfg_label="upstream", run_id="r1", ts_enqueue=0),
-        row(queue="k", path="key", cfg_label="upstream", run_id="r1", ts_enqueue=0),
-        row(queue="m", path="gva", cfg_label="main gva N=8", run_id="r1", ts_enqueue=0),
+        row(queue="g", path="gva", cfg_label="upstream", run_id="r1", ts_enqueue=0, ts_complete=9),
+        row(queue="k", path="key", cfg_label="upstream", run_id="r1", ts_enqueue=0, ts_complete=9),
+        row(queue="m", path="gva", cfg_label="main gva N=8", run_id="r1", ts_enqueue=0, ts_complete=9),
     ])
     assert set(group_runs(tasks)) == {"upstream [gva]", "upstream [key]", "main gva N=8"}
     assert config_key(None, None) == "(unlabelled)"
