@@ -106,10 +106,10 @@ def record_tasks(recorder: Recorder, queue: QueueInfo, first_seq: int, n: int) -
         rec.transfer_tasks = TRANSFER_TASKS
         rec.t_enqueue = clock()
         rec.t_dequeue = clock()
-        append = rec.stages.append
+        extend = rec.stages.extend
         for stage in stages:
             start = clock()
-            append((stage, start, clock()))
+            extend((stage, start, clock()))
         rec.dep_exact(DEP_SAVE_CPU, clock())
         rec.dep_exact(DEP_GATE_RECORD, clock())
         rec.nbytes = 1 << 20

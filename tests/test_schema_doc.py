@@ -19,7 +19,7 @@ def _full_record(kind: int, bounded: bool) -> TaskRecord:
     rec.wait_for_save_layer, rec.gate_id = 1, 2
     rec.t_enqueue, rec.t_dequeue, rec.t_backend_return, rec.t_complete = 100, 200, 900, 950
     for i, stage in enumerate(Stage):
-        rec.stages.append((int(stage), 200 + 10 * i, 205 + 10 * i))
+        rec.stages.extend((int(stage), 200 + 10 * i, 205 + 10 * i))
     for dep in Dep:
         if bounded:
             rec.dep_bounds(int(dep), 150, 180)

@@ -23,6 +23,7 @@ from typing import Any
 import orjson
 
 from otel_kvtrace.record.model import (
+    stage_triples,
     ALL_CHILD_SPAN_NAMES,
     COMPLETION_SPAN,
     DEP_NAMES,
@@ -290,7 +291,7 @@ class SpanBuilder:
         starts = [0] * _NUM_STAGES
         ends = [0] * _NUM_STAGES
         calls = [0] * _NUM_STAGES
-        for stage, start, end in record.stages:
+        for stage, start, end in stage_triples(record.stages):
             if start == NO_TIME:
                 continue
             if end < start:

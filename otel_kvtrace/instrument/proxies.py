@@ -73,7 +73,7 @@ class TracedSaveEvent(_Proxy):
         try:
             rec = st.current
             if rec is not None:
-                rec.stages.append((SAVE_CPU_WAIT, t0, t1))
+                rec.stages.extend((SAVE_CPU_WAIT, t0, t1))
                 if ok:
                     set_ns = self.set_ns
                     if set_ns >= 0:
@@ -119,7 +119,7 @@ class TracedLoadEvent(_Proxy):
         try:
             rec = st.worker.step_records.get(self._layer)
             if rec is not None and rec.holds:
-                rec.stages.append((CONSUMER_WAIT, t0, t1))
+                rec.stages.extend((CONSUMER_WAIT, t0, t1))
         except Exception as exc:
             self._rt.fail(exc)
         return ok
@@ -175,7 +175,7 @@ class TracedNpuEvent(_Proxy):
             try:
                 rec = st.current
                 if rec is not None:
-                    rec.stages.append((SAVE_NPU_SYNC, t0, t1))
+                    rec.stages.extend((SAVE_NPU_SYNC, t0, t1))
                     if st.is_send:
                         return result
                     lo = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
@@ -201,7 +201,7 @@ class TracedBuilder(_Proxy):
         result = method(*args, **kwargs)
         rec = st.current
         if rec is not None:
-            rec.stages.append((META_BUILD, t0, clock()))
+            rec.stages.extend((META_BUILD, t0, clock()))
         return result
 
     def build_addrs(self, *args: Any, **kwargs: Any) -> Any:
@@ -225,15 +225,15 @@ class TracedKeyStore(_Proxy):
         rec = st.current
         if rec is not None:
             # Key path: keys and addresses are built inline before the get; that span is meta_build.
-            built_from = rec.stages[-1][2] if rec.stages else rec.t_dequeue
-            if built_from >= 0 and not any(s[0] == META_BUILD for s in rec.stages):
-                rec.stages.append((META_BUILD, built_from, t0))
+            built_from = rec.stages[-1] if rec.stages else rec.t_dequeue
+            if built_from >= 0 and META_BUILD not in rec.stages[0::3]:
+                rec.stages.extend((META_BUILD, built_from, t0))
         try:
             return self._inner.get(*args, **kwargs)
         finally:
             t1 = clock()
             if rec is not None:
-                rec.stages.append((BACKEND_SUBMIT, t0, t1))
+                rec.stages.extend((BACKEND_SUBMIT, t0, t1))
                 rec.t_backend_return = t1
                 sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
                 if sizes is not None:
@@ -269,7 +269,7 @@ def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:
             rec = st.current
             if rec is not None:
                 try:
-                    rec.stages.append((SLOT_RELEASE_WAIT, t0, t1))
+                    rec.stages.extend((SLOT_RELEASE_WAIT, t0, t1))
                     exact = release_time(layer_id) if release_time is not None else None
                     if exact is not None and exact >= 0:
                         rec.dep_exact(DEP_SLOT_RELEASE, exact)

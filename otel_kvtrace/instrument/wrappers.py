@@ -211,7 +211,7 @@ def _stage_wrapper(stage: int, rt: Runtime, original: Callable, name: str) -> Ca
         finally:
             rec = st.current
             if rec is not None:
-                rec.stages.append((stage, t0, clock()))
+                rec.stages.extend((stage, t0, clock()))
 
     wrapper.__name__ = name
     return _mark(wrapper, original)
@@ -239,7 +239,7 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
             return result
         finally:
             t1 = clock()
-            rec.stages.append((BACKEND_SUBMIT, t0, t1))
+            rec.stages.extend((BACKEND_SUBMIT, t0, t1))
             rec.t_backend_return = t1
             try:
                 if isinstance(result, int):
@@ -297,13 +297,13 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
             if rec is not None:
                 stages = rec.stages
                 if not ok:
-                    stages.append((GATE_COND_WAIT, t0, t1))
+                    stages.extend((GATE_COND_WAIT, t0, t1))
                 else:
                     recorded = getattr(self, "_kvtrace_record_ns", NO_TIME)
                     cond_end = t0 if recorded < 0 else max(t0, min(recorded, t1))
                     if cond_end > t0:
-                        stages.append((GATE_COND_WAIT, t0, cond_end))
-                    stages.append((GATE_NPU_SYNC, cond_end, t1))
+                        stages.extend((GATE_COND_WAIT, t0, cond_end))
+                    stages.extend((GATE_NPU_SYNC, cond_end, t1))
                     hi = getattr(self, "_kvtrace_sync_hi", _FAR_FUTURE)
                     if t1 < hi:
                         hi = t1

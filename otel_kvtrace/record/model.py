@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from enum import IntEnum
+from collections.abc import Iterator
 from typing import Any
 
 NO_TIME = -1
@@ -118,8 +119,10 @@ class QueueInfo:
 class TaskRecord:
     """One recv (or send) task: identity, stamps, dependency times, outcome.
 
-    Stamps are ints in the recorder's clock (``NO_TIME`` when absent). Stages are appended as
-    ``(Stage, start, end)`` tuples, in the order they ran. Each dependency is a ``[lo, hi]`` pair in
+    Stamps are ints in the recorder's clock (``NO_TIME`` when absent). Stages are a flat list of
+    ``stage, start, end`` triples in the order they ran (``rec.stages.extend((stage, start, end))``; read
+    them with ``stage_triples``): no tuple outlives the call, so recording creates no garbage for the
+    cyclic GC to scan. Each dependency is a ``[lo, hi]`` pair in
     ``deps`` (``lo == hi`` means measured exactly; ``NO_TIME`` means the task has no such dependency
     or it was never observed).
     """
@@ -138,7 +141,7 @@ class TaskRecord:
     t_dequeue: int = NO_TIME
     t_backend_return: int = NO_TIME
     t_complete: int = NO_TIME
-    stages: list[tuple[int, int, int]] = field(default_factory=list)
+    stages: list[int] = field(default_factory=list)
     deps: list[int] = field(default_factory=lambda: [NO_TIME] * (2 * NUM_DEPS))
     has_dep: int = 0  # bitmask of Dep the task depends on
     outcome: int = Outcome.OK
@@ -192,6 +195,12 @@ class TaskRecord:
 
     def dep_hi(self, dep: int) -> int:
         return self.deps[2 * dep + 1]
+
+
+def stage_triples(stages: list[int]) -> Iterator[tuple[int, int, int]]:
+    """``(stage, start, end)`` for each stage of a record's flat ``stages`` list."""
+    it = iter(stages)
+    return zip(it, it, it)
 
 
 def correlation_id(queue: QueueInfo, kind: int, step: int, layer_id: int) -> str:

@@ -80,9 +80,9 @@ def fill_record(
     t = t0 + 1_000
     if src_layer is not None:
         for _ in range(save_cpu_calls):  # timeout loop: several wait calls
-            rec.stages.append((Stage.SAVE_CPU_WAIT, t, t + 400))
+            rec.stages.extend((Stage.SAVE_CPU_WAIT, t, t + 400))
             t += 500
-        rec.stages.append((Stage.SAVE_NPU_SYNC, t, t + 300))
+        rec.stages.extend((Stage.SAVE_NPU_SYNC, t, t + 300))
         rec.dep_exact(Dep.SAVE_CPU, t - 150)
         if bounded_npu:
             rec.dep_bounds(Dep.SAVE_NPU, t - 200, t + 300)
@@ -90,25 +90,25 @@ def fill_record(
             rec.dep_exact(Dep.SAVE_NPU, t + 250)
         t += 400
     if gate_id is not None:
-        rec.stages.append((Stage.GATE_COND_WAIT, t, t + 700))
+        rec.stages.extend((Stage.GATE_COND_WAIT, t, t + 700))
         rec.dep_exact(Dep.GATE_RECORD, t + 650)
-        rec.stages.append((Stage.GATE_NPU_SYNC, t + 700, t + 900))
+        rec.stages.extend((Stage.GATE_NPU_SYNC, t + 700, t + 900))
         rec.dep_bounds(Dep.GATE_NPU, t + 660, t + 900) if bounded_npu else rec.dep_exact(Dep.GATE_NPU, t + 880)
         t += 1_000
-    rec.stages.append((Stage.META_BUILD, t, t + 100))
-    rec.stages.append((Stage.META_BUILD, t + 150, t + 250))
+    rec.stages.extend((Stage.META_BUILD, t, t + 100))
+    rec.stages.extend((Stage.META_BUILD, t + 150, t + 250))
     t += 300
-    rec.stages.append((Stage.H2D_STAGGER, t, t + 50))
-    rec.stages.append((Stage.SLOT_RELEASE_WAIT, t + 60, t + 80))
+    rec.stages.extend((Stage.H2D_STAGGER, t, t + 50))
+    rec.stages.extend((Stage.SLOT_RELEASE_WAIT, t + 60, t + 80))
     rec.dep_exact(Dep.SLOT_RELEASE, t + 75)
     t += 100
-    rec.stages.append((Stage.BACKEND_SUBMIT, t, t + 2_000))
+    rec.stages.extend((Stage.BACKEND_SUBMIT, t, t + 2_000))
     rec.nbytes = 1 << 20
     rec.backend_result = 0
     rec.t_backend_return = t + 2_000
     rec.t_complete = t + 2_100
     if consumer_wait:
-        rec.stages.append((Stage.CONSUMER_WAIT, t0 + 500, t + 2_150))
+        rec.stages.extend((Stage.CONSUMER_WAIT, t0 + 500, t + 2_150))
     rec.outcome = outcome
     rec.error = error
     shared = FakeShared(["reqA", "reqB", "reqA"], [10, 11, 12, 13], [False, True, False], ["k1"])

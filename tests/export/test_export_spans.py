@@ -19,6 +19,7 @@ from otel_kvtrace.export.encode import (
 from otel_kvtrace.export.otlp_json import json_line_to_request
 from otel_kvtrace.export.spans import SpanBuilder, build_task_spans, child_span_ids, summarize_transfer_tasks
 from otel_kvtrace.record.model import (
+    stage_triples,
     ALL_CHILD_SPAN_NAMES,
     NO_TIME,
     RECV_ROOT_SPAN,
@@ -163,7 +164,7 @@ def test_child_attributes_and_derived_spans(make_record: Callable[..., TaskRecor
 
 def test_repeated_stage_is_one_span_first_start_to_last_end(make_record: Callable[..., TaskRecord]) -> None:
     rec = make_record(save_cpu_calls=4)
-    waits = [(s, e) for st, s, e in rec.stages if st == Stage.SAVE_CPU_WAIT]
+    waits = [(s, e) for st, s, e in stage_triples(rec.stages) if st == Stage.SAVE_CPU_WAIT]
     assert len(waits) == 4
     span = _by_name(build_task_spans(rec, ANCHOR))["save_cpu_wait"]
     assert _t(span) == (EPOCH + waits[0][0], EPOCH + waits[-1][1])
@@ -259,7 +260,7 @@ def test_ok_outcome_has_unset_status(make_record: Callable[..., TaskRecord]) -> 
 def test_empty_task_without_backend(make_record: Callable[..., TaskRecord]) -> None:
     rec = TaskRecord(queue=QUEUE, seq=1, step=0, layer_id=2, outcome=Outcome.EMPTY)
     rec.t_enqueue, rec.t_dequeue, rec.t_complete = T0, T0 + 100, T0 + 300
-    rec.stages.append((Stage.SLOT_RELEASE_WAIT, T0 + 150, T0 + 250))
+    rec.stages.extend((Stage.SLOT_RELEASE_WAIT, T0 + 150, T0 + 250))
     spans = build_task_spans(rec, ANCHOR)
     assert [s["name"] for s in spans] == [RECV_ROOT_SPAN, "queue_wait", "slot_release_wait"]
     assert _t(spans[0]) == (EPOCH + T0, EPOCH + T0 + 300)  # root still covers the completion stamp
@@ -271,8 +272,8 @@ def test_empty_task_without_backend(make_record: Callable[..., TaskRecord]) -> N
 def test_missing_enqueue_uses_earliest_stamp() -> None:
     rec = TaskRecord(queue=QUEUE)
     rec.t_dequeue = T0 + 100
-    rec.stages.append((Stage.BACKEND_SUBMIT, T0 + 200, T0 + 400))
-    rec.stages.append((Stage.META_BUILD, T0 + 150, NO_TIME))  # end never stamped (raised mid-stage)
+    rec.stages.extend((Stage.BACKEND_SUBMIT, T0 + 200, T0 + 400))
+    rec.stages.extend((Stage.META_BUILD, T0 + 150, NO_TIME))  # end never stamped (raised mid-stage)
     spans = _by_name(build_task_spans(rec, ANCHOR))
     assert _t(spans[RECV_ROOT_SPAN]) == (EPOCH + T0 + 150, EPOCH + T0 + 400)
     assert _t(spans["meta_build"]) == (EPOCH + T0 + 150, EPOCH + T0 + 150)

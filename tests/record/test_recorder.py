@@ -25,7 +25,7 @@ def test_drain_is_fifo_and_recycle_reuses_reset_records() -> None:
     for layer in range(5):
         r = rec.new_record()
         r.layer_id = layer
-        r.stages.append((Stage.BACKEND_SUBMIT, 1, 2))
+        r.stages.extend((Stage.BACKEND_SUBMIT, 1, 2))
         r.dep_exact(Dep.SAVE_CPU, 7)
         made.append(r)
         rec.submit(r)

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from otel_kvtrace.api import start_tracing
-from otel_kvtrace.record.model import TaskKind
+from otel_kvtrace.record.model import TaskKind, stage_triples
 from otel_kvtrace.replica import fake_npu
 from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection, Timing
 from otel_kvtrace.replica.fake_npu import FakeNPU, RealClock, set_default_device
@@ -84,7 +84,8 @@ def test_uninstrument_restores_every_class_attribute_and_instance_object() -> No
         assert all(type(e) is fake_npu.Event for e in worker.sync_save_events)
         assert recv.external_slot_release_waiter == waiter
         assert worker.external_slot_release_waiter == waiter
-        assert all(type(b).__name__ == "LayerBatchBuilder" and "build_addrs" not in vars(b) for b in recv.group_builders)
+        for builder in recv.group_builders:
+            assert type(builder).__name__ == "LayerBatchBuilder" and "build_addrs" not in vars(builder)
         assert "store" in vars(worker.m_store) and type(worker.m_store.store).__name__ == "FakeStoreClient"
         # no instance attribute left behind: same attribute names as a worker that was never traced
         plain = KVPoolWorker(cfg, build_plan(cfg), npu)
@@ -114,7 +115,7 @@ def _shape(rec) -> tuple:
     from otel_kvtrace.record.model import Stage
 
     # a zero-length condition wait is timing noise (the record happened a few us before or after arrival)
-    stages = tuple(int(s) for s, _a, _b in rec.stages if s != Stage.GATE_COND_WAIT)
+    stages = tuple(int(s) for s, _a, _b in stage_triples(rec.stages) if s != Stage.GATE_COND_WAIT)
     return (stages, rec.has_dep, int(rec.outcome), rec.final_layer, rec.wait_for_save_layer, rec.gate_id)
 
 
@@ -134,5 +135,5 @@ def test_virtual_records_have_the_shape_of_instrumented_threaded_records(name: s
         simulated = {k: v for k, v in simulated.items() if k[0] == TaskKind.RECV}
         traced = {k: v for k, v in traced.items() if k[0] == TaskKind.RECV}
     assert set(traced) == set(simulated)
-    diffs = {k: (_shape(traced[k]), _shape(simulated[k])) for k in simulated if _shape(traced[k]) != _shape(simulated[k])}
+    diffs = {k: (_shape(traced[k]), _shape(v)) for k, v in simulated.items() if _shape(traced[k]) != _shape(v)}
     assert diffs == {}

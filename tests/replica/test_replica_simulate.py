@@ -7,10 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from otel_kvtrace.record.model import NO_TIME, Dep, Outcome, Stage, TaskKind
+from otel_kvtrace.record.model import NO_TIME, Dep, Outcome, Stage, TaskKind, stage_triples
 from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection, Timing
+from otel_kvtrace.replica.events import Actor, EventLoop
 from otel_kvtrace.replica.layout import build_layout
-from otel_kvtrace.replica.simulate import EventLoop, _Actor, ready_time, simulate, simulate_to_traces
+from otel_kvtrace.replica.simulate import ready_time, simulate, simulate_to_traces
 
 HOL_CFG = ReplicaConfig(
     num_layers=8, num_shared_buffers=2, prefetch_layers=4, independent_layers=(0, 4), steps=2,
@@ -19,7 +20,7 @@ HOL_CFG = ReplicaConfig(
 
 
 def _stage(rec, stage: Stage) -> tuple[int, int] | None:
-    for s, a, b in rec.stages:
+    for s, a, b in stage_triples(rec.stages):
         if s == stage:
             return a, b
     return None
@@ -34,7 +35,7 @@ def test_event_loop_orders_by_time_then_push_order() -> None:
         seen.append(f"{name}@{t}")
 
     for name, sig in (("a", 0), ("b", 1), ("c", 2)):
-        loop.start(_Actor(name, actor(name, sig)))
+        loop.start(Actor(name, actor(name, sig)))
     loop.run()  # all three park on unfired signals
     loop.fire(2, 5)
     loop.fire(0, 7)
@@ -110,10 +111,14 @@ def _check_invariants(cfg: ReplicaConfig) -> None:
             assert copy[0] >= rec.dep_hi(Dep.GATE_NPU) >= rec.dep_hi(Dep.GATE_RECORD)
         if copy and rec.outcome == Outcome.OK:
             assert rec.t_complete >= copy[1]
+    final_loads = {r.step for r in res.recv if r.final_layer and r.transfer_tasks}
     for st_ in res.steps:
-        if copies_by_step.get(st_.step):
+        if st_.step in final_loads:
             # final-layer lease release after every copy of the step
             assert st_.lease_release_ns >= max(b for _a, b in copies_by_step[st_.step])
+        else:
+            # as upstream: only the final layer's load task releases leases; without one, nobody does
+            assert st_.lease_release_ns == NO_TIME
     # the forward's consumer wait of each layer ends when that layer's load is complete
     for rec in res.recv:
         cw = _stage(rec, Stage.CONSUMER_WAIT)
@@ -169,7 +174,8 @@ def test_empty_reuse_tasks_still_wait_for_the_save() -> None:
 def test_deterministic_for_a_seed() -> None:
     cfg = HOL_CFG.with_(timing=Timing(jitter="lognormal"), seed=3, steps=4)
     a, b = simulate(cfg), simulate(cfg)
-    key = lambda r: (r.seq, r.t_enqueue, r.t_dequeue, r.t_complete, tuple(r.stages), tuple(r.deps))  # noqa: E731
+    def key(r):
+        return (r.seq, r.t_enqueue, r.t_dequeue, r.t_complete, tuple(r.stages), tuple(r.deps))
     assert [key(r) for r in a.recv] == [key(r) for r in b.recv]
     c = simulate(cfg.with_(seed=4))
     assert [key(r) for r in a.recv] != [key(r) for r in c.recv]
@@ -230,6 +236,6 @@ def test_simulate_to_traces_writes_the_hol_evidence(tmp_path) -> None:
 def test_records_have_consistent_stage_order(cfg: ReplicaConfig) -> None:
     res = simulate(cfg)
     for rec in res.recv:
-        ends = [(a, b) for s, a, b in rec.stages if s != Stage.CONSUMER_WAIT]
+        ends = [(a, b) for s, a, b in stage_triples(rec.stages) if s != Stage.CONSUMER_WAIT]
         assert all(a <= b for a, b in ends)
         assert all(ends[i][1] <= ends[i + 1][0] for i in range(len(ends) - 1))  # one thread, sequential
