@@ -170,8 +170,9 @@ def write_markdown(report: VerdictReport, path: str | Path, *, png_names: Sequen
 
 
 def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -> list[Path]:
-    """``whatif_ttft.png`` (TTFT estimate per policy, min–max over runs) and ``whatif_gain.png`` (gain
-    lower bound vs noise), for up to ``limit`` configurations (those with HOL first)."""
+    """``whatif_ttft.png`` (TTFT estimate per policy, min–max over runs), ``whatif_gain.png`` (gain
+    lower bound vs noise), for up to ``limit`` configurations (those with HOL first), and
+    ``whatif_layers.png`` (per-layer load completion and consumer wait, first four of them)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -226,4 +227,29 @@ def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -
     plt.close(fig)
     key = out / "whatif_configs.txt"
     key.write_text("".join(f"{i + 1}: {_label(v)} -> {v.verdict}\n" for i, v in enumerate(chosen)))
-    return [ttft, gain]
+    layers = _layers_png(chosen[:4], out / "whatif_layers.png", plt)
+    return [ttft, gain] + ([layers] if layers else [])
+
+
+def _layers_png(verdicts: Sequence[ConfigVerdict], path: Path, plt: Any) -> Path | None:
+    """Per layer, load completion (lines) and consumer wait (bars) per policy, one panel per configuration."""
+    shown = [v for v in verdicts if v.layers]
+    if not shown:
+        return None
+    fig, axes = plt.subplots(1, len(shown), figsize=(5.0 * len(shown), 3.8), squeeze=False)
+    for ax, (k, v) in zip(axes[0], enumerate(shown), strict=True):
+        names = list(v.layers)
+        width = 0.8 / len(names)
+        for j, name in enumerate(names):
+            prof = v.layers[name]
+            ax.plot(prof["layer"], prof["load_done_ms"], marker="o", label=f"{name} load done")
+            ax.bar([x + (j - (len(names) - 1) / 2) * width for x in prof["layer"]], prof["consumer_wait_ms"], width,
+                   alpha=0.4, label=f"{name} consumer wait")
+        ax.set_title(f"{k + 1}: {v.cfg_label}"[:60], fontsize=8)
+        ax.set_xlabel("layer")
+        ax.set_ylabel("ms after the step's first enqueue / wait ms")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -70,7 +70,8 @@ def test_report_files_carry_verdict_error_and_reproduction(report, traces: Path)
     md = (out / "v.md").read_text()
     assert rep.reproduce in md
     assert "![whatif_ttft](png/whatif_ttft.png)" in md
-    assert (out / "png" / "whatif_gain.png").read_bytes()[:4] == b"\x89PNG"
+    for png in ("whatif_ttft.png", "whatif_gain.png", "whatif_layers.png"):
+        assert (out / "png" / png).read_bytes()[:4] == b"\x89PNG", png
 
 
 def test_cli_whatif_matches_the_api(traces: Path, tmp_path: Path, report) -> None:  # type: ignore[no-untyped-def]
