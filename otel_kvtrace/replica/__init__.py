@@ -9,7 +9,14 @@ Two engines share one configuration and one layout module:
 
 from otel_kvtrace.replica.config import ReplicaConfig, ReplicaConfigError, SlowInjection, Timing
 from otel_kvtrace.replica.layout import ReuseLayout, Submission, build_layout, enqueue_plan
-from otel_kvtrace.replica.simulate import SimResult, StepOutcome, ready_time, simulate, simulate_to_recorder, simulate_to_traces
+from otel_kvtrace.replica.simulate import (
+    SimResult,
+    StepOutcome,
+    ready_time,
+    simulate,
+    simulate_to_recorder,
+    simulate_to_traces,
+)
 from otel_kvtrace.replica.threaded import ThreadedResult, replica_targets, run_threaded
 
 __all__ = [

@@ -158,19 +158,11 @@ class ReplicaConfig:
         """Raise ``ReplicaConfigError`` naming the first bad option; return self when fine."""
         _check(self.behaviour in BEHAVIOURS, "behaviour", f"must be one of {BEHAVIOURS}, got {self.behaviour!r}")
         _check(self.path in PATHS, "path", f"must be one of {PATHS}, got {self.path!r}")
-        _check(_is_int(self.num_layers) and self.num_layers >= 1, "num_layers", f"must be >= 1, got {self.num_layers!r}")
+        _check_min_int("num_layers", self.num_layers, 1)
         if self.num_shared_buffers is not None:
-            _check(
-                _is_int(self.num_shared_buffers) and self.num_shared_buffers >= 1,
-                "num_shared_buffers",
-                f"must be >= 1, got {self.num_shared_buffers!r}",
-            )
+            _check_min_int("num_shared_buffers", self.num_shared_buffers, 1)
         if self.prefetch_layers is not None:
-            _check(
-                _is_int(self.prefetch_layers) and self.prefetch_layers >= 1,
-                "prefetch_layers",
-                f"must be >= 1, got {self.prefetch_layers!r}",
-            )
+            _check_min_int("prefetch_layers", self.prefetch_layers, 1)
         if self.independent_layers != "all":
             _check(
                 isinstance(self.independent_layers, tuple | list),
@@ -189,11 +181,12 @@ class ReplicaConfig:
                 "bucket_pattern",
                 "must be a non-empty string of kind letters, e.g. 'aab'",
             )
-        _check(_is_int(self.requests_per_step) and self.requests_per_step >= 0, "requests_per_step", f"must be >= 0, got {self.requests_per_step!r}")
-        _check(_is_int(self.chunks_per_request) and self.chunks_per_request >= 1, "chunks_per_request", f"must be >= 1, got {self.chunks_per_request!r}")
-        _check(_is_int(self.steps) and self.steps >= 1, "steps", f"must be >= 1, got {self.steps!r}")
-        _check(_is_int(self.tp_size) and self.tp_size >= 1, "tp_size", f"must be >= 1, got {self.tp_size!r}")
-        _check(_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size, "tp_rank", f"must be in [0, tp_size), got {self.tp_rank!r}")
+        _check_min_int("requests_per_step", self.requests_per_step, 0)
+        _check_min_int("chunks_per_request", self.chunks_per_request, 1)
+        _check_min_int("steps", self.steps, 1)
+        _check_min_int("tp_size", self.tp_size, 1)
+        _check(_is_int(self.tp_rank) and 0 <= self.tp_rank < self.tp_size, "tp_rank",
+               f"must be in [0, tp_size), got {self.tp_rank!r}")
         t = self.timing
         for name in (
             "layer_compute_us", "attention_us", "host_launch_us", "save_d2h_us_per_block",
@@ -206,7 +199,7 @@ class ReplicaConfig:
             isinstance(t.independent_load_fraction, int | float) and 0 <= t.independent_load_fraction <= 1,
             "timing.independent_load_fraction", f"must be in [0, 1], got {t.independent_load_fraction!r}",
         )
-        _check(_is_int(t.blocks_per_request) and t.blocks_per_request >= 1, "timing.blocks_per_request", f"must be >= 1, got {t.blocks_per_request!r}")
+        _check_min_int("timing.blocks_per_request", t.blocks_per_request, 1)
         _check(t.jitter in JITTER_KINDS, "timing.jitter", f"must be one of {JITTER_KINDS}, got {t.jitter!r}")
         s = self.slow
         for name in ("slow_save_us", "slow_slot_release_us", "late_gate_us"):
@@ -228,6 +221,11 @@ class ReplicaConfig:
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_min_int(option: str, value: object, minimum: int) -> None:
+    ok = _is_int(value) and value >= minimum  # type: ignore[operator]
+    _check(ok, option, f"must be an integer >= {minimum}, got {value!r}")
 
 
 def _check(ok: bool, option: str, message: str) -> None:

@@ -52,8 +52,7 @@ class VirtualClock:
         return self.now
 
     def sleep_until(self, t_ns: int) -> None:
-        if t_ns > self.now:
-            self.now = t_ns
+        self.now = max(self.now, t_ns)
 
     def sleep_for(self, dur_ns: int) -> None:
         if dur_ns > 0:
@@ -63,7 +62,7 @@ class VirtualClock:
 class Stream:
     """One in-order device queue. ``tail_ns`` is when the last launched kernel finishes."""
 
-    __slots__ = ("name", "device", "tail_ns", "kernels", "_keep")
+    __slots__ = ("_keep", "device", "kernels", "name", "tail_ns")
 
     def __init__(self, device: FakeNPU, name: str, keep_kernels: int = 0) -> None:
         self.name = name
@@ -108,7 +107,7 @@ class FakeNPU:
     def current_stream(self) -> Stream:
         return self.compute
 
-    def Event(self, enable_timing: bool = False, blocking: bool = False) -> Event:  # noqa: N802 (torch name)
+    def Event(self, enable_timing: bool = False, blocking: bool = False) -> Event:
         return Event(enable_timing=enable_timing, blocking=blocking, device=self)
 
 
@@ -138,7 +137,7 @@ def current_stream() -> Stream:
 class Event:
     """torch.npu.Event look-alike on a fake device."""
 
-    __slots__ = ("enable_timing", "blocking", "device", "_t", "_recorded")
+    __slots__ = ("_recorded", "_t", "blocking", "device", "enable_timing")
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, device: FakeNPU | None = None) -> None:
         self.enable_timing = enable_timing

@@ -129,7 +129,7 @@ class KVTransferThread(threading.Thread):
                 continue
             try:
                 self._handle_request(item)
-            except Exception as exc:  # noqa: BLE001 (mirrors upstream's broad handler)
+            except Exception as exc:
                 if self.behaviour == "main":
                     self._fatal_error = exc
                     logger.error("%s: fatal error, thread stops: %r", self.name, exc)
@@ -422,7 +422,9 @@ class KVCacheStoreKeyLayerRecvingThread(KVTransferThread):
                     last.append(rng.request.req_id)
         if keys:
             shift = self.tp_rank * len(keys) // self.tp_size
-            keys, addrs, sizes = keys[shift:] + keys[:shift], addrs[shift:] + addrs[:shift], sizes[shift:] + sizes[:shift]
+            keys = keys[shift:] + keys[:shift]
+            addrs = addrs[shift:] + addrs[:shift]
+            sizes = sizes[shift:] + sizes[:shift]
             res = self.m_store.get(keys, addrs, sizes)
             if res != 0:
                 logger.error("key path get failed for layer %d: result %d", layer_id, res)

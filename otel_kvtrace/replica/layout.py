@@ -7,6 +7,7 @@ or which attention gate each task gets.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -60,7 +61,7 @@ def build_layout(cfg: ReplicaConfig) -> ReuseLayout:
         for s in range(nb):
             chain = tuple(members[s::nb])
             slots.append(chain)
-            for prev, nxt in zip(chain, chain[1:], strict=False):
+            for prev, nxt in itertools.pairwise(chain):
                 mapping[nxt] = prev
     return ReuseLayout(tuple(slots), dict(sorted(mapping.items())), has_reuse)
 
@@ -107,7 +108,7 @@ class SubmitWindow:
     ``plan_submission``, which the threaded ``KVPoolWorker`` calls too.
     """
 
-    __slots__ = ("_n", "_p", "_map", "_behaviour", "_has_transfer", "next_layer_to_submit")
+    __slots__ = ("_behaviour", "_has_transfer", "_map", "_n", "_p", "next_layer_to_submit")
 
     def __init__(
         self,

@@ -109,8 +109,9 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
             req_id = f"req-{generation * cfg.requests_per_step + slot}"
             nblocks = max(1, int(block_counts[k]))
             k += 1
-            partial = int(round(nblocks * t.independent_load_fraction))
-            batch.append(PlannedRequest(req_id, chunk == cfg.chunks_per_request - 1, nblocks, chunk * per_chunk, partial))
+            partial = round(nblocks * t.independent_load_fraction)
+            last = chunk == cfg.chunks_per_request - 1
+            batch.append(PlannedRequest(req_id, last, nblocks, chunk * per_chunk, partial))
         requests.append(batch)
         blocks.append(sum(r.num_blocks for r in batch))
 

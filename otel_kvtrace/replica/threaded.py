@@ -99,7 +99,7 @@ def run_threaded(
             done += 1
             if on_step is not None:
                 on_step(step)
-    except Exception as exc:  # noqa: BLE001 (reported in the result; the caller decides)
+    except Exception as exc:
         error = exc
     clean = worker.shutdown(shutdown_timeout_s)
     unfinished = {
