@@ -27,6 +27,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from otel_kvtrace.record.model import stage_triples
+
 logger = logging.getLogger("otel_kvtrace")
 
 SAVE, GATE, SLOT = 0, 1, 2
@@ -309,7 +311,7 @@ def row_from_record(rec: Any, *, run_id: str = "", cfg_label: str = "") -> dict[
             row[f"ts_dep_{name}_lo"] = lo if lo >= 0 else None
             row[f"ts_dep_{name}_hi"] = hi if hi >= 0 else None
     seen: dict[str, tuple[int, int]] = {}
-    for stage, start, end in rec.stages:
+    for stage, start, end in stage_triples(rec.stages):
         name = _STAGE_NAMES[stage]
         if name in seen:
             s0, e0 = seen[name]
