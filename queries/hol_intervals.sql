@@ -8,14 +8,18 @@
 --   gate_npu_sync, slot_release_wait) is a wait window; overlapping or touching windows of one head are
 --   merged (W_h may be several disjoint windows). A later task j of the same queue (seq_j > seq_h) is
 --   bypass-ready at time t when ts_enqueue_j <= t, ts_ready_j <= t and j is not the step's final-layer
---   task (it releases every layer's leases, so it may never go first). The HOL interval of h is the
---   union over such j of [max(start(W), ts_enqueue_j, ts_ready_j), end(W)). All those intervals end at
---   end(W), so the union is [max(start(W), R_h), end(W)) with R_h = min over later non-final j of
+--   task (it releases every layer's leases, so it may never go first). h is blocked at t only while its
+--   own dependencies are unmet (t < ts_ready_h): a wait span that runs past ts_ready_h (the wait call's
+--   own overhead, the wake-up after the producer's set()) is not head-of-line blocking. The HOL interval
+--   of h is the union over such j of [max(start(W), ts_enqueue_j, ts_ready_j), min(end(W), ts_ready_h)).
+--   All those intervals end at the same point, so the union is
+--   [max(start(W), R_h), min(end(W), ts_ready_h)) with R_h = min over later non-final j of
 --   max(ts_enqueue_j, ts_ready_j); the evidence is the j attaining R_h (earliest ready; lowest seq on ties).
---   Class `proven` uses ts_ready (upper bounds of bounded NPU times); class `possible` is the extra part
---   obtained with ts_ready_lo (only lower bounds met): [max(start(W), R_lo_h), min(end(W), max(start(W), R_h))).
---   Exact tasks have ts_ready_lo NULL and use ts_ready for both. A waiting head with nothing ready
---   behind it has no row.
+--   Bounded NPU times: class `proven` holds where j is surely ready (its upper bound ts_ready_j <= t) and
+--   h surely is not (t < its lower bound ts_ready_lo_h); class `possible` is the rest of the instants
+--   where j may be ready (ts_ready_lo_j <= t) and h may not (t < ts_ready_h). Exact tasks have
+--   ts_ready_lo NULL and use ts_ready for both bounds. A waiting head with nothing ready behind it has
+--   no row. (design.md section 4 does not clip at ts_ready_h; see docs/analysis.md for why we do.)
 -- columns:
 --   queue                    VARCHAR  the recv FIFO (tasks.queue)
 --   cfg_label                VARCHAR  configuration label of the head's process
@@ -53,7 +57,10 @@ earliest_later AS (
     WINDOW later AS (PARTITION BY queue ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
 ),
 heads AS (
+    -- own_lo/own_hi: until when the head itself is surely / possibly still waiting for a dependency.
     SELECT t.trace_id, t.queue, t.cfg_label, t.path, t.run_id, t.correlation_id, t.seq, t.step, t.layer_id,
+           coalesce(greatest(t.ts_enqueue, coalesce(t.ts_ready_lo, t.ts_ready)), 9223372036854775807) AS own_lo,
+           coalesce(greatest(t.ts_enqueue, t.ts_ready), 9223372036854775807) AS own_hi,
            e.ev_hi, e.ev_lo
     FROM tasks AS t JOIN earliest_later AS e USING (queue, seq)
     WHERE e.ev_lo.ready IS NOT NULL
@@ -81,18 +88,21 @@ windows AS (
     SELECT trace_id, min(ws) AS ws, max(we) AS we FROM islands GROUP BY trace_id, island
 ),
 candidates AS (
+    -- proven: [p1, p2); proven or possible: [a1, a2); possible = [a1, a2) minus [p1, p2).
     SELECT h.*, w.ws, w.we,
-           greatest(w.ws, h.ev_hi.ready) AS proven_start,
-           greatest(w.ws, h.ev_lo.ready) AS possible_start
+           greatest(w.ws, h.ev_hi.ready) AS p1, least(w.we, h.own_lo) AS p2,
+           greatest(w.ws, h.ev_lo.ready) AS a1, least(w.we, h.own_hi) AS a2
     FROM heads AS h JOIN windows AS w USING (trace_id)
 ),
 classified AS (
-    SELECT *, 'proven' AS class, proven_start AS start_ns, we AS end_ns, ev_hi AS ev
-    FROM candidates WHERE proven_start < we
-    UNION ALL
-    SELECT *, 'possible' AS class, possible_start AS start_ns,
-           least(we, coalesce(proven_start, we)) AS end_ns, ev_lo AS ev
-    FROM candidates WHERE possible_start < least(we, coalesce(proven_start, we))
+    SELECT *, 'proven' AS class, p1 AS start_ns, p2 AS end_ns, ev_hi AS ev
+    FROM candidates WHERE p1 < p2
+    UNION ALL  -- possible, when nothing is proven in this window
+    SELECT *, 'possible', a1, a2, ev_lo FROM candidates WHERE a1 < a2 AND NOT p1 < p2
+    UNION ALL  -- possible, before the proven part
+    SELECT *, 'possible', a1, p1, ev_lo FROM candidates WHERE p1 < p2 AND a1 < p1
+    UNION ALL  -- possible, after the proven part
+    SELECT *, 'possible', p2, a2, ev_lo FROM candidates WHERE p1 < p2 AND p2 < a2
 )
 SELECT queue, cfg_label, path, run_id,
        correlation_id AS head_correlation_id, seq AS head_seq, step AS head_step, layer_id AS head_layer_id,

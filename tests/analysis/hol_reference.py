@@ -1,4 +1,5 @@
-"""Brute-force HOL reference, written straight from design.md section 4 for the property test.
+"""Brute-force HOL reference, written straight from the definition (design.md section 4, with the head
+blocked only while its own dependencies are unmet, docs/analysis.md) for the property test.
 
 Deliberately naive: for every head h, every one of its wait spans and every later task j, build the
 interval j contributes, then take unions with plain interval arithmetic. It shares no code or shortcut
@@ -56,10 +57,12 @@ def reference_hol(queues: Sequence[tuple[QueueSpec, Sequence[SynthTask]]]) -> di
             later = [j for j in tasks if j.seq > h.seq and not j.final_layer]
             proven: list[Interval] = []
             possible_or_proven: list[Interval] = []
+            own_lo = max(h.enqueue, h.ready_lo)  # h surely still waits for a dependency before this
+            own_hi = max(h.enqueue, h.ready)  # ... and possibly before this
             for ws, we in waits:
                 for j in later:
-                    proven.append((max(ws, j.enqueue, j.ready), we))
-                    possible_or_proven.append((max(ws, j.enqueue, j.ready_lo), we))
+                    proven.append((max(ws, j.enqueue, j.ready), min(we, own_lo)))
+                    possible_or_proven.append((max(ws, j.enqueue, j.ready_lo), min(we, own_hi)))
             proven_u = union(proven)
             possible_u = subtract(union(possible_or_proven), proven_u)
             for cls, intervals, key in (("proven", proven_u, "hi"), ("possible", possible_u, "lo")):
