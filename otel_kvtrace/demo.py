@@ -102,9 +102,9 @@ def scenario_configs(
             changes["requests_per_step"] = requests
         if steps is not None:
             changes["steps"] = steps
-        if layers is not None and independent is None:
+        if layers is not None and independent is None and not isinstance(cfg.independent_layers, str):
             # the preset's independent layers may not exist any more
-            kept = tuple(x for x in cfg.independent_layers if -layers <= x < layers)  # type: ignore[union-attr]
+            kept = tuple(x for x in cfg.independent_layers if -layers <= x < layers)
             changes["independent_layers"] = kept or (0,)
         out.append((name, cfg.with_(**changes)))
     return out
@@ -152,12 +152,7 @@ def run_demo(
         t0 = time.perf_counter()
         session = _start_tracing(cfg, run_id, out_dir)
         try:
-            replica = run_threaded(
-                cfg,
-                keep_log=False,
-                on_step=(lambda step, name=name, total=cfg.steps: on_progress(name, step + 1, total))
-                if on_progress is not None else None,
-            )
+            replica = run_threaded(cfg, keep_log=False, on_step=_step_callback(on_progress, name, cfg.steps))
         finally:
             session.shutdown()
         wall = time.perf_counter() - t0
@@ -167,6 +162,14 @@ def run_demo(
         if replica.error is not None:
             raise RuntimeError(f"scenario {name} failed: {replica.error!r}") from replica.error
     return result
+
+
+def _step_callback(
+    on_progress: Callable[[str, int, int], None] | None, name: str, total: int
+) -> Callable[[int], None] | None:
+    if on_progress is None:
+        return None
+    return lambda step: on_progress(name, step + 1, total)
 
 
 def _start_tracing(cfg: ReplicaConfig, run_id: str, out_dir: Path) -> Any:

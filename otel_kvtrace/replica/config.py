@@ -105,9 +105,9 @@ class ReplicaConfig:
     def resolved_independent(self) -> tuple[int, ...]:
         """Independent physical layers, normalised (negative indices resolved, sorted)."""
         n = self.num_layers
-        if self.independent_layers == "all":
+        if isinstance(self.independent_layers, str):  # "all" (validated)
             return tuple(range(n))
-        return tuple(sorted({i % n for i in self.independent_layers}))  # type: ignore[union-attr]
+        return tuple(sorted({i % n for i in self.independent_layers}))
 
     @property
     def independent_label(self) -> str:
@@ -163,15 +163,17 @@ class ReplicaConfig:
             _check_min_int("num_shared_buffers", self.num_shared_buffers, 1)
         if self.prefetch_layers is not None:
             _check_min_int("prefetch_layers", self.prefetch_layers, 1)
-        if self.independent_layers != "all":
+        indep = self.independent_layers
+        if indep != "all":
             _check(
-                isinstance(self.independent_layers, tuple | list),
+                isinstance(indep, tuple | list),
                 "independent_layers",
-                f"must be a list of layer indices or 'all', got {self.independent_layers!r}",
+                f"must be a list of layer indices or 'all', got {indep!r}",
             )
-            for layer in self.independent_layers:  # type: ignore[union-attr]
+            for layer in indep:
                 _check(
-                    _is_int(layer) and -self.num_layers <= layer < self.num_layers,
+                    isinstance(layer, int) and not isinstance(layer, bool)
+                    and -self.num_layers <= layer < self.num_layers,
                     "independent_layers",
                     f"unknown layer {layer!r} for num_layers={self.num_layers}",
                 )

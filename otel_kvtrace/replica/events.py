@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Generator
+from typing import Any
 
 
 class EventLoop:
@@ -63,7 +64,7 @@ class EventLoop:
 class Actor:
     __slots__ = ("blocked_at", "done", "gen", "name")
 
-    def __init__(self, name: str, gen: Generator[int, int, None]) -> None:
+    def __init__(self, name: str, gen: Generator[int, Any, None]) -> None:
         self.name = name
         self.gen = gen
         self.blocked_at = 0

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from otel_kvtrace.replica.backend import G2L, L2G, FakeMStore, FakeTokenDatabase, encode_addr
 from otel_kvtrace.replica.metadata import LayerBatchReqMeta, LayerLoadTask, LayerTransferTask, SharedBlockData
@@ -137,10 +138,10 @@ class KVTransferThread(threading.Thread):
                 logger.error("%s: error handling request: %r", self.name, exc)
                 self._handle_request_exception(item)
 
-    def _handle_request(self, item: object) -> None:  # pragma: no cover - subclasses implement
+    def _handle_request(self, item: Any) -> None:  # pragma: no cover - subclasses implement
         raise NotImplementedError
 
-    def _handle_request_exception(self, item: object) -> None:
+    def _handle_request_exception(self, item: Any) -> None:
         """v0.23 hook after a failed request: a no-op for the layer threads."""
 
     def _batch_copy_with_limits(

@@ -42,8 +42,7 @@ def build_layout(cfg: ReplicaConfig) -> ReuseLayout:
     n = cfg.num_layers
     independent = set(cfg.resolved_independent)
     if not cfg.reuse_enabled:
-        slots = tuple((layer,) for layer in range(n))
-        return ReuseLayout(slots, {}, False)
+        return ReuseLayout(tuple((layer,) for layer in range(n)), {}, False)
     reused = [layer for layer in range(n) if layer not in independent]
     buckets: dict[str, list[int]] = {}
     pattern = cfg.bucket_pattern or "a"
