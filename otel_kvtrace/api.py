@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from otel_kvtrace import config
 from otel_kvtrace.instrument import attach, patches
 from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
@@ -23,8 +24,6 @@ from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, ClockAnchor, Recorder
 
 logger = logging.getLogger("otel_kvtrace")
 
-ENV_NPU_TIMING = "OTEL_KVTRACE_NPU_TIMING"
-"""``1`` records timing-enabled NPU events next to save and gate events for exact device times."""
 
 _active_lock = threading.Lock()
 _active: list[TracingSession] = []
@@ -122,7 +121,7 @@ def start_tracing(
     if clock is not None:
         recorder.anchor = ClockAnchor.take(clock)
     if npu_timing is None:
-        npu_timing = os.environ.get(ENV_NPU_TIMING, "").strip().lower() in ("1", "true", "yes", "on")
+        npu_timing = os.environ.get(config.OTEL_KVTRACE_NPU_TIMING, "").strip().lower() in ("1", "true", "yes", "on")
     runtime = Runtime(
         recorder=recorder,
         run_id=run_id or default_run_id(),

@@ -1,4 +1,4 @@
-"""Exporter settings: every ``OTEL_KVTRACE_*`` variable the exporter reads, plus the standard OTel ones.
+"""Settings: every ``OTEL_KVTRACE_*`` variable otel-kvtrace reads, plus the standard OTel ones it honours.
 
 Resolution order for each setting: explicit argument, then environment variable, then the default
 below. A bad value is logged (naming the variable) and the default is used: a typo in an environment
@@ -14,6 +14,17 @@ import time
 from collections.abc import Mapping
 
 logger = logging.getLogger("otel_kvtrace")
+
+OTEL_KVTRACE_ENABLED = "OTEL_KVTRACE_ENABLED"
+"""``1`` (or ``true``/``yes``/``on``) turns tracing on in every vLLM process through the
+``vllm.general_plugins`` entry point. Default: off (nothing patched, no thread, nothing allocated)."""
+
+OTEL_KVTRACE_NPU_TIMING = "OTEL_KVTRACE_NPU_TIMING"
+"""``1`` records timing-enabled NPU events next to save and gate events so their device completion
+times are exact; otherwise they are exported as bounds. Default: off."""
+
+OTEL_KVTRACE_ASYNC = "OTEL_KVTRACE_ASYNC"
+"""``0`` keeps the async-scheduling engine-loop spans off while KV tracing is on. Default: on."""
 
 OTEL_KVTRACE_DATA_DIR = "OTEL_KVTRACE_DATA_DIR"
 """Directory of the embedded file sink. Traces go to ``{dir}/traces/kvtrace-{run_id}-{pid}.jsonl``.
@@ -128,6 +139,12 @@ def otlp_protocol(environ: Mapping[str, str] | None = None) -> str:
 def data_dir(environ: Mapping[str, str] | None = None) -> str:
     env = os.environ if environ is None else environ
     return env.get(OTEL_KVTRACE_DATA_DIR, "").strip() or DEFAULT_DATA_DIR
+
+
+def tracing_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``OTEL_KVTRACE_ENABLED`` is a true value (``1``, ``true``, ``yes``, ``on``)."""
+    env = os.environ if environ is None else environ
+    return env.get(OTEL_KVTRACE_ENABLED, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def run_id(environ: Mapping[str, str] | None = None) -> str:

@@ -21,8 +21,6 @@ import importlib
 import importlib.util
 import logging
 import os
-import socket
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +29,7 @@ from typing import Any
 import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
+from otel_kvtrace import config
 from otel_kvtrace.asynccheck.export import DEFAULT_DIR, AsyncTracer, default_resource
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
 
@@ -252,7 +251,7 @@ class EngineLoopInstrumentation:
 
 
 def _run_id() -> str:
-    return os.environ.get("OTEL_KVTRACE_RUN_ID") or f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+    return config.run_id()
 
 
 def _versions() -> dict[str, str]:
@@ -279,7 +278,7 @@ def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation |
     global _ACTIVE
     if _ACTIVE is not None:
         return _ACTIVE[0]
-    if os.environ.get("OTEL_KVTRACE_ENABLED") != "1" or os.environ.get("OTEL_KVTRACE_ASYNC", "1") == "0":
+    if not config.tracing_enabled() or os.environ.get(config.OTEL_KVTRACE_ASYNC, "1").strip() == "0":
         return None
     if importlib.util.find_spec("vllm") is None:
         return None

@@ -23,7 +23,7 @@ from typing import Any
 from opentelemetry import metrics
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 
-from otel_kvtrace.export import config
+from otel_kvtrace import config
 from otel_kvtrace.export.sinks import JsonLinesFileSink, NullSink, OtlpGrpcSink, OtlpHttpSink, SpanSink
 from otel_kvtrace.export.spans import SpanBuilder
 from otel_kvtrace.record.model import TaskRecord

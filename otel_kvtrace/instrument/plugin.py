@@ -20,12 +20,12 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from otel_kvtrace import config
 from otel_kvtrace.instrument.targets import Targets
 
 logger = logging.getLogger("otel_kvtrace")
 
-ENV_ENABLED = "OTEL_KVTRACE_ENABLED"
-"""``1`` turns tracing on in every vLLM process (default off: nothing is patched or started)."""
+ENV_ENABLED = config.OTEL_KVTRACE_ENABLED
 
 _lock = threading.Lock()
 _session: Any = None  # the process's TracingSession, once started
@@ -34,7 +34,7 @@ _attempted = False  # a failed attempt is not retried on every plugin call
 
 def enabled() -> bool:
     """True when ``OTEL_KVTRACE_ENABLED`` is set to a true value (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get(ENV_ENABLED, "").strip().lower() in ("1", "true", "yes", "on")
+    return config.tracing_enabled()
 
 
 def upstream_resource(targets: Targets) -> dict[str, Any]:
@@ -172,10 +172,16 @@ def register() -> None:
 
     Binds now if vLLM-Ascend's KV-pool worker module is already imported, otherwise right after vLLM
     imports it (processes that never do, like the API server, stay untouched). Idempotent and
-    exception-free, as vLLM may call it several times per process.
+    exception-free, as vLLM may call it several times per process. The async-scheduling engine-loop
+    spans (``otel_kvtrace.asynccheck``) are switched on here too (``OTEL_KVTRACE_ASYNC=0`` keeps them off).
     """
     try:
-        if not enabled() or _session is not None or _attempted:
+        if not enabled():
+            return
+        from otel_kvtrace.asynccheck.instrument import install_from_env
+
+        install_from_env()  # idempotent, never raises, no-op without vllm
+        if _session is not None or _attempted:
             return
         if WATCHED_MODULE in sys.modules:
             ensure_started()

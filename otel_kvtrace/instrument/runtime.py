@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_kvtrace import config
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.record.recorder import Recorder
 
 
 def default_run_id() -> str:
     """``OTEL_KVTRACE_RUN_ID`` or ``{host}-{pid}-{start_epoch_s}`` (see docs/schema.md)."""
-    configured = os.environ.get("OTEL_KVTRACE_RUN_ID", "").strip()
-    if configured:
-        return configured
-    return f"{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
+    return config.run_id()
 
 
 @dataclass(slots=True)
