@@ -133,7 +133,7 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
         for r, w, lag in ((rep.eff_rs[h], q.w1[h], q.ws[h]), (rep.eff_rg[h], q.w2[h], q.wg[h]),
                           (q.rl[h], q.w3[h], q.wl[h])):
             if r > t:
-                intervals.append((t, r + lag))
+                intervals.append((t, r))  # blocked while the dependency is unmet (not the wake-up lag)
                 t = r + lag
             t += w
         if not intervals:
