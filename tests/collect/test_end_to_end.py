@@ -1,13 +1,16 @@
 """Demo traces re-sent with the project's own exporter to `kvtrace collect` over gRPC and HTTP from two
-processes at once: the collected files must load into exactly the same tasks as the directly written ones."""
+processes at once: the collected files must load into exactly the same tasks as the directly written ones,
+and `kvtrace report` must find the same tasks and the same HOL blocking in them."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,3 +70,43 @@ def test_collected_files_load_into_the_same_tasks_and_spans(direct_and_collected
         assert direct_cols == collected_cols
         assert len(direct_rows) == len(collected_rows) > 0
         assert direct_rows == collected_rows, f"{table} differ after the round trip through kvtrace collect"
+
+
+def _report_json(tmp_path: Path, name: str, *inputs: Path) -> dict[str, Any]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "otel_kvtrace.cli", "report", *map(str, inputs), "--json", str(out), "--no-cache"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    return json.loads(out.read_text())
+
+
+def _same(a: Any, b: Any, where: str = "") -> None:
+    """Equal structures; floats equal to 1e-9 relative (sums may run in another row order)."""
+    if isinstance(a, dict):
+        assert isinstance(b, dict) and a.keys() == b.keys(), where
+        for key in a:
+            _same(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{where}[{i}]")
+    elif isinstance(a, float):
+        assert b == pytest.approx(a, rel=1e-9, abs=1e-12), where
+    else:
+        assert a == b, where
+
+
+def test_kvtrace_report_on_collected_files_gives_the_same_tasks_and_hol(
+    direct_and_collected: tuple[list[Path], Path], tmp_path: Path
+) -> None:
+    files, collected = direct_and_collected
+    direct = _report_json(tmp_path, "direct", *files)
+    via_collect = _report_json(tmp_path, "collected", collected)
+    assert direct["tasks"]["count"] > 0 and direct["hol"]["events"] > 0  # the hol scenario has HOL events
+    assert via_collect["tasks"]["count"] == direct["tasks"]["count"]
+    assert via_collect["hol"]["events"] == direct["hol"]["events"]
+    for section in direct.keys() - {"load"}:  # load lists file names and timings
+        _same(direct[section], via_collect[section], section)
+    assert via_collect["load"]["spans"] == direct["load"]["spans"] and via_collect["load"]["malformed_count"] == 0
