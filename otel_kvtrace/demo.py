@@ -78,6 +78,8 @@ def scenario_configs(
     requests: int | None = None,
     steps: int | None = None,
     seed: int = 0,
+    behaviour: str | None = None,
+    path: str | None = None,
 ) -> list[tuple[str, ReplicaConfig]]:
     """The preset's scenarios with the given overrides applied (and validated) to each."""
     if preset not in PRESET_CHOICES:
@@ -87,6 +89,10 @@ def scenario_configs(
     for name in names:
         cfg = PRESETS[name]
         changes: dict[str, Any] = {"seed": seed}
+        if behaviour is not None:
+            changes["behaviour"] = behaviour
+        if path is not None:
+            changes["path"] = path
         if layers is not None:
             changes["num_layers"] = layers
             # slow/late injections name layers: keep only those that still exist
@@ -133,6 +139,8 @@ def run_demo(
     requests: int | None = None,
     steps: int | None = None,
     seed: int = 0,
+    behaviour: str | None = None,
+    path: str | None = None,
     out: str | Path = "kvtrace-data",
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoResult:
@@ -142,7 +150,7 @@ def run_demo(
     """
     scenarios = scenario_configs(
         preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
-        requests=requests, steps=steps, seed=seed,
+        requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path,
     )
     out_dir = Path(out)
     result = DemoResult(out_dir)
@@ -266,19 +274,30 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 @click.option("--requests", type=int, help="Requests per step.")
 @click.option("--steps", type=int, help="Forward steps per scenario.")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed for sampled durations.")
+@click.option("--behaviour", type=click.Choice(["main", "v0.23"]),
+              help="Upstream behaviour to replicate (default: the preset's, main).")
+@click.option("--path", "path", type=click.Choice(["gva", "key"]), help="Recv path (default: the preset's, gva).")
 @click.option("--out", type=click.Path(file_okay=False), default="kvtrace-data", show_default=True,
               help="Output directory (traces go to OUT/traces).")
 def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch: int | None,
-                 independent: str | None, requests: int | None, steps: int | None, seed: int, out: str) -> None:
+                 independent: str | None, requests: int | None, steps: int | None, seed: int,
+                 behaviour: str | None, path: str | None, out: str) -> None:
     """Run the CPU replica of the layerwise KV pipeline, traced, and summarise it.
 
     Runs real threads on a fake NPU, instrumented exactly like vLLM-Ascend, and writes one OTLP/JSON
     trace file per scenario under OUT/traces. Takes a few seconds with the defaults.
 
+    hol: main, N=8, B=2, P=4, independent layers 0,4 and a 3 ms slow save on layer 1, so the
+    independent task of layer 4 sits ready behind layer 3, which waits for save(1).
+    fifo-optimal: the same pipeline with the uniform layout (independent layer 0), where FIFO is
+    already readiness-optimal. Overrides apply to every scenario of the preset. The summary shows
+    per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
+
     \b
     Example:
         kvtrace demo
         kvtrace demo --preset hol --layers 16 --buffers 4 --prefetch 8 --independent 0,8 --steps 100
+        kvtrace demo --behaviour v0.23 --out /tmp/kvtrace-v023
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -286,7 +305,8 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     console = Console()
     try:
         configs = scenario_configs(preset, layers=layers, buffers=buffers, prefetch=prefetch,
-                                   independent=independent, requests=requests, steps=steps, seed=seed)
+                                   independent=independent, requests=requests, steps=steps, seed=seed,
+                                   behaviour=behaviour, path=path)
     except ReplicaConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -297,5 +317,6 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
             progress.update(bars[name], completed=done)
 
         result = run_demo(preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
-                          requests=requests, steps=steps, seed=seed, out=out, on_progress=on_progress)
+                          requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path, out=out,
+                          on_progress=on_progress)
     print_demo_summary(result, console)

@@ -97,3 +97,14 @@ def test_hol_scenario_shows_a_ready_task_behind_the_head_in_duckdb(tmp_path) -> 
         assert (prec_3, prec_4) == ("exact", "exact")  # the fake NPU gives exact device times
     waits = con.execute("SELECT count(*) FROM tasks WHERE layer_id = 3 AND save_cpu_wait_ns > 0").fetchall()[0][0]
     assert waits == 3
+
+
+def test_behaviour_and_path_overrides(tmp_path) -> None:
+    [(_, v023)] = scenario_configs("hol", behaviour="v0.23")
+    assert v023.label.startswith("v0.23 gva") and not v023.reuse_enabled and v023.resolved_prefetch == 4
+    result = run_demo("fifo-optimal", steps=2, path="key", out=tmp_path)
+    [sc] = result.scenarios
+    resource, roots = _roots(sc.trace_files[0])
+    assert resource["kvtrace.cfg.label"].startswith("main key")
+    assert {next(a["value"]["stringValue"] for a in r["attributes"] if a["key"] == "kvtrace.path")
+            for r in roots} == {"key"}
