@@ -182,7 +182,10 @@ def simulate_queue(
             rec = t + rng.randint(0, 400_000)
             task.deps["gate_record"] = (rec, rec)
             g = rec + rng.randint(1_000, 100_000)
-            task.deps["gate_npu"] = (g, g)
+            if rng.random() < bounded_probability:  # lo: the record was issued; hi: first sync return
+                task.deps["gate_npu"] = (rec, g + rng.randint(0, 200_000))
+            else:
+                task.deps["gate_npu"] = (g, g)
         if layer % 3 == 2:
             rel = t + rng.randint(0, 500_000)
             task.deps["slot_release"] = (rel, rel)

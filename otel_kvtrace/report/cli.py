@@ -44,6 +44,8 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
     from otel_kvtrace.report import build_report, render_terminal, write_html, write_json, write_pngs
 
     console = Console(stderr=False)
+    if db_path:
+        db_path.parent.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(db_path)) if db_path else None
     try:
         with console.status("loading traces ...") as status:

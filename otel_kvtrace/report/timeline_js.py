@@ -176,5 +176,10 @@ TIMELINE_JS = r"""
   window.addEventListener("resize", render);
   window.kvtraceTimeline = {showDetails: showDetails, zoom: zoom, view: () => view.slice()};
   render();
+  if (T.hol.length) {  // scroll the longest HOL event's head into view
+    const h = T.hol.reduce((a, b) => (b.end - b.start > a.end - a.start ? b : a));
+    const head = byCid.get(h.head);
+    if (head) wrap.scrollTop = Math.max(0, head._y - wrap.clientHeight / 2);
+  }
 })();
 """

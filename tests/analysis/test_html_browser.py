@@ -1,0 +1,60 @@
+"""The HTML report in headless Chromium: the timeline renders without console errors, a click on a task
+shows its stages and dependency times, and zoom changes the visible range."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import sync_playwright
+
+from otel_kvtrace.report import build_report, write_html
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync"]
+
+pytestmark = pytest.mark.browser
+
+
+def test_timeline_renders_and_click_shows_stages(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=300)
+    page_path = write_html(report, tmp_path / "report.html")
+    errors: list[str] = []
+    requests: list[str] = []
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("request", lambda req: requests.append(req.url))
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("#timeline rect.stage")
+        bars = page.locator("#timeline rect.stage")
+        assert bars.count() > 50
+        assert page.locator("#timeline rect.hol").count() > 0  # HOL shaded in the initial view
+
+        # Click the head of the longest HOL interval: its stages, dependencies and HOL role show up.
+        longest = max(report.timeline["hol"], key=lambda h: h["end"] - h["start"])
+        head_bar = page.locator(f'#timeline rect.stage[data-cid="{longest["head"]}"]').first
+        head_bar.click()
+        details = page.locator("#details")
+        task = next(t for t in report.timeline["tasks"] if t["cid"] == longest["head"])
+        stage_rows = page.locator("#detail-stages tr")
+        assert stage_rows.count() == len(task["stages"]) + 1
+        text = details.inner_text()
+        for name, _start, _end in task["stages"]:
+            assert name in text
+        for dep in task["deps"]:
+            assert dep in text
+        assert "blocked head" in text and longest["evidence"] in text
+
+        before = page.evaluate("window.kvtraceTimeline.view()")
+        page.click("#zoom-in")
+        after = page.evaluate("window.kvtraceTimeline.view()")
+        assert after[1] - after[0] < before[1] - before[0]
+        page.screenshot(path=str(tmp_path / "timeline.png"), full_page=False)
+        browser.close()
+    assert errors == []
+    assert all(url.startswith(("file://", "data:")) for url in requests), requests

@@ -1,0 +1,80 @@
+"""`kvtrace report` end to end on synthetic traces: terminal, --json, --png-dir, --html, --db."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+from click.testing import CliRunner
+from PIL import Image
+
+from otel_kvtrace.analyse import hol_intervals
+from otel_kvtrace.cli import main
+from otel_kvtrace.load import load_traces
+from otel_kvtrace.report import build_report, print_summary
+
+
+def test_report_cli_writes_json_pngs_html_and_db(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, [
+        "report", str(synthetic_trace_dir), "--json", str(out / "r.json"), "--png-dir", str(out / "png"),
+        "--html", str(out / "r.html"), "--db", str(out / "kv.duckdb"), "--timeline-tasks", "200"])
+    assert result.exit_code == 0, result.output
+    assert "HOL blocking found" in result.output
+
+    doc = json.loads((out / "r.json").read_text())
+    expected = hol_intervals(load_traces(synthetic_trace_dir).con).records()
+    assert doc["hol"]["events"] == len({(r["queue"], r["head_correlation_id"]) for r in expected}) > 0
+    assert len(doc["hol"]["intervals"]) == len(expected)
+    assert {i["class"] for i in doc["hol"]["intervals"]} == {"proven", "possible"}
+    first = doc["hol"]["intervals"][0]
+    assert first["head_correlation_id"] and first["evidence_correlation_id"] and first["end_ns"] > first["start_ns"]
+    assert doc["hol"]["total_ms"] == sum(r["dur_ns"] for r in expected) / 1e6
+    assert doc["hol"]["p50_ms"] <= doc["hol"]["p95_ms"] <= doc["hol"]["p99_ms"]
+    assert doc["tasks"]["count"] == 700 and doc["tasks"]["send_tasks"] > 0
+    assert {s["stage"] for s in doc["stages"]} >= {"queue_wait", "backend_submit", "task_total"}
+
+    pngs = sorted(p.name for p in (out / "png").glob("*.png"))
+    assert pngs == ["hol_durations.png", "stage_cdf.png", "timeline_queue0.png", "timeline_queue1.png"]
+    for png in (out / "png").glob("*.png"):
+        with Image.open(png) as image:
+            assert image.size[0] > 400 and len(image.convert("L").getcolors(256)) > 10  # not blank
+
+    page = (out / "r.html").read_text()
+    assert "http://" not in page.replace("http://www.w3.org/2000/svg", "") and "https://" not in page
+    assert page.count("data:image/png;base64,") == 4
+
+    con = duckdb.connect(str(out / "kv.duckdb"), read_only=True)
+    assert con.execute("SELECT count(*) FROM tasks").fetchall()[0][0] == 700
+    assert con.execute("SELECT sum(hol_events) FROM hol_summary").fetchall()[0][0] == doc["hol"]["events"]
+
+
+def test_report_cli_names_the_bad_path(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["report", str(tmp_path / "missing.jsonl"), "--no-cache"])
+    assert result.exit_code == 2
+    assert "missing.jsonl" in result.output and "PATHS" in result.output
+
+
+def test_print_summary_reports_no_hol_plainly(tmp_path: Path) -> None:
+    from rich.console import Console
+    from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json
+
+    spec = QueueSpec(run_id="calm")
+    tasks = simulate_queue(spec, 40, seed=3, hol_probability=0.0)
+    for task in tasks:  # no dependencies at all: nothing ever waits
+        task.deps.clear()
+        for stage in ("save_cpu_wait", "save_npu_sync", "gate_cond_wait", "gate_npu_sync", "slot_release_wait"):
+            task.stages.pop(stage, None)
+    path = write_otlp_json(tmp_path / "calm.jsonl", [(spec, tasks)])
+    console = Console(record=True, width=120)
+    report = print_summary([path], console)
+    assert report.hol_overall["events"] == 0
+    assert "No head-of-line blocking" in console.export_text()
+
+
+def test_build_report_accepts_a_load_result(synthetic_trace_dir: Path) -> None:
+    loaded = load_traces(synthetic_trace_dir)
+    report = build_report(loaded)
+    assert report.stats is loaded.stats
+    assert report.timeline["shown"] > 0 and report.timeline["hol"]
