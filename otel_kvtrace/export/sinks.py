@@ -65,10 +65,16 @@ class JsonLinesFileSink:
     def __init__(self, directory: str | os.PathLike[str], run_id: str, resource: Mapping[str, Any]) -> None:
         self.directory = Path(directory)
         self.run_id = run_id
+        self._resource_attrs = dict(resource)
         self._resource = resource_text(resource)
         self._file: IO[bytes] | None = None
         self._pid = -1
         self.path = trace_file_path(self.directory, run_id, os.getpid())
+
+    def update_resource(self, attributes: Mapping[str, Any]) -> None:
+        """Add attributes (e.g. a worker's config and ranks, known only once it starts) to later lines."""
+        self._resource_attrs = {**self._resource_attrs, **attributes}
+        self._resource = resource_text(self._resource_attrs)  # one reference swap: atomic for readers
 
     def export(self, span_texts: Sequence[str], dropped: int) -> bool:
         line = texts_to_json_line(span_texts, self._resource, dropped)
@@ -135,6 +141,11 @@ class _SdkExporterSink:
         self._pid = os.getpid()
         self._exporter = self._make_exporter()
         self.endpoint = getattr(self._exporter, "_endpoint", endpoint)
+
+    def update_resource(self, attributes: Mapping[str, Any]) -> None:
+        """Add attributes to the resource of later requests."""
+        self._resource_attrs = {**self._resource_attrs, **attributes}
+        self._resource = resource_json(self._resource_attrs)
 
     def _make_exporter(self) -> Any:
         raise NotImplementedError

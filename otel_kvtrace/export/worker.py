@@ -116,6 +116,12 @@ class BackgroundExporter:
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
 
+    def update_resource(self, attributes: Mapping[str, Any]) -> None:
+        """Merge ``attributes`` into the resource of everything exported from now on (sinks that can)."""
+        update = getattr(self.sink, "update_resource", None)
+        if update is not None:
+            update(dict(attributes))
+
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export what is pending now, on the caller's thread. True if nothing was left behind."""
         if self._shutdown_done:

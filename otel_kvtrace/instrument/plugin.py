@@ -74,11 +74,25 @@ def ensure_started(
             attrs = upstream_resource(targets)
             attrs.update(resource or {})
             _session = start_tracing(targets, resource=attrs, **start_kwargs)
+            _session.runtime.on_worker_attached.append(_worker_resource_updater(_session, targets))
             logger.info("otel-kvtrace: tracing vLLM-Ascend %s (pid %d)", targets.version, os.getpid())
         except Exception as exc:  # never break the host process
             logger.warning("otel-kvtrace: tracing off, could not instrument: %s: %s", type(exc).__name__, exc)
             _session = None
         return _session
+
+
+def _worker_resource_updater(session: Any, targets: Targets) -> Any:
+    """Once a worker starts its transfer threads, its ranks and layerwise config join the resource."""
+    from otel_kvtrace.instrument.upstream import worker_resource_attributes
+
+    layout = str(targets.flags.get("layout", "") or "")
+
+    def update(worker: Any) -> None:
+        if session.exporter is not None and hasattr(session.exporter, "update_resource"):
+            session.exporter.update_resource(worker_resource_attributes(worker, layout))
+
+    return update
 
 
 def stop() -> None:

@@ -167,7 +167,7 @@ class UpstreamBinding:
             gate_class=self.classes.get("gate"),
             source="upstream",
             version=self.version,
-            flags=dict(self.flags),
+            flags={**self.flags, "layout": self.layout},
         )
 
 

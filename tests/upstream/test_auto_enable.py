@@ -129,3 +129,34 @@ def test_plugin_waits_for_vllm_to_import_the_worker_module(upstream: Upstream, t
     assert getattr(vars(module.KVPoolWorker)["start_load_kv"], "__kvtrace_wrapped__", None) is not None
     _run_one_task(upstream, layer=2)
     assert wait_until(lambda: session.stats().submitted == 1)
+
+
+def test_plugin_adds_the_worker_config_and_ranks_to_the_exported_resource(
+        upstream: Upstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resource is known only once a real KVPoolWorker starts its threads (post-hook)."""
+    from .harness import drive_step, pool_worker
+
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", "plugin-resource")
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.chdir(tmp_path)
+    plugin.register()
+    session = plugin.current_session()
+    assert session is not None
+    worker = pool_worker(upstream, 4, 2, FakeBackend())
+    drive_step(upstream, worker, {layer: [upstream.request("r1", 2)] for layer in range(4)})
+    assert session.flush(10)
+    files = list((tmp_path / "kvtrace-data" / "traces").glob("*.jsonl"))
+    assert files, "the embedded sink wrote no file"
+    import json
+
+    resources = [
+        {a["key"]: a["value"] for a in rs["resource"]["attributes"]}
+        for f in files for line in f.read_text().splitlines() for rs in json.loads(line)["resourceSpans"]
+    ]
+    assert resources
+    last = resources[-1]
+    assert last["kvtrace.cfg.num_layers"] == {"intValue": "4"}
+    assert last["kvtrace.cfg.prefetch_layers"] == {"intValue": "2"}
+    assert "kvtrace.rank.tp" in last and last["kvtrace.source"] == {"stringValue": "upstream"}
