@@ -17,7 +17,9 @@ class EventLoop:
     """Heap of ``(time, seq, actor, value)`` with ``seq`` breaking ties in push order, plus signals.
 
     A signal is an index into one flat ``times`` list (``-1`` until fired). An actor is a generator that
-    yields the signal index it waits for and receives the signal's fire time.
+    yields the signal index it waits for and receives the signal's fire time. Each actor keeps its own
+    clock (``max`` of its previous time and the times it waited for), so results depend only on signal
+    times, never on the order the heap hands out resumes; the heap time is a lower bound of the actor's.
     """
 
     __slots__ = ("events", "heap", "seq", "times", "waiters")
@@ -62,6 +64,8 @@ class EventLoop:
 
 
 class Actor:
+    """One simulated thread: a generator and the time it last parked at."""
+
     __slots__ = ("blocked_at", "done", "gen", "name")
 
     def __init__(self, name: str, gen: Generator[int, Any, None]) -> None:
