@@ -203,3 +203,15 @@ def test_go_duration_parser_rejects_what_the_collector_would() -> None:
     assert _go_duration_s("1m30s") == 90.0
     with pytest.raises(AssertionError):
         _go_duration_s("5 ms")
+
+
+def test_spanmetrics_dimensions_are_schema_attributes_of_low_cardinality() -> None:
+    from tests.collect.stack_config import schema_attributes
+
+    per_task = {"kvtrace.correlation_id", "kvtrace.seq", "kvtrace.step", "kvtrace.layer_id", "kvtrace.request_ids",
+                "kvtrace.queue", "kvtrace.group_ids", "kvtrace.bytes", "kvtrace.num_blocks"}
+    dims = [d["name"] for d in collector_config()["connectors"]["spanmetrics"]["dimensions"]]
+    assert "kvtrace.path" in dims
+    for name in dims:
+        assert name in schema_attributes(), f"{name} is not an attribute in docs/schema.md"
+        assert name not in per_task and not name.startswith("kvtrace.ts."), f"{name} would create a series per task"
