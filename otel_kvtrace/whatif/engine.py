@@ -23,6 +23,7 @@ from otel_kvtrace.whatif.policy import INF, Policy
 
 __all__ = ["FEEDBACKS", "NONE", "QueueArrays", "QueueReplay", "QueueState", "ReplayStalled", "replay_queue"]
 
+
 class ReplayStalled(RuntimeError):
     """The policy asked to wait but nothing can ever happen (a policy bug or inconsistent input)."""
 
