@@ -249,3 +249,17 @@ def test_no_lease_release_when_the_final_layer_has_nothing_to_load() -> None:
     assert all(r.layer_id != 5 for r in res.recv)  # layer 5: independent, nothing uncached, not submitted
     assert [s.lease_release_ns for s in res.steps] == [NO_TIME, NO_TIME]
     assert all(s.lease_release_ns != NO_TIME for s in simulate(cfg.with_(independent_layers=(0,))).steps)
+
+
+def test_late_gate_shows_as_condition_wait_of_the_gated_task() -> None:
+    cfg = ReplicaConfig(num_layers=6, num_shared_buffers=6, prefetch_layers=3, steps=1,
+                        slow=SlowInjection(late_gate_layers=(1,), late_gate_us=2000))
+    res = simulate(cfg)
+    gated = [r for r in res.recv if r.gate_id == 1]
+    assert [r.layer_id for r in gated] == [3]
+    cond = _stage(gated[0], Stage.GATE_COND_WAIT)
+    assert cond is not None and cond[1] == gated[0].dep_hi(Dep.GATE_RECORD)  # waited until the record
+    baseline = next(r for r in simulate(cfg.with_(slow=SlowInjection())).recv if r.gate_id == 1)
+    assert _stage(baseline, Stage.GATE_COND_WAIT) is None
+    # the forward recorded G1 exactly 2 ms later than without the injection
+    assert gated[0].dep_hi(Dep.GATE_RECORD) - baseline.dep_hi(Dep.GATE_RECORD) == 2_000_000
