@@ -73,6 +73,9 @@ class Simulation:
         loop.start(Actor("recv", self._recv()))
         loop.start(Actor("send", self._send()))
         loop.run()
+        if self.error is None and len(self.steps) < self.cfg.steps:  # cannot happen unless a rule is broken
+            waiting = sorted(loop.waiters)
+            self.error = f"stalled after {len(self.steps)} steps: actors wait on signals {waiting[:6]}"
         for outcome in self.steps:
             outcome.lease_release_ns = self.lease_release.get(outcome.step, NO_TIME)
         fill_depths(self.recv_items)
