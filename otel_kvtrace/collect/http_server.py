@@ -18,7 +18,12 @@ from typing import Any
 from google.protobuf import json_format
 from google.rpc.status_pb2 import Status
 
-from otel_kvtrace.collect.validate import AcceptFn, MalformedRequest, decode_json, decode_protobuf
+from otel_kvtrace.collect.validate import (
+    AcceptFn,
+    MalformedRequest,
+    decode_json,
+    decode_protobuf,
+)
 
 TRACES_PATH = "/v1/traces"
 _PROTOBUF = "application/x-protobuf"
@@ -44,13 +49,13 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the OTLP exporters' sessions expect
     timeout = 60  # idle keep-alive connections are closed after this many seconds
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - signature from the base class
+    def log_message(self, format: str, *args: Any) -> None:
         pass  # the receiver counts; per-request access logs would flood the terminal
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server naming
+    def do_POST(self) -> None:
         self.server.endpoint.handle_post(self)
 
-    def do_GET(self) -> None:  # noqa: N802
+    def do_GET(self) -> None:
         self.server.endpoint.reply_error(self, HTTPStatus.METHOD_NOT_ALLOWED, "use POST /v1/traces", _JSON)
 
     do_PUT = do_DELETE = do_PATCH = do_GET

@@ -40,8 +40,7 @@ class ByteBoundedQueue(Generic[T]):
                 return False
             self._items.append((item, size))
             self._bytes += size
-            if self._bytes > self.high_water_bytes:
-                self.high_water_bytes = self._bytes
+            self.high_water_bytes = max(self.high_water_bytes, self._bytes)
             self._cond.notify()
             return True
 

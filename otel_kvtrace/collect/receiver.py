@@ -6,14 +6,22 @@ import functools
 import os
 import threading
 from pathlib import Path
+from typing import Self
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
 
 from otel_kvtrace.collect.grpc_server import GrpcEndpoint
 from otel_kvtrace.collect.http_server import HttpEndpoint
 from otel_kvtrace.collect.queue import ByteBoundedQueue
 from otel_kvtrace.collect.stats import ReceiverStats, StatsCounter
-from otel_kvtrace.collect.validate import AcceptResult, count_spans, drop_invalid_spans, export_response
+from otel_kvtrace.collect.validate import (
+    AcceptResult,
+    count_spans,
+    drop_invalid_spans,
+    export_response,
+)
 from otel_kvtrace.collect.writer import JsonLinesWriter
 
 DEFAULT_OUT_DIR = Path("kvtrace-data/traces")
@@ -173,8 +181,9 @@ class Receiver:
             self._writer.stop()
         return self.stats()
 
-    def __enter__(self) -> Receiver:
-        return self.start()
+    def __enter__(self) -> Self:
+        self.start()
+        return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

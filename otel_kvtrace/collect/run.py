@@ -42,7 +42,7 @@ def collect(
     stop = stop_event or threading.Event()
     receiver = Receiver(out, grpc_port=grpc_port, http_port=http_port, host=host, max_queue_bytes=max_queue_bytes)
     receiver.start()
-    previous: dict[int, object] = {}
+    previous: dict[signal.Signals, object] = {}
     try:
         if threading.current_thread() is threading.main_thread():
             for signum in (signal.SIGINT, signal.SIGTERM):
@@ -62,8 +62,8 @@ def collect(
     finally:
         progress("kvtrace collect: stopping, writing what was received ...")
         stats = receiver.stop()
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)  # type: ignore[arg-type]
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
     progress(f"kvtrace collect: {stats.summary()}")
     return stats
 

@@ -7,7 +7,9 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+)
 
 from otel_kvtrace.collect.queue import ByteBoundedQueue
 from otel_kvtrace.collect.stats import StatsCounter

@@ -18,11 +18,15 @@ def main() -> int:
     protocol, endpoint, n, ids_out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
     name = sys.argv[5] if len(sys.argv) > 5 else f"sender-{protocol}"
     if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter as GrpcExporter
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import (
+            OTLPSpanExporter as GrpcExporter,
+        )
 
         exporter = GrpcExporter(endpoint=endpoint, insecure=True)
     else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
+        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+            OTLPSpanExporter as HttpExporter,
+        )
 
         exporter = HttpExporter(endpoint=endpoint)
     provider = TracerProvider(resource=Resource.create({"service.name": name}))
@@ -32,9 +36,10 @@ def main() -> int:
     tracer = provider.get_tracer("kvtrace-test-sender")
     ids = []
     for i in range(n):
-        with tracer.start_as_current_span("kvtrace.recv.task", attributes={"test.sender": name, "test.i": i}) as root:
-            with tracer.start_as_current_span("queue_wait") as child:
-                pass
+        attrs = {"test.sender": name, "test.i": i}
+        with tracer.start_as_current_span("kvtrace.recv.task", attributes=attrs) as root, \
+                tracer.start_as_current_span("queue_wait") as child:
+            pass
         for span in (root, child):
             ctx = span.get_span_context()
             ids.append([format(ctx.trace_id, "032x"), format(ctx.span_id, "016x")])

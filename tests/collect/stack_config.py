@@ -86,7 +86,7 @@ def schema_child_spans() -> list[str]:
     text = _schema_text()
     section = text[text.index("### Child spans") :]
     section = section[: section.index("\n### ", 5)]
-    return re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.M)
+    return re.findall(r"^\| `([a-z0-9_]+)` \|", section, flags=re.MULTILINE)
 
 
 def schema_paths() -> list[str]:

@@ -76,7 +76,7 @@ def _report_json(tmp_path: Path, name: str, *inputs: Path) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
     proc = subprocess.run(
         [sys.executable, "-m", "otel_kvtrace.cli", "report", *map(str, inputs), "--json", str(out), "--no-cache"],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, check=False, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr + proc.stdout
     return json.loads(out.read_text())

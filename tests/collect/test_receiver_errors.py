@@ -147,7 +147,7 @@ def test_port_taken_exits_2_naming_port_and_option(tmp_path: Path, option: str) 
         proc = subprocess.run(
             [sys.executable, "-m", "otel_kvtrace.cli", "collect", "--out", str(tmp_path),
              option, str(port), other, "0"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True, text=True, check=False, timeout=60,
         )
     finally:
         taken.close()
@@ -181,7 +181,7 @@ def test_unwritable_out_exits_2_naming_the_option(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "otel_kvtrace.cli", "collect", "--out", str(not_a_dir / "traces"),
          "--grpc-port", "0", "--http-port", "0"],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True, text=True, check=False, timeout=60,
     )
     assert proc.returncode == 2, proc.stderr
     assert "--out" in proc.stderr and "Traceback" not in proc.stderr

@@ -62,7 +62,9 @@ def test_sigint_also_stops_cleanly(tmp_path: Path) -> None:
 
 
 def _request_bytes(spans: int) -> bytes:
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
 
     req = ExportTraceServiceRequest()
     ss = req.resource_spans.add().scope_spans.add()
