@@ -58,6 +58,8 @@ class WorkPlan:
     fail_index: int
     """``step * num_layers + layer`` whose load copy fails, or -1."""
     has_slot_release_waiter: bool
+    lease_release_ns: int
+    """Duration of the final layer's ``batch_remove_lease`` (half a copy call)."""
 
     def has_transfer(self, step: int) -> bool:
         return bool(self.requests[step])
@@ -149,7 +151,7 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
         n, steps, requests, blocks, load_blocks, partial_layers,
         **{name: table.tolist() for name, table in tables.items()},
         stagger=stagger.tolist(), late_gate=late_gate.tolist(),
-        fail_index=fail, has_slot_release_waiter=waiter,
+        fail_index=fail, has_slot_release_waiter=waiter, lease_release_ns=int(t.copy_call_us * 500),
     )
 
 

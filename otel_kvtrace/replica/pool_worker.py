@@ -67,7 +67,7 @@ class KVPoolWorker:
         self.block_size = 128
         self.page_size_bytes = 4096
         self.token_database = FakeTokenDatabase(plan, npu, self.page_size_bytes)
-        self.m_store = FakeMStore(plan, npu, lease_release_ns=int(cfg.timing.copy_call_us * 500))
+        self.m_store = FakeMStore(plan, npu, lease_release_ns=plan.lease_release_ns)
         self.wait_timeout_s = wait_timeout_s
         self.external_slot_release_waiter = self._slot_release if plan.has_slot_release_waiter else None
         self.kv_recv_thread: KVTransferThread | None = None

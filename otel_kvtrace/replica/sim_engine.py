@@ -180,7 +180,7 @@ class Simulation:
         items = self.recv_items
         gate_npu, save_npu = self.gate_npu, self.save_npu
         meta, stagger, slot_release, load_copy = plan.meta_build, plan.stagger, plan.slot_release, plan.load_copy
-        lease_ns = int(cfg.timing.copy_call_us * 500)  # batch_remove_lease: half a copy call
+        lease_ns = plan.lease_release_ns
         s_cpu, s_npu = Stage.SAVE_CPU_WAIT, Stage.SAVE_NPU_SYNC
         g_cond, g_npu = Stage.GATE_COND_WAIT, Stage.GATE_NPU_SYNC
         s_meta, s_stag = Stage.META_BUILD, Stage.H2D_STAGGER
