@@ -146,3 +146,20 @@ def test_independent_layers_without_load_are_skipped_by_the_window() -> None:
     # layers 0 and 4 have no load task and no source: skipped without counting
     assert plan[0] == [(1, None, 0), (2, None, 0), (3, 1, 0), (5, 2, 0)]
     assert plan[1] == [(6, 3, 1)] and plan[2] == [(7, 5, 2)]
+
+
+def test_jitter_kinds_keep_the_configured_mean_and_are_seeded() -> None:
+    from otel_kvtrace.replica.config import Timing
+    from otel_kvtrace.replica.plan import build_plan
+
+    for kind in ("uniform", "lognormal", "exponential"):
+        cfg = ReplicaConfig(num_layers=50, steps=100, seed=7,
+                            timing=Timing(jitter=kind, jitter_spread=0.3, attention_us=400.0))
+        plan = build_plan(cfg)
+        mean = sum(plan.attention) / len(plan.attention)
+        assert abs(mean / 400_000 - 1) < 0.03, kind  # 5,000 samples, mean-1 factors
+        assert min(plan.attention) >= 0 and len(set(plan.attention)) > 100
+        assert build_plan(cfg).attention == plan.attention
+        assert build_plan(cfg.with_(seed=8)).attention != plan.attention
+    steady = build_plan(ReplicaConfig(num_layers=4, steps=2, timing=Timing(attention_us=400.0)))
+    assert steady.attention == [400_000] * 8
