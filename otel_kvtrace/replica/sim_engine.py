@@ -4,6 +4,9 @@ They follow the same rules as the threaded replica (``layout.py`` for submission
 for each thread's order of waits) and fill ``TaskRecord``s the way the instrumentation fills them on
 real threads. Device work uses the fake NPU's stream arithmetic inline: a kernel starts at
 ``max(now, stream tail)``; an event recorded now completes at the tail.
+
+The actor loops are the simulator's hot path: they use ``if t > now: now = t`` rather than ``max()``,
+read already-fired signals directly instead of yielding, and append stages as flat triples.
 """
 
 from __future__ import annotations
@@ -130,15 +133,18 @@ class Simulation:
                         fire(sig, now)
                 if wait_for[c]:
                     t0 = now
-                    t = yield i
-                    now = max(now, t)
+                    t = times[i]  # already fired: no round trip through the loop
+                    if t < 0:
+                        t = yield i
+                    if t > now:
+                        now = t
                     consumer_wait += now - t0
                     by_index[i].stages.extend((consumer, t0, now))  # type: ignore[union-attr]
                 elif release_on_forward:
                     now += slot_release[i]
                 # attention: the gate's NPU event is recorded at attention start (first record wins)
                 now += late_gate[i]
-                point = max(now, tail)
+                point = tail if tail > now else now
                 gate_npu[i] = point
                 sig = gate_sig + i
                 times[sig] = now  # fire: only a parked waiter needs the heap
@@ -162,8 +168,11 @@ class Simulation:
                         fire(sig, now)
                 tail += compute[i]
                 now += host[i]
-            t = yield save_sig + base + last
-            now = max(now, t)
+            t = times[save_sig + base + last]  # already fired: no round trip through the loop
+            if t < 0:
+                t = yield save_sig + base + last
+            if t > now:
+                now = t
             self.steps.append(StepOutcome(step, step_start, now, consumer_wait))
 
     # -- recv thread ---------------------------------------------------------------------------------
@@ -190,10 +199,13 @@ class Simulation:
         tail = 0  # h2d stream
         k = 0
         while True:
-            t = yield rq_sig + k
+            t = times[rq_sig + k]  # already fired: no round trip through the loop
+            if t < 0:
+                t = yield rq_sig + k
             rec = items[k]
             k += 1
-            now = max(now, t)
+            if t > now:
+                now = t
             rec.t_dequeue = now
             layer = rec.layer_id
             step = rec.step
@@ -205,15 +217,19 @@ class Simulation:
             if src is not None and (main or not has):  # main: the save wait comes first
                 s = step * n + src
                 t0 = now
-                t = yield save_sig + s
-                now = max(now, t)
+                t = times[save_sig + s]  # already fired: no round trip through the loop
+                if t < 0:
+                    t = yield save_sig + s
+                if t > now:
+                    now = t
                 stages.extend((s_cpu, t0, now))
                 deps[0] = deps[1] = t
                 rec.has_dep |= 1 << Dep.SAVE_CPU
                 if npu_sync:
                     sn = save_npu[s]
                     t0 = now
-                    now = max(now, sn)
+                    if sn > now:
+                        now = sn
                     stages.extend((s_npu, t0, now))
                     deps[2] = deps[3] = sn
                     rec.has_dep |= 1 << Dep.SAVE_NPU
@@ -237,7 +253,9 @@ class Simulation:
             if gate is not None:
                 g = step * n + gate
                 t0 = now
-                t = yield gate_sig + g
+                t = times[gate_sig + g]  # already fired: no round trip through the loop
+                if t < 0:
+                    t = yield gate_sig + g
                 if t > now:  # a condition wait only when the record had not happened yet
                     now = t
                     stages.extend((g_cond, t0, now))
@@ -246,7 +264,8 @@ class Simulation:
                 deps[6] = deps[7] = gn
                 rec.has_dep |= (1 << Dep.GATE_RECORD) | (1 << Dep.GATE_NPU)
                 t0 = now
-                now = max(now, gn)
+                if gn > now:
+                    now = gn
                 stages.extend((g_npu, t0, now))
             if not gva:
                 stages.extend((s_meta, now, now + meta[i]))
@@ -260,7 +279,8 @@ class Simulation:
                     deps[8] = deps[9] = now = end
                     rec.has_dep |= 1 << Dep.SLOT_RELEASE
             t0 = now
-            now = max(now, tail)
+            if tail > now:
+                now = tail
             now = tail = now + load_copy[i]
             stages.extend((s_back, t0, now))
             copies.append((step, layer, t0, now))
@@ -297,19 +317,24 @@ class Simulation:
         tail = 0  # d2h stream
         k = 0
         while True:
-            t = yield sq_sig + k
+            t = times[sq_sig + k]  # already fired: no round trip through the loop
+            if t < 0:
+                t = yield sq_sig + k
             rec = items[k]
             k += 1
-            now = max(now, t)
+            if t > now:
+                now = t
             rec.t_dequeue = now
             i = rec.step * n + rec.layer_id
             now += meta[i]  # the send thread's own build_addrs (not a traced stage)
             sn = save_npu[i]
             t0 = now
-            now = max(now, sn)
+            if sn > now:
+                now = sn
             rec.stages.extend((s_npu, t0, now))  # like the instrumentation: a stage, no dependency record
             t0 = now
-            now = max(now, tail)
+            if tail > now:
+                now = tail
             now = tail = now + save_copy[i]
             rec.stages.extend((s_back, t0, now))
             rec.t_backend_return = rec.t_complete = now

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from otel_kvtrace.record.model import NO_TIME, Outcome, QueueInfo, TaskRecord
@@ -62,19 +63,15 @@ def ready_time(rec: TaskRecord) -> int:
 def fill_depths(records: list[TaskRecord]) -> None:
     """``queue_depth_at_enqueue`` / ``inflight_at_enqueue`` from FIFO dequeue and completion times.
 
-    In one FIFO, dequeue and completion times are non-decreasing in ``seq``, so two pointers suffice.
-    A task never dequeued (or never completed, e.g. after a fatal error) counts as still queued.
+    In one FIFO, dequeue and completion times are non-decreasing in ``seq``, so the tasks ahead that are
+    no longer queued (or in flight) form a prefix found by bisection. A task never dequeued (or never
+    completed, e.g. after a fatal error) counts as still queued.
     """
     never = 1 << 62
     error = Outcome.ERROR
     deq_t = [r.t_dequeue if r.t_dequeue >= 0 else never for r in records]
     done_t = [r.t_complete if r.t_complete >= 0 and r.outcome != error else never for r in records]
-    deq = done = 0
     for idx, rec in enumerate(records):
         t = rec.t_enqueue
-        while deq < idx and deq_t[deq] <= t:
-            deq += 1
-        while done < idx and done_t[done] <= t:
-            done += 1
-        rec.queue_depth_at_enqueue = idx - deq
-        rec.inflight_at_enqueue = idx - done
+        rec.queue_depth_at_enqueue = idx - bisect_right(deq_t, t, 0, idx)
+        rec.inflight_at_enqueue = idx - bisect_right(done_t, t, 0, idx)
