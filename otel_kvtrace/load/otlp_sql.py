@@ -111,17 +111,19 @@ resource_spans AS (
     SELECT filename, unnest(d.resourceSpans) AS rs FROM docs
 ),
 resource_maps AS (
-    SELECT filename, {attrs_map_sql("rs.resource.attributes")} AS res,
-           flatten(list_transform(rs.scopeSpans, lambda ss: ss.spans)) AS span_list
+    SELECT filename, {attrs_map_sql("rs.resource.attributes")} AS res, rs.scopeSpans AS scope_list
     FROM resource_spans
 ),
 resources AS (
-    SELECT filename, span_list,
+    SELECT filename, scope_list,
         {res_cols}
     FROM resource_maps
 ),
+scopes AS (
+    SELECT filename, {res_names}, unnest(scope_list) AS ss FROM resources
+),
 span_docs AS (
-    SELECT filename, {res_names}, unnest(span_list) AS s FROM resources
+    SELECT filename, {res_names}, unnest(ss.spans) AS s FROM scopes
 )
 SELECT s.traceId, s.spanId, nullif(s.parentSpanId, ''), s.name,
        s.startTimeUnixNano, s.endTimeUnixNano, s.endTimeUnixNano - s.startTimeUnixNano,

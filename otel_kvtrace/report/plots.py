@@ -1,6 +1,7 @@
-"""Matplotlib figures of a report (Agg backend, no display): stage CDFs, HOL duration histogram and
-per-queue timelines with HOL intervals shaded. Each ``*_figure`` returns a Figure so notebooks can reuse
-them; ``write_pngs`` saves them all."""
+"""Matplotlib figures of a report: stage CDFs, HOL duration histogram and per-queue timelines with HOL
+intervals shaded. Figures are built with the object API (``matplotlib.figure.Figure``), never pyplot, so
+no backend or display is needed and a notebook's inline backend is left alone; each ``*_figure`` returns
+a Figure (notebooks ``display`` it) and ``write_pngs`` saves them all."""
 
 from __future__ import annotations
 
@@ -9,15 +10,11 @@ import io
 from collections import defaultdict
 from pathlib import Path
 
-import matplotlib
+from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.figure import Figure  # noqa: E402
-from matplotlib.patches import Patch  # noqa: E402
-
-from otel_kvtrace.load.tasks_sql import STAGES  # noqa: E402
-from otel_kvtrace.report.model import Report  # noqa: E402
+from otel_kvtrace.load.tasks_sql import STAGES
+from otel_kvtrace.report.model import Report
 
 STAGE_COLORS: dict[str, str] = {
     "queue_wait": "#d9d9d9",
@@ -39,7 +36,8 @@ HOL_COLORS = {"proven": "#ff0000", "possible": "#ffa500"}
 
 def stage_cdf_figure(report: Report) -> Figure:
     """Empirical CDF of every stage's duration (log time axis)."""
-    fig, ax = plt.subplots(figsize=(9, 5))
+    fig = Figure(figsize=(9, 5))
+    ax = fig.subplots()
     for stage in STAGES:
         values = report.stage_samples.get(stage)
         if not values:
@@ -67,7 +65,8 @@ def hol_event_durations_ms(report: Report) -> list[float]:
 
 def hol_histogram_figure(report: Report) -> Figure:
     """Histogram of HOL event durations; says so plainly when there are none."""
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     durations = hol_event_durations_ms(report)
     if durations:
         ax.hist(durations, bins=min(60, max(5, len(durations) // 5)), color="#de2d26", alpha=0.8)
@@ -87,7 +86,8 @@ def queue_timeline_figure(report: Report, queue_index: int = 0) -> Figure:
     tasks = [t for t in timeline["tasks"] if t["queue"] == queue_index]
     rows = min(len(tasks), 400)
     tasks = tasks[:rows]
-    fig, ax = plt.subplots(figsize=(12, max(3.0, min(12.0, 0.05 * rows + 2))))
+    fig = Figure(figsize=(12, max(3.0, min(12.0, 0.05 * rows + 2))))
+    ax = fig.subplots()
     if not tasks:
         ax.text(0.5, 0.5, "no tasks", ha="center", va="center", transform=ax.transAxes)
         return fig
@@ -131,7 +131,6 @@ def report_figures(report: Report) -> dict[str, Figure]:
 def figure_png(fig: Figure, dpi: int = 110) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=dpi)
-    plt.close(fig)
     return buffer.getvalue()
 
 
