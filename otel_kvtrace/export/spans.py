@@ -114,13 +114,11 @@ _PRECISION_BOUNDED = _str_attr_text("kvtrace.ready_precision", "bounded")
 _FINAL_TEXT = (_bool_attr_text("kvtrace.final_layer", False), _bool_attr_text("kvtrace.final_layer", True))
 _THREAD_FORWARD = _str_attr_text("kvtrace.thread", "forward")
 # Child span: f'{head}{span_id}{_CHILD_NAME}{name}{_TIMES}{start}{_END_TIME}{end}{_ATTRS}{attrs}{_CLOSE}';
-# a span without attributes has no "attributes" key (as the Collector writes it): ...{end}{_CLOSE_NO_ATTRS}
 _CHILD_NAME = '","name":"'
 _TIMES = '","kind":1,"startTimeUnixNano":"'
 _END_TIME = '","endTimeUnixNano":"'
 _ATTRS = '","attributes":['
 _CLOSE = '],"status":{}}'
-_CLOSE_NO_ATTRS = '","status":{}}'
 _SPAN_NAMES = tuple(STAGE_SPAN_NAMES)
 
 
@@ -242,7 +240,8 @@ class _QueueConstants:
     """Per-queue text, computed once per ``QueueInfo`` object."""
 
     queue: QueueInfo
-    text: str  # the path and queue attributes
+    text: str  # the path and queue attributes (root)
+    child_text: tuple[str, str]  # per task kind: kvtrace.path + kvtrace.task, on every child span
 
 
 class SpanBuilder:
@@ -256,15 +255,20 @@ class SpanBuilder:
         self._offset = anchor.epoch_ns - anchor.clock_ns  # epoch = stamp + offset
         self._queues: dict[int, _QueueConstants] = {}
 
-    def _queue_text(self, queue: QueueInfo) -> str:
+    def _queue_constants(self, queue: QueueInfo) -> _QueueConstants:
         cached = self._queues.get(id(queue))
         if cached is None or cached.queue is not queue:
             if len(self._queues) > 4096:  # queues are few; guard against a caller minting one per task
                 self._queues.clear()
-            text = f"{_str_attr_text('kvtrace.path', queue.path)},{_str_attr_text('kvtrace.queue', queue.queue_id)}"
-            cached = _QueueConstants(queue, text)
+            path = _str_attr_text("kvtrace.path", queue.path)
+            text = f"{path},{_str_attr_text('kvtrace.queue', queue.queue_id)}"
+            child = tuple(f"{path},{_str_attr_text('kvtrace.task', kind)}" for kind in ("recv", "send"))
+            cached = _QueueConstants(queue, text, child)  # type: ignore[arg-type]
             self._queues[id(queue)] = cached
-        return cached.text
+        return cached
+
+    def _queue_text(self, queue: QueueInfo) -> str:
+        return self._queue_constants(queue).text
 
     def build(self, record: TaskRecord) -> list[JsonSpan]:
         """The spans of one task record as OTLP/JSON dicts (root first), per ``docs/schema.md``."""
@@ -284,6 +288,8 @@ class SpanBuilder:
         trace_id, root_id_bytes = trace_ids_for(corr)
         root_id = root_id_bytes.hex()
         child_ids = child_span_ids(corr)
+        # Every child carries its task's path and kind, so span metrics can split by them.
+        child_attrs = self._queue_constants(queue).child_text[1 if record.kind == _KIND_SEND else 0]
         head = f'{{"traceId":"{trace_id.hex()}","spanId":"'
         child_parent = f'","parentSpanId":"{root_id}'
 
@@ -321,7 +327,7 @@ class SpanBuilder:
             parts.append(
                 f"{head}{child_ids[_QUEUE_WAIT_IDX]}{child_parent}{_CHILD_NAME}{QUEUE_WAIT_SPAN}"
                 f"{_TIMES}{t_enq + offset}{_END_TIME}{end + offset}"
-                f"{_ATTRS}{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END}{_CLOSE}"
+                f"{_ATTRS}{child_attrs},{_K_QDEPTH}{record.queue_depth_at_enqueue}{_INT_END}{_CLOSE}"
             )
         for stage in range(_NUM_STAGES):
             n = calls[stage]
@@ -352,9 +358,10 @@ class SpanBuilder:
             if stage == _META_BUILD or n > 1:
                 calls_text = f"{_K_CALLS}{n}{_INT_END}"
                 attrs = f"{attrs},{calls_text}" if attrs else calls_text
+            attrs = f"{child_attrs},{attrs}" if attrs else child_attrs
             text = (
                 f"{head}{child_ids[stage + 1]}{child_parent}{_CHILD_NAME}{_SPAN_NAMES[stage]}{_TIMES}{start + offset}"
-                f"{_END_TIME}{end + offset}{f'{_ATTRS}{attrs}{_CLOSE}' if attrs else _CLOSE_NO_ATTRS}"
+                f"{_END_TIME}{end + offset}{_ATTRS}{attrs}{_CLOSE}"
             )
             if links:
                 text = f"{text[:-1]}{links}}}"
@@ -367,7 +374,7 @@ class SpanBuilder:
                 hi = end
             parts.append(
                 f"{head}{child_ids[_COMPLETION_IDX]}{child_parent}{_CHILD_NAME}{COMPLETION_SPAN}"
-                f"{_TIMES}{t_ret + offset}{_END_TIME}{end + offset}{_CLOSE_NO_ATTRS}"
+                f"{_TIMES}{t_ret + offset}{_END_TIME}{end + offset}{_ATTRS}{child_attrs}{_CLOSE}"
             )
 
         # -- root span: enqueue (or the earliest child) -> the latest child end or completion -------

@@ -148,18 +148,19 @@ def test_no_dependencies_ready_is_enqueue(make_record: Callable[..., TaskRecord]
 def test_child_attributes_and_derived_spans(make_record: Callable[..., TaskRecord]) -> None:
     rec = make_record(save_cpu_calls=3)
     spans = _by_name(build_task_spans(rec, ANCHOR))
-    assert _attrs(spans["queue_wait"]) == {"kvtrace.queue_depth_at_enqueue": 2}
+    TASK = {"kvtrace.path": "gva", "kvtrace.task": "recv"}  # on every child span
+    assert _attrs(spans["queue_wait"]) == {**TASK, "kvtrace.queue_depth_at_enqueue": 2}
     assert _t(spans["queue_wait"]) == (EPOCH + rec.t_enqueue, EPOCH + rec.t_dequeue)
-    assert "attributes" not in spans["completion"]  # omitted when empty, as the Collector writes it
     assert _t(spans["completion"]) == (EPOCH + rec.t_backend_return, EPOCH + rec.t_complete)
-    assert _attrs(spans["save_cpu_wait"]) == {"kvtrace.src_layer": 3, "kvtrace.calls": 3}
-    assert _attrs(spans["save_npu_sync"]) == {"kvtrace.src_layer": 3}
-    assert _attrs(spans["gate_cond_wait"]) == {"kvtrace.gate_id": 4}
-    assert _attrs(spans["gate_npu_sync"]) == {"kvtrace.gate_id": 4}
-    assert _attrs(spans["meta_build"]) == {"kvtrace.calls": 2}
-    assert _attrs(spans["backend_submit"]) == {"kvtrace.bytes": 1 << 20, "kvtrace.result": 0}
-    assert _attrs(spans["consumer_wait"]) == {"kvtrace.thread": "forward"}
-    assert _attrs(spans["h2d_stagger"]) == {}
+    assert _attrs(spans["save_cpu_wait"]) == {**TASK, "kvtrace.src_layer": 3, "kvtrace.calls": 3}
+    assert _attrs(spans["save_npu_sync"]) == {**TASK, "kvtrace.src_layer": 3}
+    assert _attrs(spans["gate_cond_wait"]) == {**TASK, "kvtrace.gate_id": 4}
+    assert _attrs(spans["gate_npu_sync"]) == {**TASK, "kvtrace.gate_id": 4}
+    assert _attrs(spans["meta_build"]) == {**TASK, "kvtrace.calls": 2}
+    assert _attrs(spans["backend_submit"]) == {**TASK, "kvtrace.bytes": 1 << 20, "kvtrace.result": 0}
+    assert _attrs(spans["consumer_wait"]) == {**TASK, "kvtrace.thread": "forward"}
+    assert _attrs(spans["h2d_stagger"]) == TASK
+    assert _attrs(spans["completion"]) == TASK
 
 
 def test_repeated_stage_is_one_span_first_start_to_last_end(make_record: Callable[..., TaskRecord]) -> None:
