@@ -31,6 +31,8 @@ class Timing:
     meta_build_us: float = 20.0
     h2d_stagger_us: float = 0.0
     slot_release_us: float = 0.0
+    """A sibling connector frees each layer's external slot this long after the step starts; with a value
+    (or slow slot-release layers) ``main`` GVA gets an ``external_slot_release_waiter`` that blocks until then."""
     blocks_per_request: int = 8
     independent_load_fraction: float = 1.0
     """With buffer reuse, reused layers reload a request's whole cached prefix while independent layers load
@@ -48,6 +50,7 @@ class SlowInjection:
     slow_save_us: float = 0.0
     slow_slot_release_layers: tuple[int, ...] = ()
     slow_slot_release_us: float = 0.0
+    """The slot of these layers is freed this much later (absolute: measured from the step start)."""
     late_gate_layers: tuple[int, ...] = ()
     late_gate_us: float = 0.0
     fail_copy_at: tuple[int, int] | None = None

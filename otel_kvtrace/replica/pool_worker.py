@@ -73,6 +73,7 @@ class KVPoolWorker:
         self.kv_recv_thread: KVTransferThread | None = None
         self.kv_send_thread: KVTransferThread | None = None
         self._step = -1
+        self._step_start_ns = 0
         self.keep_log = keep_log
         """Keep ``enqueue_log`` / ``gates_by_layer`` (they grow with the run: off for long runs)."""
         self.enqueue_log: list[EnqueueLogEntry] = []
@@ -132,16 +133,16 @@ class KVPoolWorker:
         return ok
 
     def _slot_release(self, layer_id: int) -> None:
-        """External slot release waiter (a sibling connector's send of the same slot)."""
-        cost = self.plan.slot_release[self._step * self.num_layers + layer_id]
-        if cost:
-            clock = self.npu.clock
-            clock.sleep_until(clock.now_ns() + cost)
+        """External slot release waiter: blocks until a sibling connector has freed the layer's slot,
+        ``plan.slot_release`` after the step started (an absolute time, whoever asks)."""
+        release_at = self._step_start_ns + self.plan.slot_release[self._step * self.num_layers + layer_id]
+        self.npu.clock.sleep_until(release_at)
 
     # -- per step ------------------------------------------------------------------------------------
     def start_load_kv(self, requests: list[PlannedRequest]) -> None:
         """Step entry (research §2.3): reset the window, fresh task lists, new gate, build the tasks."""
         self._step += 1
+        self._step_start_ns = self.npu.clock.now_ns()
         self.current_layer = 0
         self.next_layer_to_submit = 0
         if self.cfg.behaviour == "main":

@@ -49,6 +49,7 @@ class Simulation:
         self.error: str | None = None
         self.copies: list[tuple[int, int, int, int]] = []
         self.lease_release: dict[int, int] = {}
+        self.step_start = [0] * cfg.steps
         path = cfg.path
         self.rq = QueueInfo(run_id, path, RECV_THREAD_NAMES[path], pid, tp=cfg.tp_rank, num_layers=cfg.num_layers)
         self.sq = QueueInfo(run_id, path, SEND_THREAD_NAMES[path], pid, tp=cfg.tp_rank, num_layers=cfg.num_layers)
@@ -112,6 +113,7 @@ class Simulation:
         tail = 0  # compute stream: device time when launched work finishes
         for step in range(cfg.steps):
             step_start = now
+            self.step_start[step] = now
             consumer_wait = 0
             has = plan.has_transfer(step)  # saves happen whenever the step has requests
             tasks = self.transfer_tasks[step]
@@ -141,7 +143,9 @@ class Simulation:
                     consumer_wait += now - t0
                     by_index[i].stages.extend((consumer, t0, now))  # type: ignore[union-attr]
                 elif release_on_forward:
-                    now += slot_release[i]
+                    release_at = step_start + slot_release[i]
+                    if release_at > now:
+                        now = release_at
                 # attention: the gate's NPU event is recorded at attention start (first record wins)
                 now += late_gate[i]
                 point = tail if tail > now else now
@@ -189,6 +193,7 @@ class Simulation:
         items = self.recv_items
         gate_npu, save_npu = self.gate_npu, self.save_npu
         meta, stagger, slot_release, load_copy = plan.meta_build, plan.stagger, plan.slot_release, plan.load_copy
+        step_start = self.step_start
         lease_ns = plan.lease_release_ns
         s_cpu, s_npu = Stage.SAVE_CPU_WAIT, Stage.SAVE_NPU_SYNC
         g_cond, g_npu = Stage.GATE_COND_WAIT, Stage.GATE_NPU_SYNC
@@ -234,10 +239,12 @@ class Simulation:
                     deps[2] = deps[3] = sn
                     rec.has_dep |= 1 << Dep.SAVE_NPU
             if not has:
-                if waiter:
-                    end = now + slot_release[i]
+                if waiter:  # blocks until the sibling connector frees the slot (absolute time)
+                    release_at = step_start[step] + slot_release[i]
+                    end = release_at if release_at > now else now
                     stages.extend((s_slot, now, end))
-                    deps[8] = deps[9] = now = end
+                    now = end
+                    deps[8] = deps[9] = release_at
                     rec.has_dep |= 1 << Dep.SLOT_RELEASE
                 rec.outcome = Outcome.EMPTY
                 rec.t_complete = now
@@ -273,10 +280,12 @@ class Simulation:
             else:
                 stages.extend((s_stag, now, now + stagger[i]))  # recorded also as a no-op, like the instrumentation
                 now += stagger[i]
-                if waiter:
-                    end = now + slot_release[i]
+                if waiter:  # blocks until the sibling connector frees the slot (absolute time)
+                    release_at = step_start[step] + slot_release[i]
+                    end = release_at if release_at > now else now
                     stages.extend((s_slot, now, end))
-                    deps[8] = deps[9] = now = end
+                    now = end
+                    deps[8] = deps[9] = release_at
                     rec.has_dep |= 1 << Dep.SLOT_RELEASE
             t0 = now
             if tail > now:

@@ -263,3 +263,19 @@ def test_late_gate_shows_as_condition_wait_of_the_gated_task() -> None:
     assert _stage(baseline, Stage.GATE_COND_WAIT) is None
     # the forward recorded G1 exactly 2 ms later than without the injection
     assert gated[0].dep_hi(Dep.GATE_RECORD) - baseline.dep_hi(Dep.GATE_RECORD) == 2_000_000
+
+
+def test_slow_slot_release_is_an_absolute_time_and_leaves_later_tasks_ready() -> None:
+    cfg = ReplicaConfig(num_layers=8, num_shared_buffers=2, prefetch_layers=4, steps=2,
+                        slow=SlowInjection(slow_slot_release_layers=(3,), slow_slot_release_us=3000))
+    res = simulate(cfg)
+    for outcome in res.steps:
+        by_layer = {r.layer_id: r for r in res.recv if r.step == outcome.step}
+        head, behind = by_layer[3], by_layer[4]
+        release_at = outcome.start_ns + 3_000_000
+        assert head.dep_hi(Dep.SLOT_RELEASE) == release_at  # producer-side time, known before the call
+        wait = _stage(head, Stage.SLOT_RELEASE_WAIT)
+        assert wait is not None and wait[1] == release_at > wait[0]
+        # T4's slot was free at the step start, its save and gate too before T3's slot: ready behind the head
+        assert behind.dep_hi(Dep.SLOT_RELEASE) == outcome.start_ns
+        assert ready_time(behind) < wait[1] <= behind.t_dequeue
