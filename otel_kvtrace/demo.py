@@ -31,8 +31,19 @@ PRESETS: dict[str, ReplicaConfig] = {
         behaviour="main", path="gva", num_layers=8, num_shared_buffers=2, prefetch_layers=4,
         independent_layers=(0,), requests_per_step=2, steps=150,
     ),
+    "buckets": ReplicaConfig(
+        behaviour="main", path="gva", num_layers=12, num_shared_buffers=2, prefetch_layers=4,
+        bucket_pattern="aab", requests_per_step=2, steps=100,
+        slow=SlowInjection(slow_save_layers=(4,), slow_save_us=3000.0),
+    ),
+    "slow-slot": ReplicaConfig(
+        behaviour="main", path="gva", num_layers=8, num_shared_buffers=2, prefetch_layers=4,
+        requests_per_step=2, steps=150,
+        slow=SlowInjection(slow_slot_release_layers=(3,), slow_slot_release_us=3000.0),
+    ),
 }
-PRESET_CHOICES = ("both", *PRESETS)
+DEFAULT_PAIR = ("hol", "fifo-optimal")
+PRESET_CHOICES = ("both", "all", *PRESETS)
 STAGE_ORDER = (
     "queue_wait", "save_cpu_wait", "save_npu_sync", "gate_cond_wait", "gate_npu_sync", "meta_build",
     "h2d_stagger", "slot_release_wait", "backend_submit", "completion", "consumer_wait",
@@ -84,7 +95,7 @@ def scenario_configs(
     """The preset's scenarios with the given overrides applied (and validated) to each."""
     if preset not in PRESET_CHOICES:
         raise ReplicaConfigError(f"preset: must be one of {PRESET_CHOICES}, got {preset!r}")
-    names = list(PRESETS) if preset == "both" else [preset]
+    names = list(DEFAULT_PAIR) if preset == "both" else list(PRESETS) if preset == "all" else [preset]
     out = []
     for name in names:
         cfg = PRESETS[name]
@@ -95,9 +106,13 @@ def scenario_configs(
             changes["path"] = path
         if layers is not None:
             changes["num_layers"] = layers
-            # slow/late injections name layers: keep only those that still exist
+            # slow injections name layers: keep only those that still exist
             slow = cfg.slow
-            changes["slow"] = replace(slow, slow_save_layers=tuple(x for x in slow.slow_save_layers if x < layers))
+            changes["slow"] = replace(
+                slow,
+                slow_save_layers=tuple(x for x in slow.slow_save_layers if x < layers),
+                slow_slot_release_layers=tuple(x for x in slow.slow_slot_release_layers if x < layers),
+            )
         if buffers is not None:
             changes["num_shared_buffers"] = buffers
         if prefetch is not None:
@@ -266,7 +281,7 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 
 @click.command("demo")
 @click.option("--preset", type=click.Choice(PRESET_CHOICES), default="both", show_default=True,
-              help="Scenarios to run: hol (HOL events), fifo-optimal (uniform layout) or both.")
+              help="Scenarios: hol, fifo-optimal, both (those two), buckets, slow-slot, or all.")
 @click.option("--layers", type=int, help="Number of layers N.")
 @click.option("--buffers", type=int, help="layerwise_num_shared_buffers B.")
 @click.option("--prefetch", type=int, help="layerwise_prefetch_layers P.")
@@ -290,8 +305,10 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     hol: main, N=8, B=2, P=4, independent layers 0,4 and a 3 ms slow save on layer 1, so the
     independent task of layer 4 sits ready behind layer 3, which waits for save(1).
     fifo-optimal: the same pipeline with the uniform layout (independent layer 0), where FIFO is
-    already readiness-optimal. Overrides apply to every scenario of the preset. The summary shows
-    per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
+    already readiness-optimal. buckets: two cache-spec buckets (kinds "aab") with a slow save on layer
+    4, so a task of the other bucket is ready behind the head. slow-slot: the uniform layout with the
+    external slot of layer 3 freed 3 ms into each step. Overrides apply to every scenario of the preset.
+    The summary shows per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
 
     \b
     Example:

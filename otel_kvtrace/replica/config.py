@@ -129,6 +129,15 @@ class ReplicaConfig:
             text += f" buckets={self.bucket_pattern}"
         if not self.buffer_reuse:
             text += " reuse=off"
+        if self.requests_per_step != 1:
+            text += f" req={self.requests_per_step}"
+        if self.timing.independent_load_fraction != 1:
+            text += f" indep_load={self.timing.independent_load_fraction:g}"
+        s = self.slow
+        for name, layers in (("slow_save", s.slow_save_layers), ("slow_slot", s.slow_slot_release_layers),
+                             ("late_gate", s.late_gate_layers)):
+            if layers:
+                text += f" {name}={','.join(str(x) for x in layers)}"
         return text
 
     def resource_attributes(self) -> dict[str, object]:

@@ -64,3 +64,6 @@ def test_label_and_resource_attributes() -> None:
     assert attrs["kvtrace.cfg.buffer_reuse"] is True
     assert attrs["vllm_ascend.version"] == "replica-main"
     assert ReplicaConfig(behaviour="v0.23").resource_attributes()["kvtrace.cfg.buffer_reuse"] is False
+    # scenarios that differ only in load or injected delays get different labels (reports group by label)
+    stressed = cfg.with_(requests_per_step=2, slow=SlowInjection(slow_save_layers=(1,), slow_slot_release_layers=(3,)))
+    assert stressed.label == "main gva N=8 B=2 P=4 indep=0,4 req=2 slow_save=1 slow_slot=3"

@@ -108,3 +108,12 @@ def test_behaviour_and_path_overrides(tmp_path) -> None:
     assert resource["kvtrace.cfg.label"].startswith("main key")
     assert {next(a["value"]["stringValue"] for a in r["attributes"] if a["key"] == "kvtrace.path")
             for r in roots} == {"key"}
+
+
+def test_preset_all_runs_every_scenario(tmp_path) -> None:
+    result = run_demo("all", steps=2, out=tmp_path)
+    assert [s.name for s in result.scenarios] == ["hol", "fifo-optimal", "buckets", "slow-slot"]
+    labels = {s.name: s.config.label for s in result.scenarios}
+    assert "buckets=aab" in labels["buckets"] and "slow_slot=3" in labels["slow-slot"]
+    assert len(set(labels.values())) == 4  # each scenario is its own group in the report
+    assert all(len(s.trace_files) == 1 and s.recv_tasks > 0 for s in result.scenarios)
