@@ -39,7 +39,7 @@ PRESETS: dict[str, ReplicaConfig] = {
     "slow-slot": ReplicaConfig(
         behaviour="main", path="gva", num_layers=8, num_shared_buffers=2, prefetch_layers=4,
         requests_per_step=2, steps=150,
-        slow=SlowInjection(slow_slot_release_layers=(3,), slow_slot_release_us=3000.0),
+        slow=SlowInjection(slow_slot_release_layers=(3,), slow_slot_release_us=6000.0),
     ),
 }
 DEFAULT_PAIR = ("hol", "fifo-optimal")
@@ -307,7 +307,7 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     fifo-optimal: the same pipeline with the uniform layout (independent layer 0), where FIFO is
     already readiness-optimal. buckets: two cache-spec buckets (kinds "aab") with a slow save on layer
     4, so a task of the other bucket is ready behind the head. slow-slot: the uniform layout with the
-    external slot of layer 3 freed 3 ms into each step. Overrides apply to every scenario of the preset.
+    external slot of layer 3 freed 6 ms into each step. Overrides apply to every scenario of the preset.
     The summary shows per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
 
     \b

@@ -117,3 +117,21 @@ def test_preset_all_runs_every_scenario(tmp_path) -> None:
     assert "buckets=aab" in labels["buckets"] and "slow_slot=3" in labels["slow-slot"]
     assert len(set(labels.values())) == 4  # each scenario is its own group in the report
     assert all(len(s.trace_files) == 1 and s.recv_tasks > 0 for s in result.scenarios)
+
+
+def test_every_hol_preset_has_a_ready_task_behind_a_waiting_head_on_the_virtual_clock() -> None:
+    """The presets are tuned so their HOL source really shows (checked deterministically)."""
+    from otel_kvtrace.demo import PRESETS
+    from otel_kvtrace.record.model import Stage, stage_triples
+    from otel_kvtrace.replica.simulate import ready_time, simulate
+
+    waits = (Stage.SAVE_CPU_WAIT, Stage.SAVE_NPU_SYNC, Stage.SLOT_RELEASE_WAIT)
+    for name, expected in (("hol", True), ("buckets", True), ("slow-slot", True), ("fifo-optimal", False)):
+        res = simulate(PRESETS[name].with_(steps=2))
+        found = False
+        for i, head in enumerate(res.recv):
+            for stage, a, b in stage_triples(head.stages):
+                if stage in waits and b > a:
+                    found |= any(ready_time(j) < b for j in res.recv[i + 1:]
+                                 if j.step == head.step and not j.final_layer)
+        assert found is expected, name
