@@ -1,6 +1,9 @@
-"""The virtual engine's actors: forward, recv and send threads as generators (see ``events.py``).
+"""The virtual engine's actors: the forward and recv threads as generators (see ``events.py``).
 
-They follow the same rules as the threaded replica (``layout.py`` for submissions, the research notes
+The send thread needs no actor: it waits only on its FIFO and on the save point of the layer it saves,
+both known when the forward enqueues the save, so the forward computes the save task's timeline on the
+spot (start, its own ``build_addrs``, NPU sync, D2H copy, ``save_finished`` set) and fires the save signal
+with that future time. They follow the same rules as the threaded replica (``layout.py`` for submissions, the research notes
 for each thread's order of waits) and fill ``TaskRecord``s the way the instrumentation fills them on
 real threads. Device work uses the fake NPU's stream arithmetic inline: a kernel starts at
 ``max(now, stream tail)``; an event recorded now completes at the tail.
@@ -31,7 +34,7 @@ _NO_DEPS = [NO_TIME] * (2 * len(Dep))
 
 class Simulation:
     """One run. Signals (indices into the loop's ``times``): load done, save done, gate recorded, one per
-    (step, layer) each; then one per recv queue slot and one per send queue slot."""
+    (step, layer) each; then one per recv queue slot."""
 
     def __init__(self, cfg: ReplicaConfig, plan: WorkPlan, run_id: str, pid: int) -> None:
         self.cfg = cfg
@@ -39,7 +42,7 @@ class Simulation:
         self.layout = build_layout(cfg)
         total = cfg.steps * cfg.num_layers
         self.total = total
-        self.loop = EventLoop(5 * total + 2)  # queue slot ranges hold one extra (the never-filled next slot)
+        self.loop = EventLoop(4 * total + 1)  # the recv queue's slots hold one extra (the never-filled next)
         self.gate_npu = [0] * total
         self.save_npu = [0] * total
         self.recv_items: list[TaskRecord] = []
@@ -75,7 +78,6 @@ class Simulation:
         loop = self.loop
         loop.start(Actor("forward", self._forward()))
         loop.start(Actor("recv", self._recv()))
-        loop.start(Actor("send", self._send()))
         loop.run()
         if self.error is None and len(self.steps) < self.cfg.steps:  # cannot happen unless a rule is broken
             waiting = sorted(loop.waiters)
@@ -95,7 +97,7 @@ class Simulation:
         fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = cfg.num_layers
         total = self.total
-        save_sig, gate_sig, rq_sig, sq_sig = total, 2 * total, 3 * total, 4 * total + 1
+        save_sig, gate_sig, rq_sig = total, 2 * total, 3 * total
         main = cfg.behaviour == "main"
         layout = self.layout
         waits = {
@@ -108,6 +110,10 @@ class Simulation:
         attention, compute, host = plan.attention, plan.compute, plan.host_launch
         late_gate, slot_release = plan.late_gate, plan.slot_release
         recv_kind, send_kind, consumer = TaskKind.RECV, TaskKind.SEND, Stage.CONSUMER_WAIT
+        meta, save_copy, blocks = plan.meta_build, plan.save_copy, plan.blocks
+        s_npu, s_back = Stage.SAVE_NPU_SYNC, Stage.BACKEND_SUBMIT
+        send_now = 0  # the send thread's clock
+        d2h_tail = 0  # its copy stream
         last = n - 1
         now = 0
         tail = 0  # compute stream: device time when launched work finishes
@@ -158,13 +164,29 @@ class Simulation:
                 # save_kv_layer(c): record the save event after attention, hand the save over
                 save_npu[i] = tail
                 if has:
+                    # The send thread waits only on its FIFO and on this save point, both known now, so its
+                    # timeline is computed at enqueue: start, own build_addrs, NPU sync, D2H copy, set.
                     srec = TaskRecord(sq, send_kind, len(send_items), step, c, False, None, None,
                                       0, 0, now, deps=_NO_DEPS[:])
                     send_items.append(srec)
-                    sig = sq_sig + len(send_items) - 1
-                    times[sig] = now  # fire: only a parked waiter needs the heap
+                    st = send_now if send_now > now else now
+                    srec.t_dequeue = st
+                    st += meta[i]
+                    t0 = st
+                    if tail > st:
+                        st = tail
+                    srec.stages.extend((s_npu, t0, st))  # like the instrumentation: a stage, no dependency
+                    t0 = st
+                    if d2h_tail > st:
+                        st = d2h_tail
+                    st = d2h_tail = send_now = st + save_copy[i]
+                    srec.stages.extend((s_back, t0, st))
+                    srec.t_backend_return = srec.t_complete = st
+                    srec.nbytes = blocks[step] * BLOCK_BYTES
+                    sig = save_sig + i
+                    times[sig] = st  # fire: only a parked waiter needs the heap
                     if sig in waiters:
-                        fire(sig, now)
+                        fire(sig, st)
                 else:
                     sig = save_sig + i
                     times[sig] = now  # fire: only a parked waiter needs the heap
@@ -308,47 +330,6 @@ class Simulation:
                 self.lease_release[step] = now
             rec.t_complete = now
             sig = i
-            times[sig] = now  # fire: only a parked waiter needs the heap
-            if sig in waiters:
-                fire(sig, now)
-
-    # -- send thread ---------------------------------------------------------------------------------
-    def _send(self) -> Generator[int, int, None]:
-        plan, loop = self.plan, self.loop
-        fire, times, waiters = loop.fire, loop.times, loop.waiters
-        n = self.cfg.num_layers
-        total = self.total
-        save_sig, sq_sig = total, 4 * total + 1
-        items = self.send_items
-        save_npu, save_copy, blocks, meta = self.save_npu, plan.save_copy, plan.blocks, plan.meta_build
-        s_npu, s_back = Stage.SAVE_NPU_SYNC, Stage.BACKEND_SUBMIT
-        now = 0
-        tail = 0  # d2h stream
-        k = 0
-        while True:
-            t = times[sq_sig + k]  # already fired: no round trip through the loop
-            if t < 0:
-                t = yield sq_sig + k
-            rec = items[k]
-            k += 1
-            if t > now:
-                now = t
-            rec.t_dequeue = now
-            i = rec.step * n + rec.layer_id
-            now += meta[i]  # the send thread's own build_addrs (not a traced stage)
-            sn = save_npu[i]
-            t0 = now
-            if sn > now:
-                now = sn
-            rec.stages.extend((s_npu, t0, now))  # like the instrumentation: a stage, no dependency record
-            t0 = now
-            if tail > now:
-                now = tail
-            now = tail = now + save_copy[i]
-            rec.stages.extend((s_back, t0, now))
-            rec.t_backend_return = rec.t_complete = now
-            rec.nbytes = blocks[rec.step] * BLOCK_BYTES
-            sig = save_sig + i
             times[sig] = now  # fire: only a parked waiter needs the heap
             if sig in waiters:
                 fire(sig, now)
