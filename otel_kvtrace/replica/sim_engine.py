@@ -3,9 +3,11 @@
 The send thread needs no actor: it waits only on its FIFO and on the save point of the layer it saves,
 both known when the forward enqueues the save, so the forward computes the save task's timeline on the
 spot (start, its own ``build_addrs``, NPU sync, D2H copy, ``save_finished`` set) and fires the save signal
-with that future time. They follow the same rules as the threaded replica (``layout.py`` for submissions, the research notes
-for each thread's order of waits) and fill ``TaskRecord``s the way the instrumentation fills them on
-real threads. Device work uses the fake NPU's stream arithmetic inline: a kernel starts at
+with that future time.
+
+The actors follow the same rules as the threaded replica (``layout.py`` for submissions, the research
+notes for each thread's order of waits) and fill ``TaskRecord``s the way the instrumentation fills them
+on real threads. Device work uses the fake NPU's stream arithmetic inline: a kernel starts at
 ``max(now, stream tail)``; an event recorded now completes at the tail.
 
 The actor loops are the simulator's hot path: they use ``if t > now: now = t`` rather than ``max()``,
