@@ -1,9 +1,9 @@
 """Virtual-clock engine: the layerwise load/save pipeline as a small discrete-event simulation.
 
 Two actors (forward and recv, ``sim_engine.py``; the send thread is computed inline) are generators that
-run until they wait on a signal whose time is not known yet (a load event, a save event, a gate record, a queue item). When a signal
-fires, the waiting actor's resume is pushed on one heap ordered by the single key ``(time, seq)``
-(``events.py``). A wait on a signal that already fired costs no event: the actor just takes
+run until they wait on a signal whose time is not known yet (a load event, a save event, a gate record,
+a queue item). When a signal fires, the waiting actor's resume is pushed on one heap ordered by the
+single key ``(time, seq)`` (``events.py``). A wait on a signal that already fired costs no event: the actor just takes
 ``max(now, fired_time)``. Device times follow the fake NPU's stream arithmetic, so they are exact.
 
 Output: one ``TaskRecord`` per recv task and per save task, filled as the instrumentation fills them on
