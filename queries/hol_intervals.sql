@@ -5,8 +5,7 @@
 --   the same queue could legally have been served: head-of-line blocking, with the task that proves it.
 -- definition:
 --   For each task h, each of its dependency-wait spans (save_cpu_wait, save_npu_sync, gate_cond_wait,
---   gate_npu_sync, slot_release_wait) is a wait window; overlapping or touching windows of one head are
---   merged (W_h may be several disjoint windows). A later task j of the same queue (seq_j > seq_h) is
+--   gate_npu_sync, slot_release_wait) is a wait window W (W_h may be several disjoint windows). A later task j of the same queue (seq_j > seq_h) is
 --   bypass-ready at time t when ts_enqueue_j <= t, ts_ready_j <= t and j is not the step's final-layer
 --   task (it releases every layer's leases, so it may never go first). h is blocked at t only while its
 --   own dependencies are unmet (t < ts_ready_h): a wait span that runs past ts_ready_h (the wait call's
@@ -19,7 +18,10 @@
 --   h surely is not (t < its lower bound ts_ready_lo_h); class `possible` is the rest of the instants
 --   where j may be ready (ts_ready_lo_j <= t) and h may not (t < ts_ready_h). Exact tasks have
 --   ts_ready_lo NULL and use ts_ready for both bounds. A waiting head with nothing ready behind it has
---   no row. (design.md section 4 does not clip at ts_ready_h; see docs/analysis.md for why we do.)
+--   no row. Each window is clipped to those intervals, then the pieces of one head and class are merged
+--   (gaps and islands), so a row is a maximal interval: overlapping or touching windows never produce
+--   overlapping or touching rows. (design.md section 4 does not clip at ts_ready_h; docs/analysis.md
+--   says why we do.)
 -- columns:
 --   queue                    VARCHAR  the recv FIFO (tasks.queue)
 --   cfg_label                VARCHAR  configuration label of the head's process
@@ -33,8 +35,8 @@
 --   start_ns                 BIGINT   interval start, epoch ns
 --   end_ns                   BIGINT   interval end (exclusive), epoch ns
 --   dur_ns                   BIGINT   end_ns - start_ns
---   wait_start_ns            BIGINT   start of the merged wait window W the interval lies in
---   wait_end_ns              BIGINT   end of that window
+--   wait_start_ns            BIGINT   start of the first wait span the interval lies in
+--   wait_end_ns              BIGINT   end of the last wait span the interval lies in
 --   evidence_correlation_id  VARCHAR  the earliest bypass-ready later task j
 --   evidence_seq             BIGINT   seq of j
 --   evidence_ready_ns        BIGINT   max(ts_enqueue_j, ts_ready_j) (ts_ready_lo_j for class possible)
@@ -71,42 +73,44 @@ waits AS (
     WHERE name IN ('save_cpu_wait', 'save_npu_sync', 'gate_cond_wait', 'gate_npu_sync', 'slot_release_wait')
       AND end_ns > start_ns
 ),
-marked AS (
-    -- Gaps and islands: a window starts a new island unless it begins at or before an earlier one's end.
-    SELECT trace_id, ws, we,
-           CASE WHEN ws <= max(we) OVER (PARTITION BY trace_id ORDER BY ws, we
-                                        ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-                THEN 0 ELSE 1 END AS new_island
-    FROM waits
-),
-islands AS (
-    SELECT trace_id, ws, we,
-           sum(new_island) OVER (PARTITION BY trace_id ORDER BY ws, we ROWS UNBOUNDED PRECEDING) AS island
-    FROM marked
-),
-windows AS (
-    SELECT trace_id, min(ws) AS ws, max(we) AS we FROM islands GROUP BY trace_id, island
-),
 candidates AS (
-    -- proven: [p1, p2); proven or possible: [a1, a2); possible = [a1, a2) minus [p1, p2).
+    -- Per window: proven part [p1, p2); proven-or-possible part [a1, a2).
     SELECT h.*, w.ws, w.we,
            greatest(w.ws, h.ev_hi.ready) AS p1, least(w.we, h.own_lo) AS p2,
            greatest(w.ws, h.ev_lo.ready) AS a1, least(w.we, h.own_hi) AS a2
-    FROM heads AS h JOIN windows AS w USING (trace_id)
+    FROM heads AS h JOIN waits AS w USING (trace_id)
 ),
-classified AS (
-    SELECT *, 'proven' AS class, p1 AS start_ns, p2 AS end_ns, ev_hi AS ev
-    FROM candidates WHERE p1 < p2
-    UNION ALL  -- possible, when nothing is proven in this window
-    SELECT *, 'possible', a1, a2, ev_lo FROM candidates WHERE a1 < a2 AND NOT p1 < p2
-    UNION ALL  -- possible, before the proven part
-    SELECT *, 'possible', a1, p1, ev_lo FROM candidates WHERE p1 < p2 AND a1 < p1
-    UNION ALL  -- possible, after the proven part
-    SELECT *, 'possible', p2, a2, ev_lo FROM candidates WHERE p1 < p2 AND p2 < a2
+pieces AS (
+    -- possible = [a1, a2) minus the head's proven set [ev_hi.ready, own_lo), which splits it in up to two.
+    SELECT *, 'proven' AS class, p1 AS start_ns, p2 AS end_ns FROM candidates WHERE p1 < p2
+    UNION ALL
+    SELECT *, 'possible', a1, least(a2, greatest(ev_hi.ready, a1)) FROM candidates
+    WHERE a1 < least(a2, greatest(ev_hi.ready, a1))
+    UNION ALL
+    SELECT *, 'possible', greatest(a1, own_lo, ev_hi.ready), a2 FROM candidates
+    WHERE greatest(a1, own_lo, ev_hi.ready) < a2
+),
+marked AS (
+    -- Gaps and islands: a piece starts a new interval unless it begins at or before an earlier one's end.
+    SELECT *,
+           CASE WHEN start_ns <= max(end_ns) OVER (PARTITION BY trace_id, class ORDER BY start_ns, end_ns
+                                                  ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+                THEN 0 ELSE 1 END AS new_island
+    FROM pieces
+),
+islands AS (
+    SELECT *, sum(new_island) OVER (PARTITION BY trace_id, class ORDER BY start_ns, end_ns
+                                    ROWS UNBOUNDED PRECEDING) AS island
+    FROM marked
 )
-SELECT queue, cfg_label, path, run_id,
-       correlation_id AS head_correlation_id, seq AS head_seq, step AS head_step, layer_id AS head_layer_id,
-       class, start_ns, end_ns, end_ns - start_ns AS dur_ns, ws AS wait_start_ns, we AS wait_end_ns,
-       ev.cid AS evidence_correlation_id, ev.seq AS evidence_seq, ev.ready AS evidence_ready_ns
-FROM classified
+SELECT any_value(queue) AS queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
+       any_value(run_id) AS run_id, any_value(correlation_id) AS head_correlation_id,
+       any_value(seq) AS head_seq, any_value(step) AS head_step, any_value(layer_id) AS head_layer_id,
+       class, min(start_ns) AS start_ns, max(end_ns) AS end_ns, max(end_ns) - min(start_ns) AS dur_ns,
+       min(ws) AS wait_start_ns, max(we) AS wait_end_ns,
+       any_value(CASE class WHEN 'proven' THEN ev_hi.cid ELSE ev_lo.cid END) AS evidence_correlation_id,
+       any_value(CASE class WHEN 'proven' THEN ev_hi.seq ELSE ev_lo.seq END) AS evidence_seq,
+       any_value(CASE class WHEN 'proven' THEN ev_hi.ready ELSE ev_lo.ready END) AS evidence_ready_ns
+FROM islands
+GROUP BY trace_id, class, island
 ORDER BY queue, head_seq, start_ns

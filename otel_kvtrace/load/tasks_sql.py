@@ -8,7 +8,7 @@ visible rather than dropped: first start, last end, summed duration.
 
 from __future__ import annotations
 
-from otel_kvtrace.load.otlp_sql import attrs_map_sql
+from otel_kvtrace.load.otlp_sql import ATTR_TEXT
 
 RECV_ROOT = "kvtrace.recv.task"
 SEND_ROOT = "kvtrace.send.task"
@@ -90,10 +90,13 @@ def tasks_columns() -> list[str]:
 
 def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks") -> str:
     """``CREATE TABLE tasks`` from the physical spans table (attribute lists, not the ``spans`` view)."""
+    def value(attr: str) -> str:
+        return f"attr_values[list_position(attr_keys, 'kvtrace.{attr}')]"
+
     root_cols = ",\n       ".join(
-        f"TRY_CAST(attrs['kvtrace.{attr}'] AS {sql_type}) AS {attr.replace('.', '_')}"
+        f"TRY_CAST({value(attr)} AS {sql_type}) AS {attr.replace('.', '_')}"
         if sql_type != "VARCHAR"
-        else f"attrs['kvtrace.{attr}'] AS {attr.replace('.', '_')}"
+        else f"{value(attr)} AS {attr.replace('.', '_')}"
         for attr, sql_type in _ROOT_ATTRIBUTES
     )
     status = ("coalesce(TRY_CAST(status_code AS INTEGER), "
@@ -109,12 +112,15 @@ def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks") -> str:
     return f"""
 CREATE OR REPLACE TABLE {table} AS
 WITH root_spans AS (
-    SELECT *, {attrs_map_sql("attributes")} AS attrs FROM {raw} WHERE name = '{RECV_ROOT}'
+    -- Two parallel lists instead of a MAP: building a MAP costs ~3x more than the lookups it saves.
+    SELECT *, list_transform(attributes, lambda a: a.key) AS attr_keys,
+           list_transform(attributes, lambda a: {ATTR_TEXT}) AS attr_values
+    FROM {raw} WHERE name = '{RECV_ROOT}'
 ),
 roots AS (
     SELECT {root_cols},
-       TRY_CAST(json_extract_string(attrs['kvtrace.group_ids'], '$.values[*].*') AS BIGINT[]) AS group_ids,
-       json_extract_string(attrs['kvtrace.request_ids'], '$.values[*].*') AS request_ids,
+       TRY_CAST(json_extract_string({value('group_ids')}, '$.values[*].*') AS BIGINT[]) AS group_ids,
+       json_extract_string({value('request_ids')}, '$.values[*].*') AS request_ids,
        trace_id, span_id, {status} AS status_code, start_ns, end_ns,
        {", ".join(CONFIG_COLUMNS)}
     FROM root_spans
