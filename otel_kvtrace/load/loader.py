@@ -23,7 +23,7 @@ from otel_kvtrace.load.otlp_sql import (
 )
 from otel_kvtrace.load.tasks_sql import RECV_ROOT, SEND_ROOT, create_tasks_sql
 
-LOADER_VERSION = "2"
+LOADER_VERSION = "3"
 RAW_SPANS = "_kvtrace_spans"
 """Physical span rows (attributes as parsed lists); read them through the ``spans`` view."""
 ROOTS = "_kvtrace_roots"
@@ -41,6 +41,7 @@ class LoadStats:
     spans: int = 0
     tasks: int = 0
     send_tasks: int = 0
+    exporter_dropped: int = 0  # records the exporters reported dropping (sum over processes of the max)
     malformed: list[MalformedLine] = field(default_factory=list)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
@@ -121,7 +122,10 @@ def load_traces(
         _run(con, f"SET preserve_insertion_order = {'true' if previous_order else 'false'}")
     stats.spans = _scalar(con, "SELECT count(*) FROM spans")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
-    stats.send_tasks = _scalar(con, f"SELECT count(*) FROM spans WHERE name = '{SEND_ROOT}'")
+    stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
+    stats.exporter_dropped = int(_scalar(con, f"""
+        SELECT coalesce(sum(d), 0) FROM (
+            SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))
     if cache_path is not None:
         say(f"writing Parquet cache {cache_path}")
         _write_cache(con, cache_path, stats)
@@ -211,6 +215,7 @@ def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
         spans=raw["spans"],
         tasks=raw["tasks"],
         send_tasks=raw["send_tasks"],
+        exporter_dropped=raw.get("exporter_dropped", 0),
         malformed=[MalformedLine(m["file"], m["line"], m["reason"]) for m in raw["malformed"]],
         cache="hit",
     )

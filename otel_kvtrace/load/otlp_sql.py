@@ -55,6 +55,7 @@ RAW_SPAN_COLUMNS: dict[str, str] = {
     "status_message": "VARCHAR",
     "attributes": ATTRIBUTES_TYPE,
     **{column: sql_type for column, (_, sql_type) in RESOURCE_COLUMNS.items()},
+    "exporter_dropped": "BIGINT",
     "file": "VARCHAR",
 }
 """Columns of the physical table ``_kvtrace_spans`` (one row per span, attributes as parsed)."""
@@ -68,7 +69,8 @@ _SPAN_STRUCT = {
     "status": {"code": "VARCHAR", "message": "VARCHAR"}, "attributes": [_ATTR_STRUCT],
 }
 REQUEST_STRUCT = json.dumps({"resourceSpans": [{
-    "resource": {"attributes": [_ATTR_STRUCT]}, "scopeSpans": [{"spans": [_SPAN_STRUCT]}]}]})
+    "resource": {"attributes": [_ATTR_STRUCT]},
+    "scopeSpans": [{"scope": {"attributes": [_ATTR_STRUCT]}, "spans": [_SPAN_STRUCT]}]}]})
 """The part of an ExportTraceServiceRequest the loader reads; anything else in a line is ignored."""
 
 ATTR_TEXT = ("coalesce(a.value.stringValue, a.value.intValue, a.value.boolValue::VARCHAR, "
@@ -121,13 +123,21 @@ resources AS (
 scopes AS (
     SELECT filename, {res_names}, unnest(scope_list) AS ss FROM resources
 ),
+scope_counts AS (
+    -- The exporter's cumulative drop counter rides on every line's scope (docs/schema.md).
+    SELECT filename, {res_names}, ss.spans AS spans,
+           TRY_CAST(list_extract(list_filter(ss.scope.attributes,
+                                             lambda a: a.key = 'kvtrace.exporter.dropped'), 1).value.intValue
+                    AS BIGINT) AS exporter_dropped
+    FROM scopes
+),
 span_docs AS (
-    SELECT filename, {res_names}, unnest(ss.spans) AS s FROM scopes
+    SELECT filename, {res_names}, exporter_dropped, unnest(spans) AS s FROM scope_counts
 )
 SELECT s.traceId, s.spanId, nullif(s.parentSpanId, ''), s.name,
        s.startTimeUnixNano, s.endTimeUnixNano, s.endTimeUnixNano - s.startTimeUnixNano,
        s.status.code, nullif(s.status.message, ''), s.attributes,
-       {res_names}, filename
+       {res_names}, exporter_dropped, filename
 FROM span_docs
 """
 
@@ -163,6 +173,6 @@ SELECT r.trace_id, r.span_id, r.parent_span_id, r.name, r.start_ns, r.end_ns, r.
                 CASE r.status_code WHEN 'STATUS_CODE_OK' THEN 1 WHEN 'STATUS_CODE_ERROR' THEN 2 ELSE 0 END)
            AS status_code,
        r.status_message, c.correlation_id, {attrs_map_sql("r.attributes")} AS attrs,
-       {", ".join("r." + c for c in RESOURCE_COLUMNS)}, r.file
+       {", ".join("r." + c for c in RESOURCE_COLUMNS)}, r.exporter_dropped, r.file
 FROM {raw} AS r LEFT JOIN {roots} AS c USING (trace_id)
 """

@@ -83,7 +83,8 @@ def render_html(report: Report) -> str:
 <h1>kvtrace report: head-of-line blocking in the KV recv queue</h1>
 <p class="headline" id="headline">{html.escape(hol_headline(report))}</p>
 <p>{stats.tasks} recv tasks, {stats.send_tasks} send tasks, {stats.spans} spans from {len(stats.files)} file(s);
-{stats.malformed_count} malformed line(s) skipped.</p>
+{stats.malformed_count} malformed line(s) skipped; {stats.exporter_dropped} task record(s) dropped by the
+exporters.</p>
 {f'<ul id="malformed">{malformed}</ul>' if malformed else ''}
 <h2>Timeline</h2>
 <p>{html.escape(shown)}. Wheel: zoom, drag: pan, double-click: whole window. Click a task bar for its stages and

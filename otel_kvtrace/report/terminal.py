@@ -68,6 +68,9 @@ def render_terminal(report: Report, console: Console | None = None) -> None:
     stats = report.stats
     console.print(f"[bold]Loaded[/] {stats.tasks} recv tasks, {stats.send_tasks} send tasks, {stats.spans} spans "
                   f"from {len(stats.files)} file(s) in {stats.seconds:.2f} s (cache: {stats.cache}).")
+    if stats.exporter_dropped:
+        console.print(f"[yellow]The exporters reported {stats.exporter_dropped} dropped task record(s): "
+                      "those tasks are missing from every table below.[/]")
     if stats.malformed:
         console.print(f"[yellow]Skipped {stats.malformed_count} malformed line(s)/span(s):[/]")
         for item in stats.malformed[:10]:

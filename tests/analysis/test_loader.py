@@ -161,3 +161,17 @@ def test_loading_into_a_given_connection_replaces_previous_tables(tmp_path: Path
     load_traces(a, con=con)
     load_traces(b, con=con)
     assert _count(con, "SELECT count(*) FROM tasks") == 5
+
+
+def test_exporter_drop_counter_is_read_from_scope_attributes(tmp_path: Path) -> None:
+    """Each line's scope carries the exporter's cumulative drop count; the loader keeps the latest."""
+    docs = [orjson.loads(line) for line in _lines(9, 3)]
+    for doc, dropped in zip(docs, (0, 5, 7)):
+        doc["resourceSpans"][0]["scopeSpans"][0]["scope"]["attributes"] = [
+            {"key": "kvtrace.exporter.dropped", "value": {"intValue": str(dropped)}}]
+    path = tmp_path / "dropped.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(d) + b"\n" for d in docs))
+    assert load_traces(path).stats.exporter_dropped == 7
+    cache = tmp_path / "cache"
+    load_traces(path, cache_dir=cache)
+    assert load_traces(path, cache_dir=cache).stats.exporter_dropped == 7
