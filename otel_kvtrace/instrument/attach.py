@@ -162,6 +162,17 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
         lambda i, ev: TracedSaveEvent(ev, rt, state),
         state,
     )
+    sync_events = getattr(thread, "sync_save_events", None)
+    if rt.npu_timing_wanted:  # calibrate now, before the gate's first record needs a mark
+        first_event = sync_events[0] if isinstance(sync_events, list) and sync_events else None
+        npu_timing_for(rt, type(first_event) if first_event is not None else None)
+    if isinstance(sync_events, list) and sync_events:  # shared list: whichever thread attaches first
+        _replace_items(sync_events, lambda i, ev: TracedNpuEvent(ev, rt, state), state)
+    if state.info.path == "key":  # the synchronous backend call of the key path: get (recv), put (send)
+        store = thread.__dict__.get("m_store")
+        if store is not None:
+            thread.m_store = TracedKeyStore(store, rt, state)
+            state.undo.append((thread, "m_store", store))
     if state.is_send:
         return
     _replace_items(
@@ -169,12 +180,6 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
         lambda i, ev: TracedLoadEvent(ev, rt, state, i),
         state,
     )
-    sync_events = getattr(thread, "sync_save_events", None)
-    if rt.npu_timing_wanted:  # calibrate now, before the gate's first record needs a mark
-        first_event = sync_events[0] if isinstance(sync_events, list) and sync_events else None
-        npu_timing_for(rt, type(first_event) if first_event is not None else None)
-    if isinstance(sync_events, list) and sync_events:
-        _replace_items(sync_events, lambda i, ev: TracedNpuEvent(ev, rt, state), state)
     builders = thread.__dict__.get("group_builders")
     if isinstance(builders, list) and builders:
         thread.group_builders = [TracedBuilder(b, rt, state) for b in builders]
@@ -183,11 +188,6 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
     if waiter is not None:
         thread.external_slot_release_waiter = traced_slot_waiter(waiter, rt, state)
         state.undo.append((thread, "external_slot_release_waiter", waiter))
-    if state.info.path == "key":
-        store = thread.__dict__.get("m_store")
-        if store is not None:
-            thread.m_store = TracedKeyStore(store, rt, state)
-            state.undo.append((thread, "m_store", store))
 
 
 def attach_worker(worker: Any, rt: Runtime) -> None:

@@ -77,8 +77,10 @@ def install(targets: Targets, rt: Runtime) -> list[InstalledPatch]:
                     if point.required:
                         raise LookupError(f"{owner.__qualname__}.{point.attr} not found")
                     continue
-                if getattr(owner.__dict__.get(point.attr), "__kvtrace_wrapped__", None) is not None:
-                    continue  # already instrumented (idempotent)
+                if getattr(current, "__kvtrace_wrapped__", None) is not None:
+                    # Already instrumented: a second install, or the method is inherited from another
+                    # target class we just wrapped (wrapping it again would record every task twice).
+                    continue
                 original = owner.__dict__.get(point.attr, _INHERITED)
                 wrapper = point.make_wrapper(current, rt)
                 setattr(owner, point.attr, wrapper)

@@ -212,24 +212,30 @@ class TracedBuilder(_Proxy):
 
 
 class TracedKeyStore(_Proxy):
-    """The recv thread's ``m_store`` (key path): ``get`` is the synchronous backend submit."""
+    """A key-path thread's ``m_store``: ``get`` (recv) / ``put`` (send) is the synchronous backend submit."""
 
     __slots__ = ()
 
     def get(self, *args: Any, **kwargs: Any) -> Any:
+        return self._submit(self._inner.get, args, kwargs)
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        return self._submit(self._inner.put, args, kwargs)
+
+    def _submit(self, call: Any, args: tuple, kwargs: dict) -> Any:
         st = self._st
         if get_ident() != st.thread_ident:
-            return self._inner.get(*args, **kwargs)
+            return call(*args, **kwargs)
         clock = self._rt.recorder.clock
         t0 = clock()
         rec = st.current
         if rec is not None:
             # Key path: keys and addresses are built inline before the get; that span is meta_build.
             built_from = rec.stages[-1] if rec.stages else rec.t_dequeue
-            if built_from >= 0 and META_BUILD not in rec.stages[0::3]:
+            if built_from >= 0 and not st.is_send and META_BUILD not in rec.stages[0::3]:
                 rec.stages.extend((META_BUILD, built_from, t0))
         try:
-            return self._inner.get(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             t1 = clock()
             if rec is not None:

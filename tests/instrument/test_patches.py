@@ -100,3 +100,16 @@ def test_targets_coerce_mapping_and_reject_unknown_roles() -> None:
     assert t.recv_thread_classes == (RecvThread,)
     with pytest.raises(ValueError, match="unknown target roles"):
         Targets.coerce({"recv": RecvThread})
+
+
+def test_a_target_inheriting_from_another_target_is_wrapped_once() -> None:
+    class KeyRecvThread(RecvThread):  # e.g. a key-path class deriving from the GVA class
+        pass
+
+    installed = patches.install(Targets(recv_thread_classes=(RecvThread, KeyRecvThread)), _runtime())
+    try:
+        assert "_handle_request" not in KeyRecvThread.__dict__, "the inherited wrapper already covers it"
+        assert KeyRecvThread._handle_request is RecvThread.__dict__["_handle_request"]
+    finally:
+        patches.uninstall(installed)
+    assert "_handle_request" not in KeyRecvThread.__dict__

@@ -131,9 +131,6 @@ def test_virtual_records_have_the_shape_of_instrumented_threaded_records(name: s
     traced = {(r.kind, r.step, r.layer_id): r for r in session.recorder.drain(100_000)}
     virtual = simulate(cfg)
     simulated = {(r.kind, r.step, r.layer_id): r for r in virtual.recv + virtual.send}
-    if cfg.path == "key":  # key-path save tasks: see the report (the instrumentation sees no save stages)
-        simulated = {k: v for k, v in simulated.items() if k[0] == TaskKind.RECV}
-        traced = {k: v for k, v in traced.items() if k[0] == TaskKind.RECV}
     assert set(traced) == set(simulated)
     diffs = {k: (_shape(traced[k]), _shape(v)) for k, v in simulated.items() if _shape(traced[k]) != _shape(v)}
     assert diffs == {}
