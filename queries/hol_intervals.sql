@@ -42,30 +42,25 @@
 --   evidence_ready_ns        BIGINT   max(ts_enqueue_j, ts_ready_j) (ts_ready_lo_j for class possible)
 WITH ready AS (
     -- When each task could go first, by upper bound (hi) and lower bound (lo); NULL when it never may.
-    SELECT queue, seq, correlation_id,
+    -- own_lo/own_hi: until when the task itself surely / possibly still waits for a dependency.
+    SELECT trace_id, queue, cfg_label, path, run_id, correlation_id, seq, step, layer_id,
            CASE WHEN NOT coalesce(final_layer, false) THEN greatest(ts_enqueue, ts_ready) END AS ready_hi,
            CASE WHEN NOT coalesce(final_layer, false)
-                THEN greatest(ts_enqueue, coalesce(ts_ready_lo, ts_ready)) END AS ready_lo
+                THEN greatest(ts_enqueue, coalesce(ts_ready_lo, ts_ready)) END AS ready_lo,
+           coalesce(greatest(ts_enqueue, coalesce(ts_ready_lo, ts_ready)), 9223372036854775807) AS own_lo,
+           coalesce(greatest(ts_enqueue, ts_ready), 9223372036854775807) AS own_hi
     FROM tasks
 ),
-earliest_later AS (
-    -- For each head: the earliest bypass-ready later task of its queue (a suffix minimum over seq).
-    SELECT queue, seq,
-           arg_min({'cid': correlation_id, 'seq': seq, 'ready': ready_hi},
-                   CASE WHEN ready_hi IS NOT NULL THEN (ready_hi, seq) END) OVER later AS ev_hi,
-           arg_min({'cid': correlation_id, 'seq': seq, 'ready': ready_lo},
-                   CASE WHEN ready_lo IS NOT NULL THEN (ready_lo, seq) END) OVER later AS ev_lo
-    FROM ready
-    WINDOW later AS (PARTITION BY queue ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
-),
 heads AS (
-    -- own_lo/own_hi: until when the head itself is surely / possibly still waiting for a dependency.
-    SELECT t.trace_id, t.queue, t.cfg_label, t.path, t.run_id, t.correlation_id, t.seq, t.step, t.layer_id,
-           coalesce(greatest(t.ts_enqueue, coalesce(t.ts_ready_lo, t.ts_ready)), 9223372036854775807) AS own_lo,
-           coalesce(greatest(t.ts_enqueue, t.ts_ready), 9223372036854775807) AS own_hi,
-           e.ev_hi, e.ev_lo
-    FROM tasks AS t JOIN earliest_later AS e USING (queue, seq)
-    WHERE e.ev_lo.ready IS NOT NULL
+    -- For each head: the earliest bypass-ready later task of its queue, as (ready time, seq), by upper
+    -- and by lower bound (a suffix minimum over seq; struct order breaks ties by the lower seq).
+    SELECT * FROM (
+        SELECT *,
+               min(CASE WHEN ready_hi IS NOT NULL THEN {'ready': ready_hi, 'seq': seq} END) OVER later AS ev_hi,
+               min(CASE WHEN ready_lo IS NOT NULL THEN {'ready': ready_lo, 'seq': seq} END) OVER later AS ev_lo
+        FROM ready
+        WINDOW later AS (PARTITION BY queue ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+    ) WHERE ev_lo IS NOT NULL
 ),
 waits AS (
     SELECT trace_id, start_ns AS ws, end_ns AS we
@@ -74,21 +69,24 @@ waits AS (
       AND end_ns > start_ns
 ),
 candidates AS (
-    -- Per window: proven part [p1, p2); proven-or-possible part [a1, a2).
-    SELECT h.*, w.ws, w.we,
-           greatest(w.ws, h.ev_hi.ready) AS p1, least(w.we, h.own_lo) AS p2,
-           greatest(w.ws, h.ev_lo.ready) AS a1, least(w.we, h.own_hi) AS a2
-    FROM heads AS h JOIN waits AS w USING (trace_id)
+    -- Per window: proven part [p1, p2); proven-or-possible part [a1, a2). Windows with neither are dropped.
+    SELECT * FROM (
+        SELECT h.*, w.ws, w.we,
+               greatest(w.ws, h.ev_hi.ready) AS p1, least(w.we, h.own_lo) AS p2,
+               greatest(w.ws, h.ev_lo.ready) AS a1, least(w.we, h.own_hi) AS a2
+        FROM heads AS h JOIN waits AS w USING (trace_id)
+    ) WHERE a1 < a2
 ),
 pieces AS (
     -- possible = [a1, a2) minus the head's proven set [ev_hi.ready, own_lo), which splits it in up to two.
-    SELECT *, 'proven' AS class, p1 AS start_ns, p2 AS end_ns FROM candidates WHERE p1 < p2
-    UNION ALL
-    SELECT *, 'possible', a1, least(a2, greatest(ev_hi.ready, a1)) FROM candidates
-    WHERE a1 < least(a2, greatest(ev_hi.ready, a1))
-    UNION ALL
-    SELECT *, 'possible', greatest(a1, own_lo, ev_hi.ready), a2 FROM candidates
-    WHERE greatest(a1, own_lo, ev_hi.ready) < a2
+    SELECT * FROM (
+        SELECT * EXCLUDE (piece), piece.class AS class, piece.s AS start_ns, piece.e AS end_ns
+        FROM (SELECT *, unnest([
+                  {'class': 'proven', 's': p1, 'e': p2},
+                  {'class': 'possible', 's': a1, 'e': least(a2, greatest(ev_hi.ready, a1))},
+                  {'class': 'possible', 's': greatest(a1, own_lo, ev_hi.ready), 'e': a2}]) AS piece
+              FROM candidates)
+    ) WHERE start_ns < end_ns
 ),
 marked AS (
     -- Gaps and islands: a piece starts a new interval unless it begins at or before an earlier one's end.
@@ -102,15 +100,20 @@ islands AS (
     SELECT *, sum(new_island) OVER (PARTITION BY trace_id, class ORDER BY start_ns, end_ns
                                     ROWS UNBOUNDED PRECEDING) AS island
     FROM marked
+),
+intervals AS (
+    SELECT any_value(queue) AS queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
+           any_value(run_id) AS run_id, any_value(correlation_id) AS head_correlation_id,
+           any_value(seq) AS head_seq, any_value(step) AS head_step, any_value(layer_id) AS head_layer_id,
+           class, min(start_ns) AS start_ns, max(end_ns) AS end_ns, min(ws) AS wait_start_ns,
+           max(we) AS wait_end_ns,
+           any_value(CASE class WHEN 'proven' THEN ev_hi ELSE ev_lo END) AS ev
+    FROM islands
+    GROUP BY trace_id, class, island
 )
-SELECT any_value(queue) AS queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
-       any_value(run_id) AS run_id, any_value(correlation_id) AS head_correlation_id,
-       any_value(seq) AS head_seq, any_value(step) AS head_step, any_value(layer_id) AS head_layer_id,
-       class, min(start_ns) AS start_ns, max(end_ns) AS end_ns, max(end_ns) - min(start_ns) AS dur_ns,
-       min(ws) AS wait_start_ns, max(we) AS wait_end_ns,
-       any_value(CASE class WHEN 'proven' THEN ev_hi.cid ELSE ev_lo.cid END) AS evidence_correlation_id,
-       any_value(CASE class WHEN 'proven' THEN ev_hi.seq ELSE ev_lo.seq END) AS evidence_seq,
-       any_value(CASE class WHEN 'proven' THEN ev_hi.ready ELSE ev_lo.ready END) AS evidence_ready_ns
-FROM islands
-GROUP BY trace_id, class, island
-ORDER BY queue, head_seq, start_ns
+SELECT i.queue, i.cfg_label, i.path, i.run_id, i.head_correlation_id, i.head_seq, i.head_step,
+       i.head_layer_id, i.class, i.start_ns, i.end_ns, i.end_ns - i.start_ns AS dur_ns,
+       i.wait_start_ns, i.wait_end_ns, e.correlation_id AS evidence_correlation_id,
+       i.ev.seq AS evidence_seq, i.ev.ready AS evidence_ready_ns
+FROM intervals AS i JOIN tasks AS e ON e.queue = i.queue AND e.seq = i.ev.seq
+ORDER BY i.queue, i.head_seq, i.start_ns
