@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -122,6 +123,12 @@ def python_scan(tasks: list[tuple], waits: list[tuple]) -> tuple[int, int]:
     return count, total
 
 
+def cpu_s() -> float:
+    """CPU seconds of this process (all DuckDB threads): shows contention from other work on the box."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def hol_sql(con: duckdb.DuckDBPyConnection) -> tuple[float, int, int]:
     sql = get_query("hol_intervals").sql
     t0 = time.perf_counter()
@@ -133,10 +140,11 @@ def run_size(size: int, repeats: int, cache_root: Path) -> dict[str, float]:
     files = inputs_for(size)
     gb = sum(f.stat().st_size for f in files) / 1e9
     # JSON -> tables, then HOL (single run: this is the expensive path).
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), cpu_s()
     loaded = load_traces(files)
     load_s = time.perf_counter() - t0
     hol_s, count, total = hol_sql(loaded.con)
+    json_cpu = cpu_s() - c0
     spans = loaded.stats.spans
     # Python scan over the same data.
     t0 = time.perf_counter()
@@ -162,6 +170,7 @@ def run_size(size: int, repeats: int, cache_root: Path) -> dict[str, float]:
     load_traces(files, cache_dir=cache_dir).con.close()
     cache_write_s = time.perf_counter() - t0
     parquet_times = []
+    c0 = cpu_s()
     for _ in range(repeats):
         con = duckdb.connect()
         t0 = time.perf_counter()
@@ -171,14 +180,17 @@ def run_size(size: int, repeats: int, cache_root: Path) -> dict[str, float]:
         parquet_times.append(time.perf_counter() - t0)
         assert (p_count, p_total) == (count, total)
         con.close()
+    parquet_cpu = (cpu_s() - c0) / repeats
     row = {
         "tasks": size, "spans": spans, "json_gb": gb, "load_json_s": load_s, "hol_sql_s": hol_s,
         "json_s": load_s + hol_s, "cache_write_s": cache_write_s, "parquet_s": statistics.median(parquet_times),
         "fetch_s": fetch_s, "python_scan_s": statistics.median(scan_times), "intervals": count,
+        "json_cpu_s": json_cpu, "parquet_cpu_s": parquet_cpu,
     }
     print(f"tasks={size:>8} spans={spans:>9} json={gb:.2f} GB | load_json={load_s:6.2f} s "
-          f"hol_sql={hol_s:5.2f} s json_total={row['json_s']:6.2f} s "
-          f"({spans / load_s / 1e3:.0f}k spans/s) | parquet load+hol={row['parquet_s']:5.2f} s "
+          f"hol_sql={hol_s:5.2f} s json_total={row['json_s']:6.2f} s (cpu {json_cpu:6.2f} s, "
+          f"{spans / load_s / 1e3:.0f}k spans/s) | parquet load+hol={row['parquet_s']:5.2f} s "
+          f"(cpu {parquet_cpu:5.2f} s) "
           f"| python_scan={row['python_scan_s']:5.2f} s (+fetch {fetch_s:.2f} s) "
           f"| intervals={count} | sql/python hol ratio={hol_s / row['python_scan_s']:.2f}", flush=True)
     return row

@@ -42,6 +42,7 @@ class LoadStats:
     tasks: int = 0
     send_tasks: int = 0
     exporter_dropped: int = 0  # records the exporters reported dropping (sum over processes of the max)
+    duplicate_tasks: int = 0  # recv roots whose trace id was already seen (a task exported twice)
     malformed: list[MalformedLine] = field(default_factory=list)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
@@ -115,14 +116,15 @@ def load_traces(
     try:
         _load_json(con, files, stats, say)
         say("deriving tasks ...")
+        _run(con, create_tasks_sql(RAW_SPANS, "tasks"))
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
-        _run(con, create_tasks_sql(RAW_SPANS, "tasks"))
     finally:
         _run(con, f"SET preserve_insertion_order = {'true' if previous_order else 'false'}")
     stats.spans = _scalar(con, "SELECT count(*) FROM spans")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
+    stats.duplicate_tasks = stats.tasks - _scalar(con, "SELECT count(DISTINCT trace_id) FROM tasks")
     stats.exporter_dropped = int(_scalar(con, f"""
         SELECT coalesce(sum(d), 0) FROM (
             SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))
@@ -216,6 +218,7 @@ def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
         tasks=raw["tasks"],
         send_tasks=raw["send_tasks"],
         exporter_dropped=raw.get("exporter_dropped", 0),
+        duplicate_tasks=raw.get("duplicate_tasks", 0),
         malformed=[MalformedLine(m["file"], m["line"], m["reason"]) for m in raw["malformed"]],
         cache="hit",
     )

@@ -151,15 +151,18 @@ Duplicate attribute keys (which OTel SDKs never emit) are not checked here: the 
 load. ``tasks`` takes the first value; only reading ``spans.attrs`` of such a span would fail."""
 
 
-def roots_table_sql(raw: str, table: str) -> str:
-    """Correlation id of every root span's trace (recv and send tasks), for the ``spans`` view."""
+def roots_table_sql(raw: str, table: str, tasks: str = "tasks") -> str:
+    """Correlation id of every root span's trace, for the ``spans`` view: recv roots from ``tasks``
+    (already extracted), other roots (send tasks) from their attribute list."""
     return f"""
 CREATE OR REPLACE TABLE {table} AS
-SELECT trace_id, min(cid) AS correlation_id FROM (
+SELECT trace_id, min(correlation_id) AS correlation_id FROM (
+    SELECT trace_id, correlation_id FROM {tasks} WHERE correlation_id IS NOT NULL
+    UNION ALL
     SELECT trace_id,
-           list_extract(list_filter(attributes, lambda a: a.key = 'kvtrace.correlation_id'), 1).value.stringValue AS cid
-    FROM {raw} WHERE parent_span_id IS NULL
-) WHERE cid IS NOT NULL GROUP BY trace_id
+           list_extract(list_filter(attributes, lambda a: a.key = 'kvtrace.correlation_id'), 1).value.stringValue
+    FROM {raw} WHERE parent_span_id IS NULL AND name <> 'kvtrace.recv.task'
+) WHERE correlation_id IS NOT NULL GROUP BY trace_id  -- one row per trace: the view must not fan out
 """
 
 

@@ -71,6 +71,9 @@ def render_terminal(report: Report, console: Console | None = None) -> None:
     if stats.exporter_dropped:
         console.print(f"[yellow]The exporters reported {stats.exporter_dropped} dropped task record(s): "
                       "those tasks are missing from every table below.[/]")
+    if stats.duplicate_tasks:
+        console.print(f"[yellow]{stats.duplicate_tasks} task(s) appear more than once (same trace id): "
+                      "the same traces were loaded twice, or a task was exported twice.[/]")
     if stats.malformed:
         console.print(f"[yellow]Skipped {stats.malformed_count} malformed line(s)/span(s):[/]")
         for item in stats.malformed[:10]:

@@ -175,3 +175,12 @@ def test_exporter_drop_counter_is_read_from_scope_attributes(tmp_path: Path) -> 
     cache = tmp_path / "cache"
     load_traces(path, cache_dir=cache)
     assert load_traces(path, cache_dir=cache).stats.exporter_dropped == 7
+
+
+def test_a_file_loaded_twice_is_reported_and_spans_do_not_fan_out(tmp_path: Path) -> None:
+    path = write_otlp_json(tmp_path / "a.jsonl", [(SPEC, simulate_queue(SPEC, 6, seed=1))])
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(path.read_bytes())
+    result = load_traces([path, copy])
+    assert result.stats.duplicate_tasks == 6
+    assert _count(result.con, "SELECT count(*) FROM spans") == result.stats.spans
