@@ -29,6 +29,7 @@ table.data th { background: #f0f0f0; } table.data td.text { text-align: left; }
 #timeline { display: block; user-select: none; }
 #timeline rect.stage:hover { stroke: #000; stroke-width: 1; }
 #timeline rect.selected { stroke: #000; stroke-width: 2; }
+#timeline rect.evidence { stroke: #c00; stroke-width: 1.5; stroke-dasharray: 3 2; }
 #details { border: 1px solid #bbb; padding: 0.5em; margin-top: 0.6em; min-height: 3em; font-size: 0.9em; }
 .legend span { display: inline-block; margin-right: 0.8em; font-size: 0.8em; }
 .legend i { display: inline-block; width: 12px; height: 12px; margin-right: 3px; vertical-align: middle; }
@@ -88,7 +89,7 @@ exporters.</p>
 {f'<ul id="malformed">{malformed}</ul>' if malformed else ''}
 <h2>Timeline</h2>
 <p>{html.escape(shown)}. Wheel: zoom, drag: pan, double-click: whole window. Click a task bar for its stages and
-dependency times.</p>
+dependency times; the task that was ready behind it (the evidence) gets a dashed red outline.</p>
 <div id="controls"><button id="zoom-in">+</button><button id="zoom-out">&minus;</button>
 <button id="zoom-reset">reset</button><button id="zoom-all">whole window</button><span id="range"></span></div>
 <div class="legend">{legend}</div>

@@ -73,21 +73,8 @@ def build_report(
     configs = _query(con, """
         SELECT cfg_label, path, count(DISTINCT queue) AS queues, count(*) AS tasks
         FROM tasks GROUP BY ALL ORDER BY cfg_label, path""")
-    hol_overall = _query(con, """
-        WITH events AS (
-            SELECT queue, head_correlation_id, sum(dur_ns) AS ns,
-                   sum(dur_ns) FILTER (WHERE class = 'proven') AS proven_ns
-            FROM hol_intervals GROUP BY ALL)
-        SELECT count(*) AS events, count(proven_ns) AS proven_events,
-               count(*) - count(proven_ns) AS possible_events,
-               coalesce(sum(ns), 0) / 1e6 AS total_ms, coalesce(sum(proven_ns), 0) / 1e6 AS proven_total_ms,
-               quantile_cont(ns, 0.5) / 1e6 AS p50_ms, quantile_cont(ns, 0.95) / 1e6 AS p95_ms,
-               quantile_cont(ns, 0.99) / 1e6 AS p99_ms, max(ns) / 1e6 AS max_ms
-        FROM events""").records()[0]
     summary = analyse.hol_summary(con)
-    dep_wait = sum(r["dep_wait_ms"] or 0.0 for r in summary.records())
-    hol_overall["dep_wait_ms"] = dep_wait
-    hol_overall["share"] = hol_overall["proven_total_ms"] / dep_wait if dep_wait > 0 else None
+    hol_overall = _hol_overall(con, summary)
     ensure_view(con, "queue_depth")
     depth = _query(con, """
         SELECT queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
@@ -134,6 +121,26 @@ def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE)
         if rows:
             out[stage] = sorted(r[0] for r in rows)
     return out
+
+
+def _hol_overall(con: duckdb.DuckDBPyConnection, summary: QueryResult) -> dict[str, Any]:
+    """HOL events over every configuration, built from ``hol_intervals`` exactly as ``hol_summary``
+    builds its per-configuration rows (an event is a head; its duration the sum of its intervals)."""
+    overall = _query(con, """
+        WITH events AS (
+            SELECT queue, head_correlation_id, sum(dur_ns) AS ns,
+                   sum(dur_ns) FILTER (WHERE class = 'proven') AS proven_ns
+            FROM hol_intervals GROUP BY ALL)
+        SELECT count(*) AS events, count(proven_ns) AS proven_events,
+               count(*) - count(proven_ns) AS possible_events,
+               coalesce(sum(ns), 0) / 1e6 AS total_ms, coalesce(sum(proven_ns), 0) / 1e6 AS proven_total_ms,
+               quantile_cont(ns, 0.5) / 1e6 AS p50_ms, quantile_cont(ns, 0.95) / 1e6 AS p95_ms,
+               quantile_cont(ns, 0.99) / 1e6 AS p99_ms, max(ns) / 1e6 AS max_ms
+        FROM events""").records()[0]
+    dep_wait = sum(r["dep_wait_ms"] or 0.0 for r in summary.records())
+    overall["dep_wait_ms"] = dep_wait
+    overall["share"] = overall["proven_total_ms"] / dep_wait if dep_wait > 0 else None
+    return overall
 
 
 def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMELINE_TASKS) -> dict[str, Any]:

@@ -44,6 +44,7 @@ TIMELINE_JS = r"""
   }
   const initialView = view.slice();
   let selected = null;
+  let evidence = new Set();
 
   function width() { return Math.max(300, wrap.clientWidth - 2); }
   function xOf(t) { return LABEL + (t - view[0]) / (view[1] - view[0]) * (width() - LABEL - 4); }
@@ -101,7 +102,8 @@ TIMELINE_JS = r"""
         const consumer = s[0] === "consumer_wait";
         const rect = el("rect", {x: x0, y: consumer ? r.y + ROW - 4 : r.y + 1, width: Math.max(1, x1 - x0),
                                  height: consumer ? 2 : ROW - 4, fill: COLORS[s[0]] || "#000",
-                                 class: "stage" + (selected === task.cid ? " selected" : ""),
+                                 class: "stage" + (selected === task.cid ? " selected" : "") +
+                                        (evidence.has(task.cid) ? " evidence" : ""),
                                  "data-cid": task.cid, "data-stage": s[0]}, plot);
         const title = el("title", {}, rect);
         title.textContent = task.cid + "\n" + s[0] + ": " + fmt(s[2] - s[1]);
@@ -114,6 +116,7 @@ TIMELINE_JS = r"""
     const t = byCid.get(cid);
     if (!t) return;
     selected = cid;
+    evidence = new Set(T.hol.filter(h => h.head === cid).map(h => h.evidence));
     const rows = t.stages.map(s => "<tr><td class='text'>" + s[0] + "</td><td>" + fmt(s[1]) + "</td><td>" + fmt(s[2] - s[1]) + "</td></tr>").join("");
     const deps = Object.keys(t.deps).map(d => {
       const v = t.deps[d];

@@ -49,6 +49,10 @@ def test_timeline_renders_and_click_shows_stages(synthetic_trace_dir: Path, tmp_
         for dep in task["deps"]:
             assert dep in text
         assert "blocked head" in text and longest["evidence"] in text
+        evidence_bars = page.locator("#timeline rect.evidence")
+        assert evidence_bars.count() > 0
+        assert {evidence_bars.nth(i).get_attribute("data-cid") for i in range(evidence_bars.count())} <= {
+            h["evidence"] for h in report.timeline["hol"] if h["head"] == longest["head"]}
 
         before = page.evaluate("window.kvtraceTimeline.view()")
         page.click("#zoom-in")
