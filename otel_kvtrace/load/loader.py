@@ -92,7 +92,7 @@ def load_traces(
     Example::
 
         result = load_traces("kvtrace-data/traces", cache_dir=".kvtrace-cache")
-        result.con.sql("SELECT count(*) FROM tasks").fetchone()
+        result.con.sql("SELECT count(*) FROM tasks").fetchall()
     """
     say = progress or (lambda _msg: None)
     started = time.perf_counter()
@@ -121,7 +121,7 @@ def load_traces(
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
     finally:
         _run(con, f"SET preserve_insertion_order = {'true' if previous_order else 'false'}")
-    stats.spans = _scalar(con, "SELECT count(*) FROM spans")
+    stats.spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
     stats.duplicate_tasks = stats.tasks - _scalar(con, "SELECT count(DISTINCT trace_id) FROM tasks")
@@ -144,9 +144,19 @@ def _run(con: duckdb.DuckDBPyConnection, sql: str, params: dict | None = None) -
     con.execute(sql, params).fetchall()  # DuckDB 2 wants every result consumed before the next statement
 
 
+def _drop(con: duckdb.DuckDBPyConnection, *names: str) -> None:
+    """Drop tables or views of a previous load (a cache hit makes views, a JSON load tables)."""
+    for name in names:
+        kinds = con.execute(
+            "SELECT 'VIEW' FROM duckdb_views() WHERE view_name = $n AND NOT internal AND NOT temporary "
+            "UNION ALL SELECT 'TABLE' FROM duckdb_tables() WHERE table_name = $n AND NOT temporary",
+            {"n": name}).fetchall()
+        for (kind,) in kinds:
+            _run(con, f"DROP {kind} IF EXISTS {name}")
+
+
 def _load_json(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats, say: Progress) -> None:
-    _run(con, "DROP VIEW IF EXISTS spans")
-    _run(con, f"DROP TABLE IF EXISTS {RAW_SPANS}")
+    _drop(con, "spans", "tasks", ROOTS, RAW_SPANS)
     _run(con, create_raw_spans_sql(RAW_SPANS))
     insert = insert_spans_sql(RAW_SPANS)
     names = [str(f) for f in files]
@@ -206,9 +216,8 @@ def _write_cache(con: duckdb.DuckDBPyConnection, cache_path: Path, stats: LoadSt
 
 
 def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
+    _drop(con, "spans", *_CACHED_TABLES)
     for table in _CACHED_TABLES:
-        _run(con, f"DROP VIEW IF EXISTS {table}")
-        _run(con, f"DROP TABLE IF EXISTS {table}")
         _run(con, f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{cache_path / (table + '.parquet')}')")
     _run(con, spans_view_sql(RAW_SPANS, ROOTS))
     raw = json.loads((cache_path / "stats.json").read_text())

@@ -161,6 +161,11 @@ def test_loading_into_a_given_connection_replaces_previous_tables(tmp_path: Path
     load_traces(a, con=con)
     load_traces(b, con=con)
     assert _count(con, "SELECT count(*) FROM tasks") == 5
+    load_traces(a, con=con, cache_dir=tmp_path / "cache")  # miss: tables
+    assert load_traces(a, con=con, cache_dir=tmp_path / "cache").stats.cache == "hit"  # views over Parquet
+    assert _count(con, "SELECT count(*) FROM tasks") == 8
+    load_traces(b, con=con)  # back to tables
+    assert _count(con, "SELECT count(*) FROM tasks") == 5
 
 
 def test_exporter_drop_counter_is_read_from_scope_attributes(tmp_path: Path) -> None:
