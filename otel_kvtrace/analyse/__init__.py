@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import duckdb
 
-from otel_kvtrace.analyse.queries import QueryResult, all_queries, ensure_view, install_views, run_query
+from otel_kvtrace.analyse.queries import (
+    QueryResult,
+    all_queries,
+    ensure_view,
+    install_views,
+    materialize,
+    run_query,
+)
 
 
 def stage_breakdown(con: duckdb.DuckDBPyConnection) -> QueryResult:
@@ -57,6 +64,7 @@ __all__ = [
     "hol_intervals",
     "hol_summary",
     "install_views",
+    "materialize",
     "queue_depth",
     "run_query",
     "stage_breakdown",

@@ -115,9 +115,14 @@ def get_query(name: str) -> QueryDoc:
     return queries[name]
 
 
+def _is_materialized(con: duckdb.DuckDBPyConnection, name: str) -> bool:
+    return bool(con.execute("SELECT 1 FROM duckdb_tables() WHERE temporary AND table_name = $n",
+                            {"n": name}).fetchall())
+
+
 def _ensure_views(con: duckdb.DuckDBPyConnection, doc: QueryDoc, temporary: bool, done: set[str]) -> None:
     for dep in doc.query_dependencies:
-        if dep in done:
+        if dep in done or (temporary and _is_materialized(con, dep)):
             continue
         dep_doc = get_query(dep)
         _ensure_views(con, dep_doc, temporary, done)
@@ -146,8 +151,24 @@ def install_views(con: duckdb.DuckDBPyConnection) -> list[str]:
     return sorted(done)
 
 
+def materialize(con: duckdb.DuckDBPyConnection, name: str) -> str:
+    """Compute query ``name`` once into a temporary table of that name; later ``run_query`` calls that
+    require it (and SQL selecting from it) read the table instead of recomputing."""
+    doc = get_query(name)
+    _ensure_views(con, doc, temporary=True, done=set())
+    for (kind,) in con.execute(
+            "SELECT 'VIEW' FROM duckdb_views() WHERE view_name = $n AND temporary "
+            "UNION ALL SELECT 'TABLE' FROM duckdb_tables() WHERE table_name = $n AND temporary",
+            {"n": name}).fetchall():
+        con.execute(f"DROP {kind} IF EXISTS temp.{name}").fetchall()
+    con.execute(f"CREATE TEMP TABLE {name} AS {doc.sql}").fetchall()
+    return name
+
+
 def ensure_view(con: duckdb.DuckDBPyConnection, name: str) -> str:
     """Create ``name`` (and what it requires) as temporary views so other SQL can select from it."""
+    if _is_materialized(con, name):
+        return name
     doc = get_query(name)
     done: set[str] = set()
     _ensure_views(con, doc, temporary=True, done=done)

@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 
 from otel_kvtrace import analyse
-from otel_kvtrace.analyse.queries import QueryResult, ensure_view
+from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
 
@@ -69,45 +69,48 @@ def build_report(
     con = loaded.con
     if progress:
         progress("running queries ...")
-    ensure_view(con, "hol_intervals")
-    configs = _query(con, """
-        SELECT cfg_label, path, count(DISTINCT queue) AS queues, count(*) AS tasks
-        FROM tasks GROUP BY ALL ORDER BY cfg_label, path""")
-    summary = analyse.hol_summary(con)
-    hol_overall = _hol_overall(con, summary)
-    ensure_view(con, "queue_depth")
-    depth = _query(con, """
-        SELECT queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
-               max(depth) AS max_depth, avg(depth) FILTER (WHERE event = 'enqueue') AS mean_depth_at_enqueue,
-               max(inflight) AS max_inflight
-        FROM queue_depth GROUP BY queue ORDER BY queue""")
-    ensure_view(con, "consumer_stall")
-    stall = _query(con, """
-        WITH steps AS (
-            SELECT cfg_label, path, queue, step, sum(wait_ms) AS wait_ms, sum(stall_after_ready_ms) AS after_ready_ms
-            FROM consumer_stall GROUP BY ALL)
-        SELECT cfg_label, path, count(*) AS steps, sum(wait_ms) AS total_wait_ms,
-               sum(after_ready_ms) AS after_ready_ms,
-               quantile_cont(wait_ms, 0.5) AS step_p50_ms, quantile_cont(wait_ms, 0.95) AS step_p95_ms,
-               quantile_cont(wait_ms, 0.99) AS step_p99_ms, max(wait_ms) AS step_max_ms
-        FROM steps GROUP BY ALL ORDER BY cfg_label, path""")
-    ensure_view(con, "wait_explained")
-    explained_total = con.execute("SELECT count(*) FROM wait_explained").fetchall()[0][0]
-    explained = _query(con, "SELECT * FROM wait_explained LIMIT 200")
-    report = Report(
-        stats=loaded.stats,
-        configs=configs,
-        stages=analyse.stage_breakdown(con),
-        hol_summary=summary,
-        hol_intervals=analyse.hol_intervals(con),
-        hol_overall=hol_overall,
-        queue_depth=depth,
-        consumer_stall=stall,
-        wait_explained=explained,
-        wait_explained_total=explained_total,
-    )
-    report.timeline = timeline_data(con, timeline_tasks)
-    report.stage_samples = stage_samples(con)
+    materialize(con, "hol_intervals")  # read by the summary, the overall figures, the timeline and JSON
+    try:
+        configs = _query(con, """
+            SELECT cfg_label, path, count(DISTINCT queue) AS queues, count(*) AS tasks
+            FROM tasks GROUP BY ALL ORDER BY cfg_label, path""")
+        summary = analyse.hol_summary(con)
+        hol_overall = _hol_overall(con, summary)
+        ensure_view(con, "queue_depth")
+        depth = _query(con, """
+            SELECT queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
+                   max(depth) AS max_depth, avg(depth) FILTER (WHERE event = 'enqueue') AS mean_depth_at_enqueue,
+                   max(inflight) AS max_inflight
+            FROM queue_depth GROUP BY queue ORDER BY queue""")
+        ensure_view(con, "consumer_stall")
+        stall = _query(con, """
+            WITH steps AS (
+                SELECT cfg_label, path, queue, step, sum(wait_ms) AS wait_ms, sum(stall_after_ready_ms) AS after_ready_ms
+                FROM consumer_stall GROUP BY ALL)
+            SELECT cfg_label, path, count(*) AS steps, sum(wait_ms) AS total_wait_ms,
+                   sum(after_ready_ms) AS after_ready_ms,
+                   quantile_cont(wait_ms, 0.5) AS step_p50_ms, quantile_cont(wait_ms, 0.95) AS step_p95_ms,
+                   quantile_cont(wait_ms, 0.99) AS step_p99_ms, max(wait_ms) AS step_max_ms
+            FROM steps GROUP BY ALL ORDER BY cfg_label, path""")
+        ensure_view(con, "wait_explained")
+        explained_total = con.execute("SELECT count(*) FROM wait_explained").fetchall()[0][0]
+        explained = _query(con, "SELECT * FROM wait_explained LIMIT 200")
+        report = Report(
+            stats=loaded.stats,
+            configs=configs,
+            stages=analyse.stage_breakdown(con),
+            hol_summary=summary,
+            hol_intervals=_query(con, "SELECT * FROM hol_intervals ORDER BY queue, head_seq, start_ns"),
+            hol_overall=hol_overall,
+            queue_depth=depth,
+            consumer_stall=stall,
+            wait_explained=explained,
+            wait_explained_total=explained_total,
+        )
+        report.timeline = timeline_data(con, timeline_tasks)
+        report.stage_samples = stage_samples(con)
+    finally:  # a later load into this connection must not meet stale intervals
+        con.execute("DROP TABLE IF EXISTS temp.hol_intervals").fetchall()
     return report
 
 
