@@ -47,7 +47,19 @@ class _Proxy:
         return f"<kvtrace proxy of {self._inner!r}>"
 
 
-class TracedSaveEvent(_Proxy):
+class _EventProxy(_Proxy):
+    """A ``threading.Event`` stand-in: ``clear``/``is_set`` pass straight through."""
+
+    __slots__ = ()
+
+    def clear(self) -> None:
+        self._inner.clear()
+
+    def is_set(self) -> bool:
+        return self._inner.is_set()
+
+
+class TracedSaveEvent(_EventProxy):
     """``layer_save_finished_events[i]``: producer ``set()`` time; the recv thread's save wait."""
 
     __slots__ = ("set_ns",)
@@ -84,14 +96,8 @@ class TracedSaveEvent(_Proxy):
             self._rt.fail(exc)
         return ok
 
-    def clear(self) -> None:
-        self._inner.clear()
 
-    def is_set(self) -> bool:
-        return self._inner.is_set()
-
-
-class TracedLoadEvent(_Proxy):
+class TracedLoadEvent(_EventProxy):
     """``layer_load_finished_events[i]``: completion (recv ``set``) and the forward's consumer wait."""
 
     __slots__ = ("_layer",)
@@ -123,12 +129,6 @@ class TracedLoadEvent(_Proxy):
         except Exception as exc:
             self._rt.fail(exc)
         return ok
-
-    def clear(self) -> None:
-        self._inner.clear()
-
-    def is_set(self) -> bool:
-        return self._inner.is_set()
 
 
 class TracedNpuEvent(_Proxy):
