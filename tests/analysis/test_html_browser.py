@@ -37,10 +37,10 @@ def test_timeline_renders_and_click_shows_stages(synthetic_trace_dir: Path, tmp_
 
         # Click the head of the longest HOL interval: its stages, dependencies and HOL role show up.
         longest = max(report.timeline["hol"], key=lambda h: h["end"] - h["start"])
-        head_bar = page.locator(f'#timeline rect.stage[data-cid="{longest["head"]}"]').first
-        head_bar.click()
-        details = page.locator("#details")
         task = next(t for t in report.timeline["tasks"] if t["cid"] == longest["head"])
+        widest = max(task["stages"], key=lambda s: s[2] - s[1])[0]  # a zero-width bar can hide under another
+        page.locator(f'#timeline rect.stage[data-cid="{longest["head"]}"][data-stage="{widest}"]').click()
+        details = page.locator("#details")
         stage_rows = page.locator("#detail-stages tr")
         assert stage_rows.count() == len(task["stages"]) + 1
         text = details.inner_text()
