@@ -44,6 +44,8 @@ class Simulation:
         self.layout = build_layout(cfg)
         total = cfg.steps * cfg.num_layers
         self.total = total
+        # signal bases: load done at 0, then save done, gate recorded, recv queue slots (see the class docstring)
+        self.save_sig, self.gate_sig, self.rq_sig = total, 2 * total, 3 * total
         self.loop = EventLoop(4 * total + 1)  # the recv queue's slots hold one extra (the never-filled next)
         self.gate_npu = [0] * total
         self.save_npu = [0] * total
@@ -98,8 +100,7 @@ class Simulation:
         cfg, plan, loop = self.cfg, self.plan, self.loop
         fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = cfg.num_layers
-        total = self.total
-        save_sig, gate_sig, rq_sig = total, 2 * total, 3 * total
+        save_sig, gate_sig, rq_sig = self.save_sig, self.gate_sig, self.rq_sig
         main = cfg.behaviour == "main"
         layout = self.layout
         waits = {
@@ -208,8 +209,7 @@ class Simulation:
         cfg, plan, loop = self.cfg, self.plan, self.loop
         fire, times, waiters = loop.fire, loop.times, loop.waiters
         n = cfg.num_layers
-        total = self.total
-        save_sig, gate_sig, rq_sig = total, 2 * total, 3 * total
+        save_sig, gate_sig, rq_sig = self.save_sig, self.gate_sig, self.rq_sig
         gva = cfg.path == "gva"
         main = cfg.behaviour == "main"
         npu_sync = main and gva
