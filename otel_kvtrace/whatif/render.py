@@ -186,7 +186,8 @@ def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -
     names = list(chosen[0].policies) if chosen[0].validated else ["fifo"]
     labels = [f"{i + 1}" for i in range(len(chosen))]
     width = 0.8 / max(1, len(names))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(chosen) + 2), 4.0))
+    figsize = (max(6.0, 0.6 * len(chosen) + 2), 4.0)  # both charts: one bar group per configuration
+    fig, ax = plt.subplots(figsize=figsize)
     for k, name in enumerate(names):
         xs, ys, lo, hi = [], [], [], []
         for i, v in enumerate(chosen):
@@ -200,16 +201,10 @@ def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -
             hi.append(s["max"] - s["mean"])
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=name)
     ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(chosen))], labels)
-    ax.set_xlabel("configuration (numbers: whatif_configs.txt)")
-    ax.set_ylabel("TTFT estimate, ms (mean, min–max over runs)")
-    ax.set_title("TTFT estimate per policy")
-    ax.legend()
-    fig.tight_layout()
-    ttft = out / "whatif_ttft.png"
-    fig.savefig(ttft, dpi=100)
-    plt.close(fig)
+    ttft = _finish_chart(fig, ax, plt, out / "whatif_ttft.png", xlabel="configuration (numbers: whatif_configs.txt)",
+                         ylabel="TTFT estimate, ms (mean, min–max over runs)", title="TTFT estimate per policy")
 
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(chosen) + 2), 4.0))
+    fig, ax = plt.subplots(figsize=figsize)
     best = [_best_gain(v)[1] for v in chosen]
     noise = [v.noise_ms for v in chosen]
     colors = ["tab:green" if v.verdict != KEEP else "tab:gray" for v in chosen]
@@ -217,14 +212,8 @@ def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -
     ax.plot(range(len(chosen)), noise, "k_", markersize=14, label="run-to-run noise")
     ax.axhline(0, color="black", linewidth=0.5)
     ax.set_xticks(range(len(chosen)), labels)
-    ax.set_xlabel("configuration")
-    ax.set_ylabel("ms")
-    ax.set_title("TTFT gain lower bound vs noise")
-    ax.legend()
-    fig.tight_layout()
-    gain = out / "whatif_gain.png"
-    fig.savefig(gain, dpi=100)
-    plt.close(fig)
+    gain = _finish_chart(fig, ax, plt, out / "whatif_gain.png", xlabel="configuration", ylabel="ms",
+                         title="TTFT gain lower bound vs noise")
     key = out / "whatif_configs.txt"
     key.write_text("".join(f"{i + 1}: {_label(v)} -> {v.verdict}\n" for i, v in enumerate(chosen)))
     layers = _layers_png(chosen[:4], out / "whatif_layers.png", plt)
@@ -249,6 +238,20 @@ def _layers_png(verdicts: Sequence[ConfigVerdict], path: Path, plt: Any) -> Path
         ax.set_xlabel("layer")
         ax.set_ylabel("ms after the step's first enqueue / wait ms")
     axes[0][0].legend(fontsize=6)
+    return _save_figure(fig, plt, path)
+
+
+def _finish_chart(fig: Any, ax: Any, plt: Any, path: Path, *, xlabel: str, ylabel: str, title: str) -> Path:
+    """Label a one-panel chart, add its legend and write it (the TTFT and gain charts share this)."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    return _save_figure(fig, plt, path)
+
+
+def _save_figure(fig: Any, plt: Any, path: Path) -> Path:
+    """Write ``fig`` as a 100 dpi PNG and free it (pyplot keeps every open figure otherwise)."""
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
