@@ -5,8 +5,9 @@ from __future__ import annotations
 import functools
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Self
+from typing import Self, TypeVar
 
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -23,6 +24,8 @@ from otel_kvtrace.collect.validate import (
     export_response,
 )
 from otel_kvtrace.collect.writer import JsonLinesWriter
+
+_Endpoint = TypeVar("_Endpoint", GrpcEndpoint, HttpEndpoint)
 
 DEFAULT_OUT_DIR = Path("kvtrace-data/traces")
 DEFAULT_HOST = "127.0.0.1"
@@ -122,27 +125,9 @@ class Receiver:
         self._started = True
         try:
             if self._grpc_port_wanted is not None:
-                try:
-                    self._grpc = GrpcEndpoint(
-                        self.host,
-                        self._grpc_port_wanted,
-                        functools.partial(self._accept, protocol="grpc"),
-                        self._malformed_grpc,
-                        self._max_request_bytes
-                    )
-                except OSError as exc:
-                    raise PortInUseError("grpc", self.host, self._grpc_port_wanted, "--grpc-port", str(exc)) from exc
+                self._grpc = self._bind(GrpcEndpoint, "grpc", self._grpc_port_wanted, self._malformed_grpc, "--grpc-port")
             if self._http_port_wanted is not None:
-                try:
-                    self._http = HttpEndpoint(
-                        self.host,
-                        self._http_port_wanted,
-                        functools.partial(self._accept, protocol="http"),
-                        self._malformed_http,
-                        self._max_request_bytes
-                    )
-                except OSError as exc:
-                    raise PortInUseError("http", self.host, self._http_port_wanted, "--http-port", str(exc)) from exc
+                self._http = self._bind(HttpEndpoint, "http", self._http_port_wanted, self._malformed_http, "--http-port")
             try:
                 self._writer.start()
             except OSError as exc:
@@ -160,6 +145,18 @@ class Receiver:
         if self._http is not None:
             self._http.start()
         return self
+
+    def _bind(
+        self, endpoint: type[_Endpoint], protocol: str, port: int, on_malformed: Callable[[], None], option: str
+    ) -> _Endpoint:
+        """Bind one endpoint (not started yet); a port that cannot be bound raises ``PortInUseError`` naming
+        ``option``."""
+        try:
+            return endpoint(
+                self.host, port, functools.partial(self._accept, protocol=protocol), on_malformed, self._max_request_bytes
+            )
+        except OSError as exc:
+            raise PortInUseError(protocol, self.host, port, option, str(exc)) from exc
 
     def stats(self) -> ReceiverStats:
         """Current counters."""
