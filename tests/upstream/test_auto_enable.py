@@ -27,6 +27,15 @@ def _no_session_leak():
     plugin.stop()
 
 
+def _enable_plugin_with_file_export(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run_id: str) -> None:
+    """Switch the plugin on with ``run_id`` and no OTLP endpoint, so it exports to JSON lines under ``tmp_path``."""
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", run_id)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    monkeypatch.chdir(tmp_path)
+
+
 def _run_one_task(up: Upstream, layer: int = 0) -> None:
     env = up.gva_thread(4, FakeBackend())
     env.thread.add_request(up.gva_task(layer, [up.request("r1", 2)]))
@@ -50,11 +59,7 @@ def test_plugin_is_off_by_default(upstream: Upstream, monkeypatch: pytest.Monkey
 
 def test_plugin_instruments_once_and_exports_json_lines(upstream: Upstream, tmp_path: Path,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
-    monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", "plugin-test")
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    monkeypatch.chdir(tmp_path)
+    _enable_plugin_with_file_export(monkeypatch, tmp_path, "plugin-test")
     plugin.register()
     session = plugin.current_session()
     assert session is not None, "register() must bind to the importable vllm_ascend"
@@ -136,11 +141,7 @@ def test_plugin_adds_the_worker_config_and_ranks_to_the_exported_resource(
     """The resource is known only once a real KVPoolWorker starts its threads (post-hook)."""
     from .harness import drive_step, pool_worker
 
-    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
-    monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", "plugin-resource")
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
-    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
-    monkeypatch.chdir(tmp_path)
+    _enable_plugin_with_file_export(monkeypatch, tmp_path, "plugin-resource")
     plugin.register()
     session = plugin.current_session()
     assert session is not None
