@@ -42,6 +42,16 @@ class FakeTokenDatabase:
         if not self.group_block_len:
             self.group_block_len = [[self.block_bytes]]
 
+    def spend_meta_build(self, step: int, layer: int) -> int:
+        """Block the caller for the planned address-build time of (step, layer), as upstream's numpy work
+        would; returns the plan index ``step * num_layers + layer`` the addresses encode."""
+        index = step * self.plan.num_layers + layer
+        cost = self.plan.meta_build[index]
+        if cost:
+            clock = self.npu.clock
+            clock.sleep_until(clock.now_ns() + cost)
+        return index
+
 
 class FakeStoreClient:
     """The raw client behind ``m_store.store``: ``batch_copy(srcs, dsts, sizes, direction) -> int``."""

@@ -47,12 +47,7 @@ class LayerBatchBuilder:
     def build_addrs(self, shared: SharedBlockData, layer_idx_in_group: int) -> LayerBatchReqMeta | None:
         """Addresses, sizes and GVAs of one layer (numpy arithmetic upstream; a short loop here)."""
         db = self.token_database
-        plan = db.plan
-        index = shared.step * plan.num_layers + layer_idx_in_group
-        cost = plan.meta_build[index]
-        if cost:
-            clock = db.npu.clock
-            clock.sleep_until(clock.now_ns() + cost)
+        index = db.spend_meta_build(shared.step, layer_idx_in_group)
         n = len(shared.block_ids_arr)
         if n == 0:
             return None
@@ -228,6 +223,7 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
             self._handle_v023(data)
 
     # -- main ----------------------------------------------------------------------------------------
+    # kept apart from _handle_v023 on purpose: each mirrors one upstream version's recv path line by line
     def _handle_main(self, data: LayerLoadTask) -> None:
         src = data.wait_for_save_layer
         transfer_tasks = data.transfer_tasks
@@ -360,6 +356,7 @@ def _aggregate(metas: list[LayerBatchReqMeta]) -> tuple[list[int], list[int], li
 class KVCacheStoreKeyLayerRecvingThread(KVTransferThread):
     """Key path recv thread (research §1.5): save wait, gate, key build, synchronous ``m_store.get``."""
 
+    # like the GVA thread's on purpose: upstream's positional signature and attribute names, class by class
     def __init__(
         self,
         m_store: FakeMStore,
@@ -406,12 +403,7 @@ class KVCacheStoreKeyLayerRecvingThread(KVTransferThread):
         sizes: list[int] = []
         last: list[str] = []
         for task in data.transfer_tasks:
-            plan = self.token_database.plan
-            index = task.step * plan.num_layers + layer_id
-            cost = plan.meta_build[index]
-            if cost:
-                clock = self.token_database.npu.clock
-                clock.sleep_until(clock.now_ns() + cost)
+            index = self.token_database.spend_meta_build(task.step, layer_id)
             block = 0
             for rng in task.block_ranges:
                 for b in range(rng.start_block, rng.end_block):
