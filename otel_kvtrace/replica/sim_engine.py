@@ -34,6 +34,17 @@ BLOCK_BYTES = 4096
 _NO_DEPS = [NO_TIME] * (2 * len(Dep))
 
 
+def _slot_release_wait(rec: TaskRecord, now: int, release_at: int) -> int:
+    """The main GVA ``external_slot_release_waiter``: blocks until the sibling connector frees the slot at
+    the absolute time ``release_at`` (empty and loading tasks alike); returns the recv thread's new now."""
+    end = release_at if release_at > now else now
+    rec.stages.extend((Stage.SLOT_RELEASE_WAIT, now, end))
+    deps = rec.deps
+    deps[8] = deps[9] = release_at
+    rec.has_dep |= 1 << Dep.SLOT_RELEASE
+    return end
+
+
 class Simulation:
     """One run. Signals (indices into the loop's ``times``): load done, save done, gate recorded, one per
     (step, layer) each; then one per recv queue slot."""
@@ -222,7 +233,7 @@ class Simulation:
         s_cpu, s_npu = Stage.SAVE_CPU_WAIT, Stage.SAVE_NPU_SYNC
         g_cond, g_npu = Stage.GATE_COND_WAIT, Stage.GATE_NPU_SYNC
         s_meta, s_stag = Stage.META_BUILD, Stage.H2D_STAGGER
-        s_slot, s_back = Stage.SLOT_RELEASE_WAIT, Stage.BACKEND_SUBMIT
+        s_back = Stage.BACKEND_SUBMIT
         copies = self.copies
         now = 0
         tail = 0  # h2d stream
@@ -263,13 +274,8 @@ class Simulation:
                     deps[2] = deps[3] = sn
                     rec.has_dep |= 1 << Dep.SAVE_NPU
             if not has:
-                if waiter:  # blocks until the sibling connector frees the slot (absolute time)
-                    release_at = step_start[step] + slot_release[i]
-                    end = release_at if release_at > now else now
-                    stages.extend((s_slot, now, end))
-                    now = end
-                    deps[8] = deps[9] = release_at
-                    rec.has_dep |= 1 << Dep.SLOT_RELEASE
+                if waiter:
+                    now = _slot_release_wait(rec, now, step_start[step] + slot_release[i])
                 rec.outcome = Outcome.EMPTY
                 rec.t_complete = now
                 sig = i
@@ -304,13 +310,8 @@ class Simulation:
             else:
                 stages.extend((s_stag, now, now + stagger[i]))  # recorded also as a no-op, like the instrumentation
                 now += stagger[i]
-                if waiter:  # blocks until the sibling connector frees the slot (absolute time)
-                    release_at = step_start[step] + slot_release[i]
-                    end = release_at if release_at > now else now
-                    stages.extend((s_slot, now, end))
-                    now = end
-                    deps[8] = deps[9] = release_at
-                    rec.has_dep |= 1 << Dep.SLOT_RELEASE
+                if waiter:
+                    now = _slot_release_wait(rec, now, step_start[step] + slot_release[i])
             t0 = now
             if tail > now:
                 now = tail
