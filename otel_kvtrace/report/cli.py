@@ -56,6 +56,7 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
     render_terminal(result, console)
     if db_path:
         install_views(con)
+        con.close()
         console.print(f"DuckDB database with tables and query views: {db_path}")
     if json_path:
         console.print(f"JSON report: {write_json(result, json_path)}")

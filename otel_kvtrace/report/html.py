@@ -14,7 +14,7 @@ import orjson
 
 from otel_kvtrace.analyse.queries import QueryResult
 from otel_kvtrace.report.model import Report
-from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, figure_base64, report_figures
+from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, png_base64, report_pngs
 from otel_kvtrace.report.terminal import hol_headline
 from otel_kvtrace.report.timeline_js import TIMELINE_JS
 
@@ -70,8 +70,8 @@ def render_html(report: Report) -> str:
     legend += "".join(f'<span><i style="background:{c};opacity:.35"></i>HOL {k}</span>' for k, c in HOL_COLORS.items())
     plots = "".join(
         f'<h3>{html.escape(stem)}</h3><img class="plot" alt="{html.escape(stem)}" '
-        f'src="data:image/png;base64,{figure_base64(fig)}">'
-        for stem, fig in report_figures(report).items()
+        f'src="data:image/png;base64,{png_base64(png)}">'
+        for stem, png in report_pngs(report).items()
     )
     stats = report.stats
     malformed = "".join(f"<li>{html.escape(str(m))}</li>" for m in stats.malformed[:50])

@@ -41,6 +41,7 @@ class Report:
     wait_explained_total: int
     timeline: dict[str, Any] = field(default_factory=dict)
     stage_samples: dict[str, list[int]] = field(default_factory=dict)  # stage -> sampled durations, ns
+    pngs: dict[str, bytes] = field(default_factory=dict)  # rendered plots, filled by report.plots
 
 
 def _query(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
