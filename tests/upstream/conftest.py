@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from otel_kvtrace.instrument import plugin
+
 from .harness import Upstream, UpstreamUnavailable, upstream_session, upstream_source_dir
 
 
@@ -33,3 +35,11 @@ def upstream(upstream_root: Path) -> Iterator[Upstream]:
     """The upstream modules, imported under stubs for this test module only (removed afterwards)."""
     with upstream_session(upstream_root) as session:
         yield session
+
+
+@pytest.fixture
+def no_plugin_session_leak() -> Iterator[None]:
+    """No vLLM plugin session from an earlier test is active, and none outlives this one."""
+    plugin.stop()
+    yield
+    plugin.stop()

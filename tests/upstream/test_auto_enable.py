@@ -17,14 +17,7 @@ from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
 
 from .harness import FakeBackend, Upstream, exported_spans, task_traces, wait_until
 
-pytestmark = pytest.mark.upstream
-
-
-@pytest.fixture(autouse=True)
-def _no_session_leak():
-    plugin.stop()
-    yield
-    plugin.stop()
+pytestmark = [pytest.mark.upstream, pytest.mark.usefixtures("no_plugin_session_leak")]
 
 
 def _enable_plugin_with_file_export(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, run_id: str) -> None:

@@ -13,11 +13,7 @@ import pytest
 from otel_kvtrace.instrument import plugin
 
 
-@pytest.fixture(autouse=True)
-def _no_session_leak():
-    plugin.stop()
-    yield
-    plugin.stop()
+pytestmark = pytest.mark.usefixtures("no_plugin_session_leak")
 
 
 def test_plugin_never_raises_when_vllm_ascend_is_missing(monkeypatch: pytest.MonkeyPatch,
