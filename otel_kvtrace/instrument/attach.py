@@ -43,11 +43,13 @@ def is_send_thread(thread: Any) -> bool:
 
 
 def worker_state(worker: Any, rt: Runtime) -> WorkerState:
+    """The worker's ``WorkerState``; creating it also adopts the worker's transfer threads."""
     state = worker.__dict__.get(WORKER_ATTR)
     if state is None:
         state = WorkerState()
         setattr(worker, WORKER_ATTR, state)
         rt.workers.append(worker)
+        attach_worker(worker, rt)
     return state
 
 
@@ -68,17 +70,12 @@ def _ranks(owner: Any) -> dict[str, int]:
     }
 
 
-def queue_state(thread: Any, rt: Runtime, worker: Any = None) -> QueueState:
-    """The thread's ``QueueState``, attaching the thread on first use."""
-    state = thread.__dict__.get(STATE_ATTR)
-    if state is not None:
-        return state
-    ws = worker_state(worker, rt) if worker is not None else WorkerState()
+def _queue_info(thread: Any, worker: Any, rt: Runtime) -> QueueInfo:
     ranks = _ranks(worker if worker is not None else thread)
     if worker is None:
         ranks["tp"] = getattr(thread, "tp_rank", ranks["tp"]) or 0
     num_layers = int(getattr(thread, "num_layers", 0) or getattr(worker, "num_layers", 0) or 0)
-    info = QueueInfo(
+    return QueueInfo(
         run_id=rt.run_id,
         path=thread_path(thread),
         thread_name=str(getattr(thread, "name", "recv")),
@@ -86,12 +83,24 @@ def queue_state(thread: Any, rt: Runtime, worker: Any = None) -> QueueState:
         num_layers=num_layers,
         **ranks,
     )
+
+
+def queue_state(thread: Any, rt: Runtime, worker: Any = None) -> QueueState:
+    """The thread's ``QueueState``, attaching the thread on first use."""
+    state = thread.__dict__.get(STATE_ATTR)
+    if state is not None:
+        return state
+    ws = worker_state(worker, rt) if worker is not None else WorkerState()
+    state = thread.__dict__.get(STATE_ATTR)  # worker_state() may just have attached it
+    if state is not None:
+        return state
+    info = _queue_info(thread, worker, rt)
     final_layer = getattr(thread, "final_layer_id", None)
     state = QueueState(
         info=info,
         worker=ws,
         is_send=is_send_thread(thread),
-        final_layer_id=int(final_layer) if isinstance(final_layer, int) else num_layers - 1,
+        final_layer_id=int(final_layer) if isinstance(final_layer, int) else info.num_layers - 1,
         consumer_tracking=worker is not None and not is_send_thread(thread),
     )
     setattr(thread, STATE_ATTR, state)
@@ -191,12 +200,27 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
 
 
 def attach_worker(worker: Any, rt: Runtime) -> None:
-    """Post-hook of ``_start_kv_transfer_threads``: attach both transfer threads of a worker."""
-    worker_state(worker, rt)
+    """Attach both transfer threads of a worker (post-hook of ``_start_kv_transfer_threads``).
+
+    Threads that were attached on their own before the worker was seen (tracing started after the
+    threads) are adopted: they get the worker's step counter, ranks and consumer tracking, so step,
+    gate ids, consumer waits and correlation ids come out as if tracing had been on from the start.
+    """
+    ws = worker_state(worker, rt)
+    if ws.attached:
+        return
+    ws.attached = True
     for name in ("kv_recv_thread", "kv_send_thread"):
         thread = getattr(worker, name, None)
-        if thread is not None and thread.__dict__.get(STATE_ATTR) is None:
+        if thread is None:
+            continue
+        state = thread.__dict__.get(STATE_ATTR)
+        if state is None:
             queue_state(thread, rt, worker=worker)
+        elif state.worker is not ws:
+            state.worker = ws
+            state.info = _queue_info(thread, worker, rt)
+            state.consumer_tracking = not state.is_send
     for callback in rt.on_worker_attached:
         callback(worker)
 

@@ -20,6 +20,7 @@ class WorkerState:
 
     step: int = 0
     driven: bool = False  # True once start_load_kv is instrumented and has run
+    attached: bool = False  # the worker's transfer threads are attached to this state
     forward_layer: int = -1  # current_layer during wait_for_layer_load
     # Records of the current step by layer, so the forward's consumer wait finds its task.
     step_records: dict[int, TaskRecord] = field(default_factory=dict)

@@ -332,8 +332,9 @@ def wrap_start_load_kv(original: Callable, rt: Runtime) -> Callable:
         if rt.recorder.enabled:
             try:
                 ws = attach.worker_state(self, rt)
-                if ws.driven:
+                if ws.driven or ws.seen_layers:  # seen_layers: tasks recorded before the first step began
                     ws.step += 1
+                    ws.seen_layers.clear()
                 ws.driven = True
                 leftovers = list(ws.step_records.values())
                 ws.step_records.clear()
