@@ -19,6 +19,7 @@ or from the shell: ``python bench/synthetic_traces.py --tasks 1000 --out /tmp/kv
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import hashlib
 import random
@@ -130,8 +131,6 @@ def run_fifo(tasks: list[SynthTask], rng: random.Random, service_ns: tuple[int, 
         task.stages["consumer_wait"] = (min(wait_start, t), t + rng.randint(1_000, 5_000))
     dequeues = sorted(task.dequeue for task in tasks)
     completes = sorted(task.complete for task in tasks)
-    import bisect
-
     for task in tasks:
         task.queue_depth_at_enqueue = task.seq - bisect.bisect_right(dequeues, task.enqueue)
         task.inflight_at_enqueue = task.seq - bisect.bisect_right(completes, task.enqueue)

@@ -23,7 +23,7 @@ from otel_kvtrace.load.otlp_sql import (
 )
 from otel_kvtrace.load.tasks_sql import RECV_ROOT, SEND_ROOT, create_tasks_sql
 
-LOADER_VERSION = "3"
+LOADER_VERSION = "4"
 RAW_SPANS = "_kvtrace_spans"
 """Physical span rows (attributes as parsed lists); read them through the ``spans`` view."""
 ROOTS = "_kvtrace_roots"
@@ -42,7 +42,7 @@ class LoadStats:
     tasks: int = 0
     send_tasks: int = 0
     exporter_dropped: int = 0  # records the exporters reported dropping (sum over processes of the max)
-    duplicate_tasks: int = 0  # recv roots whose trace id was already seen (a task exported twice)
+    duplicate_tasks: int = 0  # root spans whose trace id was already seen (a task loaded or exported twice)
     malformed: list[MalformedLine] = field(default_factory=list)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
@@ -134,7 +134,7 @@ def _count_into(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
     stats.spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
-    stats.duplicate_tasks = stats.tasks - _scalar(con, "SELECT count(DISTINCT trace_id) FROM tasks")
+    stats.duplicate_tasks = int(_scalar(con, f"SELECT coalesce(sum(roots - 1), 0) FROM {ROOTS}"))
     stats.exporter_dropped = int(_scalar(con, f"""
         SELECT coalesce(sum(d), 0) FROM (
             SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))

@@ -153,10 +153,11 @@ load. ``tasks`` takes the first value; only reading ``spans.attrs`` of such a sp
 
 def roots_table_sql(raw: str, table: str, tasks: str = "tasks") -> str:
     """Correlation id of every root span's trace, for the ``spans`` view: recv roots from ``tasks``
-    (already extracted), other roots (send tasks) from their attribute list."""
+    (already extracted), other roots (send tasks) from their attribute list. ``roots`` > 1 means the
+    same task was loaded more than once."""
     return f"""
 CREATE OR REPLACE TABLE {table} AS
-SELECT trace_id, min(correlation_id) AS correlation_id FROM (
+SELECT trace_id, min(correlation_id) AS correlation_id, count(*) AS roots FROM (
     SELECT trace_id, correlation_id FROM {tasks} WHERE correlation_id IS NOT NULL
     UNION ALL
     SELECT trace_id,

@@ -2,8 +2,8 @@
 
 Column names are the root attributes without the ``kvtrace.`` prefix and with ``.`` replaced by ``_``,
 then the configuration/resource columns, then ``<stage>_start, <stage>_end, <stage>_ns`` for every child
-span name. A stage that appears more than once in a trace (against the schema's one-span rule) is kept
-visible rather than dropped: first start, last end, summed duration.
+span name. A stage that appears more than once in a trace is taken the way the schema folds a stage that
+ran several times into one span: first start to last end (``_ns = _end - _start``).
 """
 
 from __future__ import annotations
@@ -103,11 +103,10 @@ def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks") -> str:
               "CASE status_code WHEN 'STATUS_CODE_ERROR' THEN 2 WHEN 'STATUS_CODE_OK' THEN 1 ELSE 0 END)")
     stage_aggs = ",\n           ".join(
         f"min(start_ns) FILTER (WHERE name = '{s}') AS {s}_start, "
-        f"max(end_ns) FILTER (WHERE name = '{s}') AS {s}_end, "
-        f"sum(dur_ns) FILTER (WHERE name = '{s}')::BIGINT AS {s}_ns"
+        f"max(end_ns) FILTER (WHERE name = '{s}') AS {s}_end"
         for s in STAGES
     )
-    stage_cols = ", ".join(f"st.{s}_start, st.{s}_end, st.{s}_ns" for s in STAGES)
+    stage_cols = ", ".join(f"st.{s}_start, st.{s}_end, st.{s}_end - st.{s}_start AS {s}_ns" for s in STAGES)
     names = ", ".join(f"'{s}'" for s in STAGES)
     return f"""
 CREATE OR REPLACE TABLE {table} AS

@@ -6,7 +6,7 @@ outputs show the same numbers.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,7 @@ def build_report(
     cache_dir: str | Path | None = None,
     con: duckdb.DuckDBPyConnection | None = None,
     timeline_tasks: int = DEFAULT_TIMELINE_TASKS,
-    progress: Any = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Report:
     """Load ``paths`` (or reuse a ``LoadResult``) and run every analysis of ``otel_kvtrace.analyse``.
 
