@@ -235,26 +235,33 @@ class TracedKeyStore(_Proxy):
             if built_from >= 0 and not st.is_send and META_BUILD not in rec.stages[0::3]:
                 rec.stages.extend((META_BUILD, built_from, t0))
         try:
-            return call(*args, **kwargs)
-        finally:
-            t1 = clock()
+            result = call(*args, **kwargs)
+        except BaseException:
             if rec is not None:
-                rec.stages.extend((BACKEND_SUBMIT, t0, t1))
-                rec.t_backend_return = t1
-                sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
-                if sizes is not None:
-                    rec.nbytes += _total_size(sizes)
+                rec.stages.extend((BACKEND_SUBMIT, t0, clock()))
+                rec.backend_result = -1
+            raise
+        t1 = clock()
+        if rec is not None:
+            rec.stages.extend((BACKEND_SUBMIT, t0, t1))
+            rec.t_backend_return = t1  # completion starts only after a normal return
+            if type(result) is int:  # a result code (upstream logs and ignores it on the key path)
+                rec.backend_result = result
+            sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
+            if sizes is not None:
+                rec.nbytes += total_bytes(sizes)
+        return result
 
 
-def _total_size(sizes: Any) -> int:
-    """Bytes in a size list, flat or one level nested (key path: sizes per key, per layer)."""
+def total_bytes(sizes: Any) -> int:
+    """Bytes in a size array or list (numpy ``.sum()``; flat or one level nested lists for the key path)."""
     try:
-        return int(sum(sizes))
-    except TypeError:
+        if hasattr(sizes, "sum"):
+            return int(sizes.sum())
         try:
+            return int(sum(sizes))
+        except TypeError:
             return int(sum(sum(inner) for inner in sizes))
-        except Exception:
-            return 0
     except Exception:
         return 0
 

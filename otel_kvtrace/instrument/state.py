@@ -41,9 +41,10 @@ class QueueState:
     dequeued: int = 0  # written by the consumer (recv) thread only
     completed: int = 0  # written by the consumer (recv) thread only
     gates_seen: int = 0
+    untraced: int = 0  # tasks that reached _handle_request without a record (queued before tracing)
     current: TaskRecord | None = None
     # Send tasks are plain lists (no attribute to hang a record on): match them by FIFO order.
-    send_fifo: deque[TaskRecord] = field(default_factory=deque)
+    send_fifo: deque[tuple[int, TaskRecord]] = field(default_factory=deque)  # (id(task list), record)
     consumer_tracking: bool = False
     # Objects replaced on the instance, for exact restore: (owner, attribute or index, original).
     undo: list[tuple[Any, Any, Any]] = field(default_factory=list)

@@ -14,6 +14,7 @@ from threading import get_ident
 from typing import Any
 
 from otel_kvtrace.instrument import attach
+from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
@@ -56,13 +57,20 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
     clock = recorder.clock
 
     def add_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+        st = None
         if item is not None and recorder.enabled:
             try:
                 st = attach.queue_state(self, rt)
                 _on_enqueue(st, self, item, clock)
             except Exception as exc:
                 rt.fail(exc)
-        return original(self, item, *args, **kwargs)
+                st = None
+        try:
+            return original(self, item, *args, **kwargs)
+        except BaseException:
+            if st is not None and st.send_fifo and st.send_fifo[-1][0] == id(item):
+                st.send_fifo.pop()  # never queued: keep the FIFO pairing right
+            raise
 
     def _on_enqueue(st: QueueState, thread: Any, item: Any, clock: Callable[[], int]) -> None:
         rec = recorder.new_record()
@@ -92,20 +100,18 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
             tasks = item.transfer_tasks
             rec.transfer_tasks = list(tasks) if tasks else None
         rec.step = worker.step
-        if st.consumer_tracking and not st.is_send:
-            rec.holds.append(_HOLD_RECV)
-            rec.holds.append(_HOLD_CONSUMER)
-            worker.step_records[rec.layer_id] = rec
-        else:
-            rec.holds.append(_HOLD_RECV)
+        rec.holds.append(_HOLD_RECV)
         if st.is_send:
-            st.send_fifo.append(rec)
+            st.send_fifo.append((id(item), rec))
         else:
             try:
                 item._kvtrace = rec
-            except AttributeError:  # slotted task type: the dequeue side makes a record instead
+            except AttributeError:  # a slotted task type cannot carry its record: not traced
                 recorder.recycle([rec])
                 return
+            if st.consumer_tracking:
+                rec.holds.append(_HOLD_CONSUMER)
+                worker.step_records[rec.layer_id] = rec
         st.enqueued += 1
         rec.t_enqueue = clock()
 
@@ -126,18 +132,22 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
             st = attach.queue_state(self, rt)
             if st.thread_ident != get_ident():
                 attach.bind_thread(st, rt)
-            if st.is_send:
-                rec = st.send_fifo.popleft() if st.send_fifo else None
+            if st.is_send:  # plain lists: matched by FIFO position, checked by identity
+                fifo = st.send_fifo
+                rec = fifo.popleft()[1] if fifo and fifo[0][0] == id(item) else None
             else:
                 try:
                     rec = vars(item).pop("_kvtrace", None)
                 except TypeError:  # no __dict__
                     rec = None
-            if rec is None:  # put() on request_queue directly, not through add_request
-                rec = _record_without_enqueue(st, item, t_dequeue)
-            rec.t_dequeue = t_dequeue
-            st.dequeued += 1
-            st.current = rec
+            if rec is not None and rec.queue is not st.info and rec.queue.run_id != st.info.run_id:
+                rec = None  # enqueued under an earlier tracing session
+            if rec is None:  # enqueued before tracing started, or put() on request_queue directly
+                st.untraced += 1
+            else:
+                rec.t_dequeue = t_dequeue
+                st.dequeued += 1
+                st.current = rec
         except Exception as exc:
             rt.fail(exc)
             rec = None
@@ -171,28 +181,6 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                 except Exception as exc:
                     rt.fail(exc)
         return result
-
-    def _record_without_enqueue(st: QueueState, item: Any, t_dequeue: int) -> Any:
-        rec = recorder.new_record()
-        rec.queue = st.info
-        rec.seq = st.enqueued
-        st.enqueued += 1
-        rec.step = st.worker.step
-        if st.is_send:
-            rec.kind = TaskKind.SEND
-            rec.layer_id = st.worker.forward_layer
-        else:
-            rec.layer_id = item.layer_id
-            rec.final_layer = item.layer_id == st.final_layer_id
-            rec.wait_for_save_layer = item.wait_for_save_layer
-            gate = item.attention_start_gate
-            if gate is not None:
-                rec.gate_id = attach.gate_id(gate, st)
-            tasks = item.transfer_tasks
-            rec.transfer_tasks = list(tasks) if tasks else None
-        rec.t_enqueue = t_dequeue
-        rec.holds.append(_HOLD_RECV)
-        return rec
 
     return _mark(_handle_request, original)
 
@@ -233,22 +221,21 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
         if rec is None:
             return original(self, *args, **kwargs)
         t0 = clock()
-        result = None
         try:
             result = original(self, *args, **kwargs)
-            return result
-        finally:
-            t1 = clock()
-            rec.stages.extend((BACKEND_SUBMIT, t0, t1))
-            rec.t_backend_return = t1
-            try:
-                if isinstance(result, int):
-                    rec.backend_result = result
-                sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
-                if sizes is not None:
-                    rec.nbytes += int(sizes.sum()) if hasattr(sizes, "sum") else int(sum(sizes))
-            except Exception:
-                pass
+        except BaseException:
+            rec.stages.extend((BACKEND_SUBMIT, t0, clock()))
+            rec.backend_result = -1
+            raise
+        t1 = clock()
+        rec.stages.extend((BACKEND_SUBMIT, t0, t1))
+        rec.t_backend_return = t1  # completion starts only after a normal return
+        if type(result) is int:
+            rec.backend_result = result
+        sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
+        if sizes is not None:
+            rec.nbytes += total_bytes(sizes)
+        return result
 
     return _mark(_batch_copy_with_limits, original)
 
