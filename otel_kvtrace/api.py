@@ -20,6 +20,7 @@ from otel_kvtrace import config
 from otel_kvtrace.instrument import attach, patches
 from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
+from otel_kvtrace.instrument.wrappers import release
 from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, ClockAnchor, Recorder
 
 logger = logging.getLogger("otel_kvtrace")
@@ -59,8 +60,19 @@ class TracingSession:
         return self.runtime.run_id
 
     def uninstrument(self) -> None:
-        """Restore every patched class attribute and every replaced per-instance object."""
+        """Restore every patched class attribute and every replaced per-instance object.
+
+        Records still waiting for the forward's consumer wait are handed to the exporter first, so a
+        shutdown mid-step loses nothing that was recorded.
+        """
         patches.uninstall(self._installed)
+        for worker in self.runtime.workers:
+            state = worker.__dict__.get(attach.WORKER_ATTR)
+            if state is not None:
+                held = list(state.step_records.values())
+                state.step_records.clear()
+                for rec in held:
+                    release(self.runtime, rec)
         for state in self.runtime.queues:
             attach.detach(state)
         for worker in self.runtime.workers:
@@ -129,6 +141,11 @@ def start_tracing(
         npu_event_class=targets.npu_event_class,
     )
     installed = patches.install(targets, runtime)
+    if not installed:
+        raise RuntimeError(
+            "these classes are already instrumented by another tracing session; "
+            "shut it down (session.shutdown()) before starting a new one"
+        )
     resource_attrs = dict(resource or {})
     resource_attrs.setdefault("kvtrace.run_id", runtime.run_id)
     resource_attrs.setdefault("kvtrace.source", targets.source)

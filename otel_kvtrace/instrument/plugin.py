@@ -59,6 +59,9 @@ def ensure_started(
             return _session
         _attempted = True
         try:
+            if config.sdk_disabled():
+                logger.info("otel-kvtrace: OTEL_SDK_DISABLED=true, tracing stays off (nothing patched)")
+                return None
             if targets is None:
                 from otel_kvtrace.instrument.upstream import resolve_installed
 

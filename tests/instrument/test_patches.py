@@ -113,3 +113,16 @@ def test_a_target_inheriting_from_another_target_is_wrapped_once() -> None:
     finally:
         patches.uninstall(installed)
     assert "_handle_request" not in KeyRecvThread.__dict__
+
+
+def test_a_second_session_on_the_same_classes_is_refused() -> None:
+    from otel_kvtrace.api import start_tracing
+
+    first = start_tracing(Targets(recv_thread_classes=(RecvThread,)), exporter=None)
+    try:
+        with pytest.raises(RuntimeError, match="already instrumented"):
+            start_tracing(Targets(recv_thread_classes=(RecvThread,)), exporter=None)
+    finally:
+        first.shutdown()
+    again = start_tracing(Targets(recv_thread_classes=(RecvThread,)), exporter=None)
+    again.shutdown()
