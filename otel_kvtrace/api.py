@@ -140,6 +140,7 @@ def start_tracing(
         npu_timing_wanted=npu_timing,
         npu_event_class=targets.npu_event_class,
     )
+    recorder.npu_resolver = runtime.resolve
     installed = patches.install(targets, runtime)
     if not installed:
         raise RuntimeError(

@@ -144,8 +144,7 @@ def npu_timing_for(rt: Runtime, event_type: Any = None) -> NpuTiming | None:
         event_type = event_type or rt.npu_event_class or _imported_torch_npu_event()
         if event_type is None:
             return None
-        rt.npu_timing = NpuTiming(event_type, rt.recorder.clock)
-        rt.recorder.npu_resolver = rt.npu_timing.resolve
+        rt.npu_timing = NpuTiming(event_type, rt.recorder.clock)  # applied by Runtime.resolve
     return rt.npu_timing
 
 

@@ -1,10 +1,13 @@
 """Optional exact device times (``OTEL_KVTRACE_NPU_TIMING=1``).
 
 Next to each upstream NPU event we care about (save point, attention gate) we record our own
-timing-enabled event on the same stream. Nothing synchronizes on the hot path: the exporter thread
-later asks ``calibration.elapsed_time(mark)`` for marks that are already complete and maps the result
-to the host clock through one calibration event synchronized once, at attach time (not per task).
-Without timing, NPU completions are exported as bounds (see docs/schema.md).
+timing-enabled event on the same stream. The recording threads never wait on the device: the exporter
+thread later asks ``calibration.elapsed_time(mark)`` for marks that ``query()`` reports complete and maps
+the result to the host clock through one calibration event synchronized once, at attach time.
+Cost to know before turning it on: torch_npu's ``elapsed_time`` flushes the task queues of all streams
+(``emptyAllNPUStream``) before its event synchronize, so each resolution can delay kernel launches of the
+forward thread a little; that is why this mode is opt-in. Without it, NPU completions are exported as
+bounds, tightened by stream order (``stream_order.py``; see docs/schema.md).
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ class NpuTiming:
     def __init__(self, event_type: Callable[..., Any], clock: Callable[[], int]) -> None:
         self._event_type = event_type
         calibration = event_type(enable_timing=True)
+        issued = clock()
         calibration.record()
         calibration.synchronize()  # once, at attach: anchors device time to the host clock
+        returned = clock()
         self._calibration = calibration
-        self._calibration_host_ns = clock()
+        # The device reached the event somewhere in [issued, returned]; the midpoint halves the error.
+        self._calibration_host_ns = (issued + returned) // 2
+        self.calibration_error_ns = (returned - issued) // 2
 
     def mark(self, *record_args: Any, **record_kwargs: Any) -> Any:
         """Record a timing event right behind an upstream event (same stream arguments)."""

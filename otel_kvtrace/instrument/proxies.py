@@ -17,6 +17,7 @@ from typing import Any
 
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.instrument.stream_order import StreamPosition
 from otel_kvtrace.record.model import NO_TIME, Dep, Stage
 
 _FAR_FUTURE = 1 << 62
@@ -134,18 +135,21 @@ class TracedLoadEvent(_EventProxy):
 class TracedNpuEvent(_Proxy):
     """``sync_save_events[i]`` (an NPU event): record (issue) time and synchronize bounds."""
 
-    __slots__ = ("record_ns", "sync_hi", "mark")
+    __slots__ = ("record_ns", "sync_hi", "mark", "position")
 
     def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
         super().__init__(inner, rt, st)
         self.record_ns = NO_TIME
         self.sync_hi = _FAR_FUTURE
         self.mark = None
+        self.position: StreamPosition | None = None
 
     def record(self, *args: Any, **kwargs: Any) -> Any:
         rt = self._rt
         self.record_ns = rt.recorder.clock()
         self.sync_hi = _FAR_FUTURE
+        log = rt.stream_log
+        self.position = StreamPosition(log, log.append())
         result = self._inner.record(*args, **kwargs)
         timing = rt.npu_timing
         if timing is not None:
@@ -161,6 +165,8 @@ class TracedNpuEvent(_Proxy):
             now = self._rt.recorder.clock()
             if now < self.sync_hi:
                 self.sync_hi = now
+            if self.position is not None:
+                self.position.log.observe(self.position.position, now)
         return done
 
     def synchronize(self) -> Any:
@@ -170,6 +176,9 @@ class TracedNpuEvent(_Proxy):
         t1 = clock()
         if t1 < self.sync_hi:
             self.sync_hi = t1
+        position = self.position
+        if position is not None:
+            position.log.observe(position.position, t1)
         st = self._rt.state_by_thread.get(get_ident())
         if st is not None:
             try:
@@ -180,6 +189,8 @@ class TracedNpuEvent(_Proxy):
                         return result
                     lo = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
                     rec.dep_bounds(DEP_SAVE_NPU, lo, self.sync_hi)
+                    if position is not None:
+                        rec.npu_marks.append((DEP_SAVE_NPU, position))
                     if self.mark is not None:
                         rec.npu_marks.append((DEP_SAVE_NPU, self.mark))
             except Exception as exc:

@@ -9,6 +9,8 @@ from typing import Any
 
 from otel_kvtrace import config
 from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import Recorder
 
 
@@ -32,10 +34,32 @@ class Runtime:
     # Called once per worker after its transfer threads are attached (e.g. to add its config and ranks
     # to the resource). Exceptions disable tracing like any other instrumentation failure.
     on_worker_attached: list[Callable[[Any], None]] = field(default_factory=list)
+    # NPU events of the current step in compute-stream order (a new log per start_load_kv).
+    stream_log: StreamLog = field(default_factory=StreamLog)
 
     @property
     def clock(self) -> Callable[[], int]:
         return self.recorder.clock
+
+    def resolve(self, record: TaskRecord) -> None:
+        """Tighten a record's NPU dependencies off the hot path (``Recorder.npu_resolver``).
+
+        First the stream-order upper bounds (always), then exact device times (``OTEL_KVTRACE_NPU_TIMING``),
+        which are clamped into the bounds.
+        """
+        timing_marks = []
+        for dep, mark in record.npu_marks:
+            if isinstance(mark, StreamPosition):
+                lo, hi = record.dep_lo(dep), record.dep_hi(dep)
+                bound = mark.upper_bound()
+                if bound < hi:
+                    record.dep_bounds(dep, lo, max(bound, lo))
+            else:
+                timing_marks.append((dep, mark))
+        record.npu_marks[:] = timing_marks
+        if timing_marks and self.npu_timing is not None:
+            self.npu_timing.resolve(record)
+        record.npu_marks.clear()
 
     def fail(self, exc: BaseException) -> None:
         """An instrumentation bug: turn tracing off, keep the host running."""

@@ -17,6 +17,7 @@ from otel_kvtrace.instrument import attach
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
 
 GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
@@ -255,6 +256,8 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
         ):
             try:
                 self._kvtrace_record_ns = clock()
+                log = rt.stream_log
+                self._kvtrace_pos = StreamPosition(log, log.append())
                 if rt.npu_timing_wanted:
                     timing = attach.npu_timing_for(rt)
                     if timing is not None:
@@ -295,6 +298,10 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
                     if t1 < hi:
                         hi = t1
                         self._kvtrace_sync_hi = t1
+                    position = self.__dict__.get("_kvtrace_pos")
+                    if position is not None:
+                        position.log.observe(position.position, t1)
+                        rec.npu_marks.append((DEP_GATE_NPU, position))
                     if recorded >= 0:
                         rec.dep_exact(DEP_GATE_RECORD, recorded)
                         rec.dep_bounds(DEP_GATE_NPU, recorded, hi)
@@ -323,6 +330,7 @@ def wrap_start_load_kv(original: Callable, rt: Runtime) -> Callable:
                     ws.step += 1
                     ws.seen_layers.clear()
                 ws.driven = True
+                rt.stream_log = StreamLog()  # NPU events of this step, in stream order
                 leftovers = list(ws.step_records.values())
                 ws.step_records.clear()
                 for rec in leftovers:  # the forward never waited for these: stop holding them

@@ -69,7 +69,7 @@ class KVPoolWorker:
         self.token_database = FakeTokenDatabase(plan, npu, self.page_size_bytes)
         self.m_store = FakeMStore(plan, npu, lease_release_ns=plan.lease_release_ns)
         self.wait_timeout_s = wait_timeout_s
-        self.external_slot_release_waiter = self._slot_release if plan.has_slot_release_waiter else None
+        self.external_slot_release_waiter = SlotReleaseWaiter(self) if plan.has_slot_release_waiter else None
         self.kv_recv_thread: KVTransferThread | None = None
         self.kv_send_thread: KVTransferThread | None = None
         self._step = -1
@@ -132,11 +132,10 @@ class KVPoolWorker:
             ok = ok and not thread.is_alive()
         return ok
 
-    def _slot_release(self, layer_id: int) -> None:
-        """External slot release waiter: blocks until a sibling connector has freed the layer's slot,
-        ``plan.slot_release`` after the step started (an absolute time, whoever asks)."""
-        release_at = self._step_start_ns + self.plan.slot_release[self._step * self.num_layers + layer_id]
-        self.npu.clock.sleep_until(release_at)
+    def slot_release_time(self, layer_id: int) -> int:
+        """When a sibling connector frees the layer's slot this step: ``plan.slot_release`` after the
+        step started (an absolute time, whoever asks)."""
+        return self._step_start_ns + self.plan.slot_release[self._step * self.num_layers + layer_id]
 
     # -- per step ------------------------------------------------------------------------------------
     def start_load_kv(self, requests: list[PlannedRequest]) -> None:
@@ -249,3 +248,22 @@ class KVPoolWorker:
                 for event in self.layer_save_finished_events:
                     event.clear()
         self.current_layer += 1
+
+
+class SlotReleaseWaiter:
+    """The external slot release waiter (upstream: a sibling connector's send of the same slot).
+
+    Calling it blocks until the slot is free. ``kvtrace_release_time(layer)`` is the producer side of
+    that dependency, in the recorder's clock (``perf_counter_ns``): the instrumentation uses it to
+    export the exact release time instead of bounds, so a queued task's readiness is known. A real
+    provider can offer the same method.
+    """
+
+    def __init__(self, worker: KVPoolWorker) -> None:
+        self._worker = worker
+
+    def __call__(self, layer_id: int) -> None:
+        self._worker.npu.clock.sleep_until(self._worker.slot_release_time(layer_id))
+
+    def kvtrace_release_time(self, layer_id: int) -> int:
+        return self._worker.slot_release_time(layer_id)

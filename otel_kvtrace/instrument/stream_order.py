@@ -1,0 +1,55 @@
+"""Upper bounds for NPU completions from stream order, without any device timing.
+
+The forward records the attention gate (at attention ``c``) and the save point (``sync_save_events[c]``,
+after attention ``c``) on one in-order compute stream. A device event completes no later than any event
+recorded after it on that stream has been seen complete, and the send thread synchronizes every saved
+layer soon after it is recorded. So a queued task's gate or save dependency gets an upper bound long
+before the task itself reaches its own ``synchronize()``:
+
+    hi(E) = min(observed completion of E' for every E' recorded at or after E in the step)
+
+The log is per step and per process (one gate per process upstream), appended only by the forward
+thread; observers (recv/send threads) lower a slot's bound with a plain store (a lost race leaves a
+larger, still valid bound). Bounds are tightened off the hot path, when the exporter drains a record.
+Assumption (true for vLLM-Ascend's layerwise path): the gate and the save events are recorded on the
+forward thread's current stream, and that stream does not change within a step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FAR_FUTURE = 1 << 62
+
+
+@dataclass(slots=True)
+class StreamLog:
+    """Completion upper bounds of the NPU events of one step, in record order."""
+
+    done_by: list[int] = field(default_factory=list)
+
+    def append(self) -> int:
+        """Register a newly recorded event; returns its position (forward thread only)."""
+        self.done_by.append(FAR_FUTURE)
+        return len(self.done_by) - 1
+
+    def observe(self, position: int, done_at: int) -> None:
+        """The event at ``position`` was seen complete at ``done_at`` (synchronize return, query True)."""
+        if done_at < self.done_by[position]:
+            self.done_by[position] = done_at
+
+    def upper_bound(self, position: int) -> int:
+        """Earliest observed completion of this event or of any event recorded after it."""
+        later = self.done_by[position:]
+        return min(later) if later else FAR_FUTURE
+
+
+@dataclass(slots=True, frozen=True)
+class StreamPosition:
+    """Where a dependency's NPU event sits in its step's stream log (kept on the task record)."""
+
+    log: StreamLog
+    position: int
+
+    def upper_bound(self) -> int:
+        return self.log.upper_bound(self.position)
