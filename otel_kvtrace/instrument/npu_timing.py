@@ -24,14 +24,12 @@ class NpuTiming:
     def __init__(self, event_type: Callable[..., Any], clock: Callable[[], int]) -> None:
         self._event_type = event_type
         calibration = event_type(enable_timing=True)
-        issued = clock()
         calibration.record()
         calibration.synchronize()  # once, at attach: anchors device time to the host clock
-        returned = clock()
+        # The synchronize return is the tight end: if the stream was busy, the event completed just
+        # before it (a midpoint would be off by half the wait); if idle, both ends are microseconds apart.
         self._calibration = calibration
-        # The device reached the event somewhere in [issued, returned]; the midpoint halves the error.
-        self._calibration_host_ns = (issued + returned) // 2
-        self.calibration_error_ns = (returned - issued) // 2
+        self._calibration_host_ns = clock()
 
     def mark(self, *record_args: Any, **record_kwargs: Any) -> Any:
         """Record a timing event right behind an upstream event (same stream arguments)."""
