@@ -14,7 +14,7 @@ from synthetic_traces import BASE_NS, DEP_ORDER, QueueSpec, SynthTask, write_otl
 
 from otel_kvtrace.analyse.queries import run_query
 from otel_kvtrace.load import load_traces
-from tests.analysis.hol_reference import WAIT_STAGES, reference_hol
+from .hol_reference import WAIT_STAGES, reference_hol
 
 
 def sql_hol(path: Path) -> dict:
