@@ -46,12 +46,15 @@ def stage_cdf_figure(report: Report) -> Figure:
         xs = [max(v, 1) / 1e6 for v in values]
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
         ax.step(xs, ys, where="post", label=f"{stage} (n={len(values)})", color=STAGE_COLORS[stage])
+    if not report.stage_samples:
+        ax.text(0.5, 0.5, "no stage spans", ha="center", va="center", transform=ax.transAxes, fontsize=14)
     ax.set_xscale("log")
     ax.set_xlabel("stage duration (ms, log)")
     ax.set_ylabel("fraction of tasks")
     ax.set_title("Stage duration CDFs")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    if report.stage_samples:
+        ax.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return fig
 

@@ -53,6 +53,9 @@ def _table(title: str, result: QueryResult, columns: list[str], limit: int | Non
 def hol_headline(report: Report) -> str:
     """One sentence answering "is there HOL blocking here, and how much?"."""
     hol = report.hol_overall
+    if not report.stats.tasks:
+        return (f"No recv tasks in these traces ({report.stats.send_tasks} send tasks, {report.stats.spans} "
+                "spans): there is no recv queue to analyse.")
     if not hol["events"]:
         return (f"No head-of-line blocking: in {report.stats.tasks} tasks no head waited on a dependency while "
                 "a later task of its queue was ready.")

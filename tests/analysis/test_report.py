@@ -78,3 +78,20 @@ def test_build_report_accepts_a_load_result(synthetic_trace_dir: Path) -> None:
     report = build_report(loaded)
     assert report.stats is loaded.stats
     assert report.timeline["shown"] > 0 and report.timeline["hol"]
+
+
+def test_traces_with_only_send_tasks_report_plainly(tmp_path: Path) -> None:
+    import orjson
+    from synthetic_traces import QueueSpec, resource_attributes, send_task_span
+
+    spec = QueueSpec(run_id="sendonly")
+    spans = [send_task_span(spec, 0, layer, 10**18 + layer * 1000, 10**18 + layer * 1000 + 500, layer)
+             for layer in range(4)]
+    doc = {"resourceSpans": [{"resource": {"attributes": resource_attributes(spec)},
+                              "scopeSpans": [{"scope": {"name": "otel_kvtrace"}, "spans": spans}]}]}
+    path = tmp_path / "send.jsonl"
+    path.write_bytes(orjson.dumps(doc) + b"\n")
+    result = CliRunner().invoke(main, ["report", str(path), "--no-cache", "--html", str(tmp_path / "r.html"),
+                                       "--png-dir", str(tmp_path / "png")])
+    assert result.exit_code == 0, result.output
+    assert "No recv tasks in these traces (4 send tasks" in " ".join(result.output.split())
