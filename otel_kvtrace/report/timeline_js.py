@@ -48,6 +48,8 @@ TIMELINE_JS = r"""
 
   function width() { return Math.max(300, wrap.clientWidth - 2); }
   function xOf(t) { return LABEL + (t - view[0]) / (view[1] - view[0]) * (width() - LABEL - 4); }
+  // Bars are clamped to the plot area, so a long bar's centre (where a click lands) is always visible.
+  function xClamped(t) { return Math.min(Math.max(xOf(t), LABEL), width()); }
   function el(name, attrs, parent) {
     const e = document.createElementNS(NS, name);
     for (const k in attrs) e.setAttribute(k, attrs[k]);
@@ -80,7 +82,7 @@ TIMELINE_JS = r"""
       const rows = layout.filter(r => r.kind === "task" && r.queue === h.queue);
       if (!rows.length) return;
       const y0 = rows[0].y, y1 = rows[rows.length - 1].y + ROW;
-      const x0 = xOf(h.start), x1 = xOf(h.end);
+      const x0 = xClamped(h.start), x1 = xClamped(h.end);
       el("rect", {x: x0, y: y0, width: Math.max(1, x1 - x0), height: y1 - y0, fill: HOLC[h.class],
                   "fill-opacity": 0.12, class: "hol", "data-head": h.head}, plot);
       const head = byCid.get(h.head);
@@ -98,7 +100,7 @@ TIMELINE_JS = r"""
       label.textContent = "s" + task.step + " l" + task.layer + (task.final ? " (final)" : "") + " #" + task.seq;
       task.stages.forEach(s => {
         if (s[2] < view[0] || s[1] > view[1]) return;
-        const x0 = xOf(s[1]), x1 = xOf(s[2]);
+        const x0 = xClamped(s[1]), x1 = xClamped(s[2]);
         const consumer = s[0] === "consumer_wait";
         const rect = el("rect", {x: x0, y: consumer ? r.y + ROW - 4 : r.y + 1, width: Math.max(1, x1 - x0),
                                  height: consumer ? 2 : ROW - 4, fill: COLORS[s[0]] || "#000",
