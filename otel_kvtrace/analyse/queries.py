@@ -65,11 +65,15 @@ class QueryResult:
 
 
 def queries_dir() -> Path:
-    """Directory holding the ``.sql`` files."""
+    """Directory holding the ``.sql`` files: ``$OTEL_KVTRACE_QUERIES_DIR``, else the repository's
+    ``queries/`` (source checkout, editable install), else ``otel_kvtrace/sql/`` (where a wheel build can
+    ship a copy: the ``sql/*.sql`` package-data pattern in pyproject.toml)."""
     override = os.environ.get(QUERIES_ENV)
     if override:
         return Path(override)
-    return Path(__file__).resolve().parents[2] / "queries"
+    package = Path(__file__).resolve().parents[1]
+    repository = package.parent / "queries"
+    return repository if repository.is_dir() else package / "sql"
 
 
 def parse_header(path: Path) -> QueryDoc:
