@@ -26,6 +26,19 @@ _TEXT_COLUMNS = ("cfg_label", "path", "stage", "queue", "class", "correlation_id
                  "evidence_correlation_id", "reason")
 
 
+_HEADERS = {
+    "cfg_label": "config", "hol_events": "HOL events", "proven_events": "proven", "possible_events": "possible",
+    "hol_total_ms": "HOL ms", "hol_share": "share of dep. wait", "waiting_tasks": "waiting", "p50_ms": "p50 ms",
+    "p95_ms": "p95 ms", "p99_ms": "p99 ms", "max_ms": "max ms", "total_wait_ms": "total wait ms",
+    "after_ready_ms": "after ready ms", "step_p50_ms": "step p50 ms", "step_p99_ms": "step p99 ms",
+    "step_max_ms": "step max ms", "head_correlation_id": "head", "evidence_correlation_id": "evidence",
+    "dur_ns": "duration ns", "max_depth": "max depth", "mean_depth_at_enqueue": "mean depth at enqueue",
+    "max_inflight": "max in flight", "total_ms": "total ms", "explained_ms": "explained ms",
+    "unexplained_ms": "unexplained ms", "correlation_id": "task",
+}
+"""Readable column headers; the JSON output keeps the SQL column names."""
+
+
 def short_id(correlation_id: str) -> str:
     """The distinguishing tail of a correlation id (``.../gva/s12/l3``) for narrow terminals."""
     parts = correlation_id.split("/")
@@ -43,7 +56,9 @@ def _table(title: str, result: QueryResult, columns: list[str], limit: int | Non
             title += f" [{column}: {values.pop()}]"
     table = Table(title=title, title_justify="left", header_style="bold")
     for column in shown:
-        table.add_column(column, justify="left" if column in _TEXT_COLUMNS else "right")
+        text = column in _TEXT_COLUMNS
+        table.add_column(_HEADERS.get(column, column), justify="left" if text else "right",
+                         ratio=3 if column == "cfg_label" else None, overflow="fold" if text else "ellipsis")
     for record in records[:limit]:
         table.add_row(*(short_id(record[c]) if c.endswith("correlation_id") and record[c] else _fmt(record[c])
                         for c in shown))
@@ -116,6 +131,6 @@ def print_summary(source: Iterable[str | Path] | str | Path | LoadResult | Repor
     report = source if isinstance(source, Report) else build_report(source)
     console.print(_table("Head-of-line blocking", report.hol_summary,
                          ["cfg_label", "path", "tasks", "hol_events", "proven_events", "hol_total_ms",
-                          "p50_ms", "p99_ms", "hol_share"]))
+                          "p50_ms", "p99_ms"]))
     console.print(hol_headline(report))
     return report
