@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import shlex
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from otel_kvtrace.whatif.render import (
     write_markdown,
     write_pngs,
 )
+from otel_kvtrace.whatif.render_html import write_html
 from otel_kvtrace.whatif.replay import (
     config_key,
     group_runs,
@@ -59,6 +61,7 @@ def whatif(
     json_path: str | Path | None = None,
     md_path: str | Path | None = None,
     png_dir: str | Path | None = None,
+    html_path: str | Path | None = None,
     tasks_csv: str | Path | None = None,
     policies: Sequence[str] | None = None,
     feedback: str = "full",
@@ -69,8 +72,8 @@ def whatif(
     """Load recorded traces, replay every queue of every run under each policy, decide per configuration.
 
     A configuration is a ``cfg_label`` (and path); its runs (``run_id``) are the independent repeats. Writes the
-    JSON/Markdown/PNG outputs that are asked for (``tasks_csv``: per-task start/complete under every
-    policy) and returns the report.
+    JSON/Markdown/PNG/HTML outputs that are asked for (``html_path``: one self-contained page with the
+    charts inlined; ``tasks_csv``: per-task start/complete under every policy) and returns the report.
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """
@@ -85,7 +88,8 @@ def whatif(
     tasks = tasks_from_duckdb(loaded.con, where=where, bound=bound)
     configs = _configs(loaded.con)
     args = [str(p) for p in paths]
-    for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir), ("--tasks-csv", tasks_csv)):
+    for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir), ("--html", html_path),
+                        ("--tasks-csv", tasks_csv)):
         if value is not None:
             args += [flag, str(value)]
     for name in policies or ():
@@ -113,7 +117,7 @@ def whatif(
         verdicts.append(v)
     report = VerdictReport("What-if verdict on recorded traces", command, verdicts,
                            model={"feedback": feedback, "npu_bound": bound}, notes=list(MODEL_NOTES))
-    _write(report, json_path, md_path, png_dir)
+    _write(report, json_path, md_path, png_dir, html_path)
     if tasks_csv is not None:
         write_task_times(replayed, tasks_csv)
     return report
@@ -125,8 +129,10 @@ def sweep_report(
     json_path: str | Path | None = None,
     md_path: str | Path | None = None,
     png_dir: str | Path | None = None,
+    html_path: str | Path | None = None,
 ) -> VerdictReport:
-    """The verdict report of a sweep (defaults: ``verdict.json``, ``verdict.md`` and PNGs in its folder)."""
+    """The verdict report of a sweep (defaults: ``verdict.json``, ``verdict.md`` and PNGs in its folder;
+    the self-contained HTML page only when ``html_path`` is given)."""
     out = result.out_dir
     verdicts = list(result.verdicts)
     notes = list(MODEL_NOTES) + [
@@ -139,13 +145,19 @@ def sweep_report(
     command = verdicts[0].reproduce if verdicts else f"kvtrace sweep --out {out} --report"
     report = VerdictReport("Coverage sweep: keep FIFO or switch?", command, verdicts,
                            model={"feedback": "full", "npu_bound": "exact (virtual clock)"}, notes=notes)
-    _write(report, json_path or out / "verdict.json", md_path or out / "verdict.md", png_dir or out)
+    _write(report, json_path or out / "verdict.json", md_path or out / "verdict.md", png_dir or out, html_path)
     return report
 
 
 def _write(report: VerdictReport, json_path: str | Path | None, md_path: str | Path | None,
-           png_dir: str | Path | None) -> None:
+           png_dir: str | Path | None, html_path: str | Path | None = None) -> None:
     pngs: list[Path] = write_pngs(report, png_dir) if png_dir is not None else []
+    if html_path is not None:
+        if png_dir is not None:
+            write_html(report, html_path, pngs=pngs)
+        else:  # the page inlines its charts, so they are drawn even when no PNG folder was asked for
+            with tempfile.TemporaryDirectory(prefix="kvtrace-whatif-") as tmp:
+                write_html(report, html_path, pngs=write_pngs(report, tmp))
     if json_path is not None:
         write_json(report, json_path)
     if md_path is not None:

@@ -42,6 +42,8 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the Markdown report.")
 @click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write whatif_ttft.png and whatif_gain.png here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Write one self-contained HTML page (verdicts, evidence, charts inlined; opens offline).")
 @click.option("--tasks-csv", type=click.Path(dir_okay=False, path_type=Path),
               help="Write per-task start/complete (ns) under every policy as CSV.")
 @click.option("--policy", "policies", multiple=True,
@@ -52,7 +54,7 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
               help="Bounded NPU times: upper bound (proven) or lower bound (possible).")
 @click.option("--where", help="SQL filter on the tasks table, e.g. \"path = 'gva'\".")
 def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Path | None, png_dir: Path | None,
-                   tasks_csv: Path | None, policies: tuple[str, ...], feedback: str, bound: str,
+                   html_path: Path | None, tasks_csv: Path | None, policies: tuple[str, ...], feedback: str, bound: str,
                    where: str | None) -> None:
     """Replay recorded recv queues under fifo / ready_queue / gate_group and decide: keep FIFO or switch.
 
@@ -64,11 +66,13 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
     Example:
       kvtrace demo --out kvtrace-data
       kvtrace whatif kvtrace-data/traces --md verdict.md --json verdict.json --png-dir verdict/
+      kvtrace whatif kvtrace-data/traces --html verdict.html   # one page to open or mail
     """
     from otel_kvtrace.whatif.api import whatif
 
     try:
-        report = whatif(list(paths), json_path=json_path, md_path=md_path, png_dir=png_dir, tasks_csv=tasks_csv,
+        report = whatif(list(paths), json_path=json_path, md_path=md_path, png_dir=png_dir, html_path=html_path,
+                        tasks_csv=tasks_csv,
                         policies=list(policies) or None, feedback=feedback, bound=bound, where=where,
                         progress=lambda m: click.echo(m, err=True))
     except ValueError as exc:
@@ -86,8 +90,10 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON path (with --report).")
 @click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Markdown path (with --report).")
 @click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path), help="PNG folder (with --report).")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
+              help="Also write one self-contained HTML page here (with --report).")
 def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool, write_report: bool,
-                  json_path: Path | None, md_path: Path | None, png_dir: Path | None) -> None:
+                  json_path: Path | None, md_path: Path | None, png_dir: Path | None, html_path: Path | None) -> None:
     """Run the coverage matrix on the replica (virtual clock) and decide per cell.
 
     Axes: GVA and key paths, default and explicit prefetch depth, several
@@ -99,6 +105,7 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
     Example:
       kvtrace sweep --report                 # full matrix, a few seconds to minutes
       kvtrace sweep --quick --out /tmp/sw --report --confirm
+      kvtrace sweep --quick --out /tmp/sw --report --html /tmp/sw/verdict.html
     """
     from rich.progress import (
         BarColumn,
@@ -111,6 +118,8 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
     from otel_kvtrace.whatif.api import sweep_report
     from otel_kvtrace.whatif.sweep import SweepMatrix, run_sweep
 
+    if html_path is not None and not write_report:
+        raise click.UsageError("--html: needs --report (the HTML page is a form of the report)")
     matrix = SweepMatrix.quick() if quick else SweepMatrix()
     if repeats is not None:
         matrix.repeats = repeats
@@ -127,8 +136,10 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
     click.echo(f"{len(result.verdicts)} cells: {result.ran} run(s) computed, {result.resumed} resumed from {out_dir}")
-    report = sweep_report(result, json_path=json_path, md_path=md_path, png_dir=png_dir) if write_report else None
+    report = (sweep_report(result, json_path=json_path, md_path=md_path, png_dir=png_dir, html_path=html_path)
+              if write_report else None)
     if report is not None:
         shown = [v for v in report.verdicts if v.verdict != "keep FIFO" or any(v.hol_events)]
         _print_summary(replace(report, verdicts=shown or report.verdicts[:10]))
-        click.echo(f"report: {json_path or out_dir / 'verdict.json'}, {md_path or out_dir / 'verdict.md'}")
+        click.echo(f"report: {json_path or out_dir / 'verdict.json'}, {md_path or out_dir / 'verdict.md'}"
+                   + (f", {html_path}" if html_path is not None else ""))

@@ -169,6 +169,12 @@ def write_markdown(report: VerdictReport, path: str | Path, *, png_names: Sequen
     return out
 
 
+def chart_verdicts(report: VerdictReport, *, limit: int = 24) -> list[ConfigVerdict]:
+    """The configurations the charts show, in chart order (numbered from 1): those with HOL first, then
+    switches; the HTML page prints the same numbering as the key."""
+    return sorted(report.verdicts, key=lambda v: (not _has_hol(v), v.verdict == KEEP))[:limit]
+
+
 def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -> list[Path]:
     """``whatif_ttft.png`` (TTFT estimate per policy, min–max over runs), ``whatif_gain.png`` (gain
     lower bound vs noise), for up to ``limit`` configurations (those with HOL first), and
@@ -180,7 +186,7 @@ def write_pngs(report: VerdictReport, out_dir: str | Path, *, limit: int = 24) -
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    chosen = sorted(report.verdicts, key=lambda v: (not _has_hol(v), v.verdict == KEEP))[:limit]
+    chosen = chart_verdicts(report, limit=limit)
     if not chosen:
         return []
     names = list(chosen[0].policies) if chosen[0].validated else ["fifo"]
