@@ -93,6 +93,59 @@ def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> 
     return results
 
 
+def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -> tuple[float, float]:
+    """The same tasks driven synchronously on this thread (no thread hand-offs, GC off): CPU ns per
+    ``add_request`` (the forward's side) and per ``_handle_request`` (the recv thread's side)."""
+    import gc
+
+    request = up.request("r-bench", blocks)
+    thread = env.thread
+    enqueue_ns = handle_ns = 0
+    gc.collect()
+    gc.disable()
+    try:
+        for i in range(count):
+            layer = 1 + i % (num_layers - 1)
+            gate = up.gate_class()
+            gate.record()
+            env.save_done[layer - 1].set()
+            task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+            t0 = time.thread_time_ns()
+            thread.add_request(task)
+            t1 = time.thread_time_ns()
+            item = thread.request_queue.get()
+            t2 = time.thread_time_ns()
+            thread._handle_request(item)
+            t3 = time.thread_time_ns()
+            enqueue_ns += t1 - t0
+            handle_ns += t3 - t2
+            env.load_done[layer].clear()
+            env.save_done[layer - 1].clear()
+    finally:
+        gc.enable()
+    return enqueue_ns / count, handle_ns / count
+
+
+def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[tuple[float, float]]]:
+    """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    out: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
+    with h.upstream_session(h.upstream_source_dir()) as up:
+        targets = up.binding.to_targets()
+        for _ in range(rounds):
+            for mode in out:
+                session = start_tracing(targets, exporter=None, run_id="bench-cpu") if mode == "traced" else None
+                env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
+                _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
+                out[mode].append(_cpu_per_call(up, env, tasks, num_layers, blocks))
+                if session is not None:
+                    session.recorder.drain(1 << 20)
+                    session.shutdown()
+    return out
+
+
 def _pct(values: list[int], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -124,6 +177,16 @@ def main() -> None:
               f"{statistics.median(added) / 1e3:9.1f} {statistics.median(ratios):6.2f} "
               f"{min(ratios):6.2f}-{max(ratios):<6.2f}")
     print("(added us and ratio: median over rounds of the per-round difference / ratio to untraced)")
+    cpu = measure_cpu(max(args.tasks, 1000), max(3, args.rounds // 3), args.layers, args.blocks)
+    added_enqueue = statistics.median(t[0] - u[0] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
+    added_handle = statistics.median(t[1] - u[1] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
+    base_handle = statistics.median(u[1] for u in cpu["untraced"])
+    print(f"\nCPU per task on the calling thread (synchronous, GC off): add_request +{added_enqueue / 1e3:.1f} us "
+          f"(forward), _handle_request +{added_handle / 1e3:.1f} us on {base_handle / 1e3:.1f} us (recv)")
+    latency_added = statistics.median(
+        m - b for m, b in zip(round_medians["traced+export"], round_medians["untraced"], strict=True))
+    print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "
+          f"added_recv_cpu_us={added_handle / 1e3:.1f}")
 
 
 if __name__ == "__main__":
