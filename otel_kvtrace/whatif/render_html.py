@@ -27,7 +27,7 @@ h1 { font-size: 1.4em; } h2 { font-size: 1.15em; margin-top: 1.6em; } h3 { font-
 code { background: #f4f4f4; padding: 1px 4px; word-break: break-all; }
 table.data { border-collapse: collapse; font-size: 0.82em; margin: 0.4em 0; }
 table.data th, table.data td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; vertical-align: top; }
-table.data th { background: #f0f0f0; } table.data td.text { text-align: left; }
+table.data th { background: #f0f0f0; text-align: left; } table.data td.text { text-align: left; }
 td.verdict, p.verdict { font-weight: bold; }
 .switch { color: #006d2c; } .keep { color: #444; }
 p.headline { font-weight: bold; padding: 0.5em; background: #fff4e5; border-left: 4px solid #e6550d; }
@@ -136,7 +136,8 @@ def _charts(report: VerdictReport, pngs: Sequence[Path]) -> str:
         f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode("ascii")}"></figure>'
         for p in pngs)
     key = "".join(f"<li>{_e(_label(v))} &rarr; {_e(v.verdict)}</li>" for v in chart_verdicts(report))
-    return f'<h2>Charts</h2>{figures}<p>Chart key (configuration numbers):</p><ol class="key">{key}</ol>'
+    return (f'<h2>Charts</h2><p>Configuration numbers in the charts (those with HOL first):</p>'
+            f'<ol class="key">{key}</ol>{figures}')
 
 
 def render_html(report: VerdictReport, *, pngs: Sequence[str | Path] = ()) -> str:
@@ -165,9 +166,9 @@ median service time) before any policy is compared; switch only when the TTFT ga
 in-flight regression.</p>
 {f"<ul>{notes}</ul>" if notes else ""}
 <p class="headline">{len(switches)} of {len(report.verdicts)} configuration(s) warrant a switch.</p>
+{_charts(report, [Path(p) for p in pngs])}
 {limited}
 {"".join(sections)}
-{_charts(report, [Path(p) for p in pngs])}
 </body></html>
 """
 
