@@ -34,12 +34,15 @@ DEP_SLOT_RELEASE = int(Dep.SLOT_RELEASE)
 
 
 class _Proxy:
-    __slots__ = ("_inner", "_rt", "_st")
+    # _clock and _by_thread are cached here: every attribute hop costs on the recording threads.
+    __slots__ = ("_inner", "_rt", "_st", "_clock", "_by_thread")
 
     def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_rt", rt)
         object.__setattr__(self, "_st", st)
+        object.__setattr__(self, "_clock", rt.recorder.clock)
+        object.__setattr__(self, "_by_thread", rt.state_by_thread)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
@@ -72,14 +75,14 @@ class TracedSaveEvent(_EventProxy):
     def set(self) -> None:
         inner = self._inner
         if not inner.is_set():
-            self.set_ns = self._rt.recorder.clock()
+            self.set_ns = self._clock()
         inner.set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        st = self._rt.state_by_thread.get(get_ident())
+        st = self._by_thread.get(get_ident())
         if st is None or st.current is None or st.is_send:
             return self._inner.wait(timeout)
-        clock = self._rt.recorder.clock
+        clock = self._clock
         t0 = clock()
         ok = self._inner.wait(timeout)
         t1 = clock()
@@ -112,14 +115,14 @@ class TracedLoadEvent(_EventProxy):
         if get_ident() == st.thread_ident:
             rec = st.current
             if rec is not None:
-                rec.t_complete = self._rt.recorder.clock()
+                rec.t_complete = self._clock()
         self._inner.set()
 
     def wait(self, timeout: float | None = None) -> bool:
         st = self._st
         if get_ident() == st.thread_ident or not st.consumer_tracking:
             return self._inner.wait(timeout)
-        clock = self._rt.recorder.clock
+        clock = self._clock
         t0 = clock()
         ok = self._inner.wait(timeout)
         t1 = clock()
@@ -162,7 +165,7 @@ class TracedNpuEvent(_Proxy):
     def query(self) -> bool:
         done = self._inner.query()
         if done:
-            now = self._rt.recorder.clock()
+            now = self._clock()
             if now < self.sync_hi:
                 self.sync_hi = now
             if self.position is not None:
@@ -170,7 +173,7 @@ class TracedNpuEvent(_Proxy):
         return done
 
     def synchronize(self) -> Any:
-        clock = self._rt.recorder.clock
+        clock = self._clock
         t0 = clock()
         result = self._inner.synchronize()
         t1 = clock()
@@ -179,7 +182,7 @@ class TracedNpuEvent(_Proxy):
         position = self.position
         if position is not None:
             position.log.observe(position.position, t1)
-        st = self._rt.state_by_thread.get(get_ident())
+        st = self._by_thread.get(get_ident())
         if st is not None:
             try:
                 rec = st.current
@@ -204,10 +207,10 @@ class TracedBuilder(_Proxy):
     __slots__ = ()
 
     def _timed(self, method: Any, args: tuple, kwargs: dict) -> Any:
-        st = self._rt.state_by_thread.get(get_ident())
+        st = self._by_thread.get(get_ident())
         if st is None or st.current is None:
             return method(*args, **kwargs)
-        clock = self._rt.recorder.clock
+        clock = self._clock
         t0 = clock()
         result = method(*args, **kwargs)
         rec = st.current
@@ -237,7 +240,7 @@ class TracedKeyStore(_Proxy):
         st = self._st
         if get_ident() != st.thread_ident:
             return call(*args, **kwargs)
-        clock = self._rt.recorder.clock
+        clock = self._clock
         t0 = clock()
         rec = st.current
         if rec is not None:

@@ -14,6 +14,7 @@ from threading import get_ident
 from typing import Any
 
 from otel_kvtrace.instrument import attach
+from otel_kvtrace.instrument.attach import STATE_ATTR
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
@@ -27,6 +28,9 @@ BACKEND_SUBMIT = int(Stage.BACKEND_SUBMIT)
 DEP_GATE_RECORD = int(Dep.GATE_RECORD)
 DEP_GATE_NPU = int(Dep.GATE_NPU)
 _FAR_FUTURE = 1 << 62
+_ERROR = int(Outcome.ERROR)
+_EMPTY = int(Outcome.EMPTY)
+_SEND = int(TaskKind.SEND)
 _HOLD_RECV = 0
 _HOLD_CONSUMER = 1
 
@@ -61,7 +65,7 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
         st = None
         if item is not None and recorder.enabled:
             try:
-                st = attach.queue_state(self, rt)
+                st = self.__dict__.get(STATE_ATTR) or attach.queue_state(self, rt)
                 _on_enqueue(st, self, item, clock)
             except Exception as exc:
                 rt.fail(exc)
@@ -81,7 +85,7 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
         rec.queue_depth_at_enqueue = st.enqueued - st.dequeued
         rec.inflight_at_enqueue = st.enqueued - st.completed
         if st.is_send:
-            rec.kind = TaskKind.SEND
+            rec.kind = _SEND
             rec.layer_id = worker.forward_layer
             rec.transfer_tasks = list(item) if item else None  # the sender clears the worker's list
         else:
@@ -130,7 +134,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
         rec = None
         st = None
         try:
-            st = attach.queue_state(self, rt)
+            st = self.__dict__.get(STATE_ATTR) or attach.queue_state(self, rt)
             if st.thread_ident != get_ident():
                 attach.bind_thread(st, rt)
             if st.is_send:  # plain lists: matched by FIFO position, checked by identity
@@ -157,7 +161,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
         except BaseException as exc:
             if rec is not None:
                 try:
-                    rec.outcome = Outcome.ERROR
+                    rec.outcome = _ERROR
                     rec.error = exc
                     if rec.t_complete == NO_TIME:
                         rec.t_complete = clock()
@@ -170,11 +174,11 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                     t_exit = clock()
                     st.current = None
                     st.completed += 1
-                    if rec.outcome != Outcome.ERROR:
+                    if rec.outcome != _ERROR:
                         if rec.t_backend_return == NO_TIME:
-                            rec.outcome = Outcome.EMPTY
+                            rec.outcome = _EMPTY
                         elif rec.backend_result:  # failed copy that did not raise (0.23)
-                            rec.outcome = Outcome.ERROR
+                            rec.outcome = _ERROR
                             rec.error = BackendResultError(rec.backend_result)
                     if rec.t_complete == NO_TIME:
                         rec.t_complete = t_exit
