@@ -19,7 +19,12 @@ from otel_kvtrace.whatif.render import (
     _range,
     chart_verdicts,
 )
-from otel_kvtrace.whatif.verdict import KEEP, MAX_FIFO_ERROR_PCT, MIN_REPEATS, ConfigVerdict
+from otel_kvtrace.whatif.verdict import (
+    KEEP,
+    MAX_FIFO_ERROR_PCT,
+    MIN_REPEATS,
+    ConfigVerdict,
+)
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 1.2em; color: #222; max-width: 1400px; }
