@@ -37,7 +37,7 @@ td.verdict, p.verdict { font-weight: bold; }
 .switch { color: #006d2c; } .keep { color: #444; }
 p.headline { font-weight: bold; padding: 0.5em; background: #fff4e5; border-left: 4px solid #e6550d; }
 section.config { border-top: 1px solid #ddd; }
-figure { margin: 0.6em 0; } img.chart { max-width: 100%; border: 1px solid #ddd; }
+figure { display: inline-block; vertical-align: top; margin: 0.3em 0.6em 0.3em 0; } img.chart { max-width: 100%; border: 1px solid #ddd; }
 ol.key { font-size: 0.85em; columns: 2; }
 """
 
