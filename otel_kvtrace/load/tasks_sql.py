@@ -8,22 +8,23 @@ ran several times into one span: first start to last end (``_ns = _end - _start`
 
 from __future__ import annotations
 
+from otel_kvtrace.record.model import (
+    COMPLETION_SPAN,
+    CONSUMER_WAIT_SPAN,
+    QUEUE_WAIT_SPAN,
+    RECV_ROOT_SPAN,
+    SEND_ROOT_SPAN,
+    STAGE_SPAN_NAMES,
+)
 
-RECV_ROOT = "kvtrace.recv.task"
-SEND_ROOT = "kvtrace.send.task"
+RECV_ROOT = RECV_ROOT_SPAN
+SEND_ROOT = SEND_ROOT_SPAN
 
 STAGES: tuple[str, ...] = (
-    "queue_wait",
-    "save_cpu_wait",
-    "save_npu_sync",
-    "gate_cond_wait",
-    "gate_npu_sync",
-    "meta_build",
-    "h2d_stagger",
-    "slot_release_wait",
-    "backend_submit",
-    "completion",
-    "consumer_wait",
+    QUEUE_WAIT_SPAN,
+    *(name for name in STAGE_SPAN_NAMES if name != CONSUMER_WAIT_SPAN),
+    COMPLETION_SPAN,
+    CONSUMER_WAIT_SPAN,
 )
 """Child span names in pipeline order (docs/schema.md)."""
 

@@ -43,6 +43,7 @@ STAGE_SPAN_NAMES: tuple[str, ...] = (
     "consumer_wait",
 )
 QUEUE_WAIT_SPAN = "queue_wait"
+CONSUMER_WAIT_SPAN = "consumer_wait"
 COMPLETION_SPAN = "completion"
 RECV_ROOT_SPAN = "kvtrace.recv.task"
 SEND_ROOT_SPAN = "kvtrace.send.task"
