@@ -3,17 +3,12 @@ shows its stages and dependency times, and zoom changes the visible range."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
-from playwright.sync_api import sync_playwright
 
+from browser import chromium_page
 from otel_kvtrace.report import build_report, write_html
-
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 
 pytestmark = pytest.mark.browser
 
@@ -21,14 +16,7 @@ pytestmark = pytest.mark.browser
 def test_timeline_renders_and_click_shows_stages(synthetic_trace_dir: Path, tmp_path: Path) -> None:
     report = build_report([synthetic_trace_dir], timeline_tasks=300)
     page_path = write_html(report, tmp_path / "report.html")
-    errors: list[str] = []
-    requests: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.on("request", lambda req: requests.append(req.url))
+    with chromium_page() as (page, log):
         page.goto(page_path.as_uri())
         page.wait_for_selector("#timeline rect.stage")
         bars = page.locator("#timeline rect.stage")
@@ -59,6 +47,5 @@ def test_timeline_renders_and_click_shows_stages(synthetic_trace_dir: Path, tmp_
         after = page.evaluate("window.kvtraceTimeline.view()")
         assert after[1] - after[0] < before[1] - before[0]
         page.screenshot(path=str(tmp_path / "timeline.png"), full_page=False)
-        browser.close()
-    assert errors == []
-    assert all(url.startswith(("file://", "data:")) for url in requests), requests
+    assert log.errors == []
+    assert all(url.startswith(("file://", "data:")) for url in log.requests), log.requests

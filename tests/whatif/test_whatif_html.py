@@ -6,22 +6,18 @@ chart decodes. Text from the data is escaped."""
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from playwright.sync_api import sync_playwright
 
+from browser import chromium_page
 from otel_kvtrace.cli import main
 from otel_kvtrace.demo import run_demo
 from otel_kvtrace.whatif.render import VerdictReport
 from otel_kvtrace.whatif.render_html import render_html
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
-ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
 
 pytestmark = pytest.mark.browser
 
@@ -48,15 +44,7 @@ class LoadedPage:
 
 
 def open_page(path: Path, screenshot: Path | None = None) -> LoadedPage:
-    errors: list[str] = []
-    requests: list[str] = []
-    with sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1000})
-        page.on("console", lambda msg: errors.append(msg.text) if msg.type == "error" else None)
-        page.on("pageerror", lambda exc: errors.append(str(exc)))
-        page.on("dialog", lambda d: (errors.append(f"dialog: {d.message}"), d.dismiss()))
-        page.on("request", lambda req: requests.append(req.url))
+    with chromium_page() as (page, log):
         page.goto(path.as_uri(), wait_until="load")
         rows = page.eval_on_selector_all(
             "table.summary tr", "rows => rows.slice(1).map(r => [...r.cells].map(c => c.innerText))")
@@ -66,8 +54,7 @@ def open_page(path: Path, screenshot: Path | None = None) -> LoadedPage:
         text = page.inner_text("body")
         if screenshot is not None:
             page.screenshot(path=str(screenshot), full_page=True)
-        browser.close()
-    return LoadedPage(errors, requests, rows, widths, text)
+    return LoadedPage(log.errors, log.requests, rows, widths, text)
 
 
 def assert_page_matches_json(page: LoadedPage, doc: dict) -> None:  # type: ignore[type-arg]
