@@ -1,0 +1,58 @@
+"""A bug inside the instrumentation turns tracing off (one log line) and never reaches the host threads:
+the traced replica still runs every step, in the same order, with no lost task_done."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from otel_kvtrace.api import start_tracing
+from otel_kvtrace.record.model import TaskRecord
+from otel_kvtrace.replica import ReplicaConfig, replica_targets
+from otel_kvtrace.replica.threaded import run_threaded
+
+CFG = ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3, steps=4)
+
+
+def _enqueue_order(result) -> list[tuple[int, int, int | None]]:
+    return [(e.step, e.layer_id, e.wait_for_save_layer) for e in result.enqueue_log]
+
+
+@pytest.mark.parametrize("where", ["save wait (recv thread)", "enqueue (forward thread)"])
+def test_an_instrumentation_bug_disables_tracing_not_the_host(
+        where: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    reference = run_threaded(CFG)
+    calls = {"n": 0}
+
+    def broken(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] >= 5:  # fail mid-run, after tracing worked for a while
+            raise KeyError("instrumentation bug")
+
+    if where.startswith("save wait"):
+        monkeypatch.setattr(TaskRecord, "dep_exact", broken, raising=True)
+    else:
+        from otel_kvtrace.instrument import attach
+
+        original_gate_id = attach.gate_id
+
+        def gate_id(gate, state):
+            broken()
+            return original_gate_id(gate, state)
+
+        monkeypatch.setattr(attach, "gate_id", gate_id)
+    session = start_tracing(replica_targets(CFG.behaviour), exporter=None, run_id="broken")
+    with caplog.at_level(logging.ERROR, logger="otel_kvtrace"):
+        try:
+            result = run_threaded(CFG)
+        finally:
+            stats = session.shutdown()
+    assert calls["n"] >= 5, "the injected fault never ran"
+    assert result.error is None and result.clean_shutdown
+    assert result.steps_done == CFG.steps
+    assert all(n == 0 for n in result.unfinished_tasks.values())
+    assert _enqueue_order(result) == _enqueue_order(reference)
+    assert stats.disabled_reason is not None and "instrumentation bug" in stats.disabled_reason
+    assert not session.recorder.enabled
+    assert sum("tracing disabled" in r.getMessage() for r in caplog.records) == 1
