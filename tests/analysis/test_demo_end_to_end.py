@@ -49,3 +49,22 @@ def test_fifo_optimal_preset_yields_no_hol(demo, tmp_path: Path) -> None:
     assert doc["tasks"]["count"] == scenario.recv_tasks > 0
     assert doc["hol"]["events"] == 0 and doc["hol"]["intervals"] == []
     assert any(r["waiting_tasks"] > 0 for r in doc["hol"]["by_config"])  # heads did wait: nothing was ready
+
+
+def test_notebook_executes_on_demo_output(demo, monkeypatch: pytest.MonkeyPatch) -> None:
+    """queries/notebooks/hol_statistics.ipynb runs top to bottom on what `kvtrace demo` wrote."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = Path(__file__).resolve().parents[2] / "queries" / "notebooks" / "hol_statistics.ipynb"
+    trace_dir = demo.scenarios[0].trace_files[0].parent
+    monkeypatch.setenv("KVTRACE_TRACES", str(trace_dir))
+    nb = nbformat.read(notebook, as_version=4)
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+    outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
+    assert not [o for o in outputs if o.get("output_type") == "error"]
+    text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
+    recv_tasks = sum(s.recv_tasks for s in demo.scenarios)
+    assert f"{recv_tasks} recv tasks" in text and "HOL events:" in text
+    assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 5
