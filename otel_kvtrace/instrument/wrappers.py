@@ -27,7 +27,6 @@ H2D_STAGGER = int(Stage.H2D_STAGGER)
 BACKEND_SUBMIT = int(Stage.BACKEND_SUBMIT)
 DEP_GATE_RECORD = int(Dep.GATE_RECORD)
 DEP_GATE_NPU = int(Dep.GATE_NPU)
-_FAR_FUTURE = 1 << 62
 _ERROR = int(Outcome.ERROR)
 _EMPTY = int(Outcome.EMPTY)
 _SEND = int(TaskKind.SEND)
@@ -248,26 +247,27 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
 # ---- attention gate -------------------------------------------------------------------------------
 
 
+GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, timing mark or None)
+
+
 def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
     clock = rt.recorder.clock
 
     def record(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Stamp (and mark) before the original notifies: a waiter woken by it must see both.
-        if (
-            getattr(self, "_event", None) is None
-            and rt.recorder.enabled
-            and self.__dict__.get("_kvtrace_record_ns") is None
-        ):
+        # Stamp (and mark) before the original notifies: a waiter woken by it must see the stamp.
+        if getattr(self, "_event", None) is None and rt.recorder.enabled and GATE_STAMP_ATTR not in self.__dict__:
             try:
-                self._kvtrace_record_ns = clock()
+                recorded = clock()
                 log = rt.stream_log
-                self._kvtrace_pos = StreamPosition(log, log.append())
+                position = StreamPosition(log, log.append())
+                mark = None
                 if rt.npu_timing_wanted:
                     timing = attach.npu_timing_for(rt)
                     if timing is not None:
                         # Recorded just before the gate's own event on the same stream, with no work in
                         # between, so the device reaches both at the same point.
-                        self._kvtrace_mark = timing.mark(*args, **kwargs)
+                        mark = timing.mark(*args, **kwargs)
+                setattr(self, GATE_STAMP_ATTR, (recorded, position, mark))
             except Exception as exc:
                 rt.fail(exc)
         return original(self, *args, **kwargs)
@@ -289,37 +289,37 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
         try:
             rec = st.current
             if rec is not None:
-                stages = rec.stages
-                if not ok:
-                    stages.extend((GATE_COND_WAIT, t0, t1))
-                else:
-                    recorded = getattr(self, "_kvtrace_record_ns", NO_TIME)
-                    cond_end = t0 if recorded < 0 else max(t0, min(recorded, t1))
-                    if cond_end > t0:
-                        stages.extend((GATE_COND_WAIT, t0, cond_end))
-                    stages.extend((GATE_NPU_SYNC, cond_end, t1))
-                    hi = getattr(self, "_kvtrace_sync_hi", _FAR_FUTURE)
-                    if t1 < hi:
-                        hi = t1
-                        self._kvtrace_sync_hi = t1
-                    position = self.__dict__.get("_kvtrace_pos")
-                    if position is not None:
-                        position.log.observe(position.position, t1)
-                        rec.npu_marks.append((DEP_GATE_NPU, position))
-                    if recorded >= 0:
-                        rec.dep_exact(DEP_GATE_RECORD, recorded)
-                        rec.dep_bounds(DEP_GATE_NPU, recorded, hi)
-                    else:
-                        rec.dep_bounds(DEP_GATE_RECORD, rec.t_enqueue, cond_end)
-                        rec.dep_bounds(DEP_GATE_NPU, rec.t_enqueue, hi)
-                    mark = getattr(self, "_kvtrace_mark", None)
-                    if mark is not None:
-                        rec.npu_marks.append((DEP_GATE_NPU, mark))
+                _gate_wait_done(rec, self.__dict__.get(GATE_STAMP_ATTR), ok, t0, t1)
         except Exception as exc:
             rt.fail(exc)
         return ok
 
     return _mark(wait, original)
+
+
+def _gate_wait_done(rec: Any, stamp: tuple[int, Any, Any] | None, ok: bool, t0: int, t1: int) -> None:
+    """Stages and dependencies of one gate ``wait()``: condition wait until the record was seen, then the
+    NPU synchronize; the record time is exact, the NPU completion bounded (tightened by stream order)."""
+    stages = rec.stages
+    if not ok:  # timed out waiting for the record
+        stages.extend((GATE_COND_WAIT, t0, t1))
+        return
+    if stamp is None:  # recorded before tracing started: only our own wait bounds it
+        stages.extend((GATE_NPU_SYNC, t0, t1))
+        rec.dep_bounds(DEP_GATE_RECORD, rec.t_enqueue, t0)
+        rec.dep_bounds(DEP_GATE_NPU, rec.t_enqueue, t1)
+        return
+    recorded, position, mark = stamp
+    cond_end = max(t0, min(recorded, t1))
+    if cond_end > t0:
+        stages.extend((GATE_COND_WAIT, t0, cond_end))
+    stages.extend((GATE_NPU_SYNC, cond_end, t1))
+    position.log.observe(position.position, t1)
+    rec.dep_exact(DEP_GATE_RECORD, recorded)
+    rec.dep_bounds(DEP_GATE_NPU, recorded, t1)
+    rec.npu_marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
+    if mark is not None:
+        rec.npu_marks.append((DEP_GATE_NPU, mark))
 
 
 # ---- KVPoolWorker (forward side) ------------------------------------------------------------------
