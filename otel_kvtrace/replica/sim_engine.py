@@ -328,7 +328,7 @@ class Simulation:
                     rec.t_complete = now
                     self.error = f"recv thread died at step {step} layer {layer}: {rec.error}"
                     return
-            if layer == n - 1:
+            if gva and layer == n - 1:  # only the GVA path releases leases (the key path never does)
                 now += lease_ns
                 self.lease_release[step] = now
             rec.t_complete = now

@@ -135,13 +135,14 @@ def _check_invariants(cfg: ReplicaConfig) -> None:
             assert copy[0] >= rec.dep_hi(Dep.GATE_NPU) >= rec.dep_hi(Dep.GATE_RECORD)
         if copy and rec.outcome == Outcome.OK:
             assert rec.t_complete >= copy[1]
-    final_loads = {r.step for r in res.recv if r.final_layer and r.transfer_tasks}
+    # only the GVA path releases leases (upstream's key-path recv thread never calls batch_remove_lease)
+    final_loads = {r.step for r in res.recv if r.final_layer and r.transfer_tasks and res.config.path == "gva"}
     for st_ in res.steps:
         if st_.step in final_loads:
             # final-layer lease release after every copy of the step
             assert st_.lease_release_ns >= max(b for _a, b in copies_by_step[st_.step])
         else:
-            # as upstream: only the final layer's load task releases leases; without one, nobody does
+            # as upstream: only the final layer's GVA load task releases leases; without one, nobody does
             assert st_.lease_release_ns == NO_TIME
     # the forward's consumer wait of each layer ends when that layer's load is complete
     for rec in res.recv:
