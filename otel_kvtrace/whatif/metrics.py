@@ -201,7 +201,9 @@ def check_constraints(rep: QueueReplay) -> list[str]:
     Single server (the thread's busy intervals never overlap; start >= arrival); every task served;
     H1 (no write before the save ready time as the replay moved it, nor before the slot-chain
     predecessor's load completed); attention boundary (no copy before every load of a layer <= the
-    gate layer completed, nor before the gate time); H2 (no copy before the slot release); H3 (the
+    gate layer completed, nor before the gate time); H2 (no copy before the slot release, both as
+    replayed and as recorded: ``ReplayTask.recorded_slot_release_ns``, so an input that lost the
+    constraint is caught); H3 (the
     final-layer task starts after every other task of its step completed).
     """
     q = rep.arrays
@@ -227,6 +229,9 @@ def check_constraints(rep: QueueReplay) -> list[str]:
         for name, r in (("save (H1)", rep.eff_rs[i]), ("gate", rep.eff_rg[i]), ("slot (H2)", q.rl[i])):
             if r != NONE and p < r:
                 bad.append(f"seq {seq}: copy at {p} before its {name} ready time {r}")
+        raw = q.tasks[i].recorded_slot_release_ns
+        if raw is not None and p < raw - q.t0:
+            bad.append(f"seq {seq}: copy at {p} before its recorded slot (H2) release {raw - q.t0}")
     by_step: dict[int, list[int]] = {}
     for i in range(n):
         by_step.setdefault(q.step[i], []).append(i)

@@ -14,7 +14,10 @@ Ready times (absolute epoch ns): save = max(``ts_dep_save_cpu``, ``ts_dep_save_n
 max(``ts_dep_gate_record``, ``ts_dep_gate_npu``), slot = ``ts_dep_slot_release``. Bounded NPU times use
 the upper bound (``bound="hi"``, conservative) or the lower bound (``bound="lo"``). A dependency time is
 never later than the observed end of its wait (the waiter returned, so it was satisfied by then).
-A slot-release wait that returned without blocking means the slot was already free: no constraint.
+A slot-release wait that returned without blocking means the slot was free by the wait's start: an
+exact release time is still kept (a policy may serve the task earlier than FIFO did), a bounded one is
+capped at the wait start (``bound="hi"``) or dropped (``bound="lo"``); without a recorded time there is
+no constraint.
 When a dependency time is exact and the thread blocked on it, the delay between that time and the
 wait's return (wake-up / synchronize latency) is kept per wait and paid again when a replayed wait
 blocks (not for bounded times: there the gap is uncertainty, not latency).
@@ -69,6 +72,9 @@ class ReplayTask:
     """The ``completion`` stage (backend return -> load event set); the tail of the last work segment."""
     backend_submit_ns: int = 0
     bytes: int = 0
+    recorded_slot_release_ns: int | None = None
+    """The exact ``ts_dep_slot_release`` as recorded (``None`` when absent or bounded): what
+    ``check_constraints`` checks H2 against, independently of how ``ready_slot_ns`` was derived."""
     recorded_start_ns: int | None = None
     recorded_complete_ns: int | None = None
     consumer_wait_start_ns: int | None = None
@@ -151,8 +157,14 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
                 r = wait[1]  # satisfied no later than the waiter's return
             elif exact and r > wait[0]:
                 wake[kind] = wait[1] - r  # blocked: the thread woke this long after the exact event time
-            if kind == SLOT and wait[1] <= wait[0]:
-                r = None  # returned without blocking: the slot was already free
+            if kind == SLOT and wait[1] <= wait[0] and r is not None:
+                # returned without blocking: the slot was free by the wait's start. An exact release
+                # time stays the constraint (a policy serving this task earlier must still wait for it);
+                # a bounded one is capped at the wait start (hi) or dropped (lo: possible, optimistic).
+                if not times or (not exact and bound == "lo"):
+                    r = None
+                elif not exact:
+                    r = min(r, wait[0])
         waits[kind] = wait
         ready[kind] = r
     work = [0, 0, 0, 0]
@@ -191,6 +203,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         completion_ns=(cstage[1] - cstage[0]) if cstage else 0,
         backend_submit_ns=(bstage[1] - bstage[0]) if bstage else 0,
         bytes=_int(row.get("bytes")) or 0,
+        recorded_slot_release_ns=_int(_get(row, "ts_dep_slot_release")),
         recorded_start_ns=dequeue,
         recorded_complete_ns=complete,
         consumer_wait_start_ns=cwait[0] if cwait else None,

@@ -35,6 +35,7 @@ def schedules(draw: st.DrawFn) -> list[ReplayTask]:
             gate = draw(st.sampled_from([None, *lower])) if lower else None
             src = draw(st.sampled_from([None, *lower])) if lower else None
             work = (draw(TIME), draw(TIME), draw(TIME), draw(TIME))
+            slot = clock + draw(TIME) * 4 if draw(st.booleans()) else None
             rec_complete = clock + draw(st.integers(0, 3000))
             cw_start = clock + draw(st.integers(0, 3000)) if with_forward else None
             cw_end = max(cw_start, rec_complete) if cw_start is not None else None
@@ -43,7 +44,7 @@ def schedules(draw: st.DrawFn) -> list[ReplayTask]:
                 wake_ns=(draw(st.integers(0, 30)), draw(st.integers(0, 30)), draw(st.integers(0, 30))),
                 ready_save_ns=clock + draw(TIME) * 4 if src is not None else None,
                 ready_gate_ns=clock + draw(TIME) * 4 if gate is not None else None,
-                ready_slot_ns=clock + draw(TIME) * 4 if draw(st.booleans()) else None,
+                ready_slot_ns=slot, recorded_slot_release_ns=slot,
                 final_layer=layer == num_layers - 1, gate_id=gate, wait_for_save_layer=src,
                 completion_ns=draw(st.integers(0, work[3])),
                 backend_submit_ns=draw(st.integers(1, 300)), bytes=draw(st.integers(1, 10_000)),
@@ -89,3 +90,11 @@ def test_the_checker_catches_a_violation() -> None:
     assert any("gate" in p for p in problems)
     rep.busy.append((rep.busy[0][0], rep.busy[0][1]))  # a second thing at the same time
     assert any("two things at once" in p for p in check_constraints(rep))
+
+
+def test_the_checker_uses_the_recorded_slot_release() -> None:
+    """A task whose replayed slot constraint was lost is still checked against the recorded release."""
+    tasks = [ReplayTask("q", 0, 0, 1, 0, (0, 0, 0, 10), ready_slot_ns=None, recorded_slot_release_ns=100),
+             ReplayTask("q", 1, 0, 7, 0, (0, 0, 0, 10), final_layer=True)]
+    rep = replay_queue(QueueArrays.from_tasks(tasks), get_policy("fifo"))
+    assert any("recorded slot (H2)" in p for p in check_constraints(rep))

@@ -53,13 +53,25 @@ def test_dependency_time_is_capped_by_the_observed_wait_end() -> None:
     assert t.ready_save_ns == 1050
 
 
-def test_slot_wait_that_did_not_block_is_no_constraint() -> None:
-    t = task_from_row(row(ts_dequeue=1000, ts_complete=1100, ts_dep_slot_release=1040,
+def test_an_exact_slot_release_is_kept_even_when_the_recorded_wait_did_not_block() -> None:
+    # released at 1030, after the arrival (1000); the recorded wait (1040) found it free. A policy that
+    # starts this task earlier than FIFO did must still not copy before 1030.
+    t = task_from_row(row(ts_dequeue=1000, ts_complete=1100, ts_dep_slot_release=1030,
                           slot_release_wait_start=1040, slot_release_wait_end=1040))
-    assert t.ready_slot_ns is None
+    assert t.ready_slot_ns == 1030
+    assert t.recorded_slot_release_ns == 1030
     t = task_from_row(row(ts_dequeue=1000, ts_complete=1100, ts_dep_slot_release=1060,
                           slot_release_wait_start=1040, slot_release_wait_end=1060))
     assert t.ready_slot_ns == 1060
+
+
+def test_a_bounded_slot_release_behind_a_wait_that_did_not_block() -> None:
+    # release somewhere in [1010, 1060]; the wait at 1040 found the slot free, so it was free by 1040
+    r = row(ts_dequeue=1000, ts_complete=1100, ts_dep_slot_release_lo=1010, ts_dep_slot_release_hi=1060,
+            slot_release_wait_start=1040, slot_release_wait_end=1040)
+    assert task_from_row(r).ready_slot_ns == 1040  # hi: min(hi, the recorded wait start)
+    assert task_from_row(r, bound="lo").ready_slot_ns is None  # lo (possible HOL) may drop it
+    assert task_from_row(r).recorded_slot_release_ns is None  # no exact time recorded
 
 
 def test_bounded_npu_times_use_the_requested_bound() -> None:
