@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 
-from otel_kvtrace.record.model import NO_TIME, Dep, Outcome, QueueInfo, Stage, TaskKind, TaskRecord
+from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, QueueInfo, Stage, TaskKind, TaskRecord
 from otel_kvtrace.replica.config import ReplicaConfig
 from otel_kvtrace.replica.events import Actor, EventLoop
 from otel_kvtrace.replica.layout import build_layout, enqueue_plan, should_wait
@@ -320,14 +320,16 @@ class Simulation:
             copies.append((step, layer, t0, now))
             rec.t_backend_return = now
             rec.nbytes = plan.load_blocks[i] * BLOCK_BYTES
-            if i == plan.fail_index and gva:
+            if i == plan.fail_index:
                 rec.backend_result = 1
-                if main:  # the thread dies: no load event, no task_done, later tasks stay queued
-                    rec.outcome = Outcome.ERROR
+                rec.outcome = Outcome.ERROR
+                if main and gva:  # the thread dies: no load event, no task_done, later tasks stay queued
                     rec.error = RuntimeError(f"batch_copy failed for layer {layer} (result 1)")
                     rec.t_complete = now
                     self.error = f"recv thread died at step {step} layer {layer}: {rec.error}"
                     return
+                # v0.23 GVA and the key path log the result code and go on (the instrumentation's record)
+                rec.error = BackendResultError(1)
             if gva and layer == n - 1:  # only the GVA path releases leases (the key path never does)
                 now += lease_ns
                 self.lease_release[step] = now

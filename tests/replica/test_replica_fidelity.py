@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from otel_kvtrace.record.model import NO_TIME
-from otel_kvtrace.replica.config import ReplicaConfig
+import pytest
+
+from otel_kvtrace.api import start_tracing
+from otel_kvtrace.record.model import NO_TIME, Outcome, TaskKind
+from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection
 from otel_kvtrace.replica.simulate import simulate
-from otel_kvtrace.replica.threaded import run_threaded
+from otel_kvtrace.replica.threaded import replica_targets, run_threaded
 
 KEY = ReplicaConfig(path="key", num_layers=4, prefetch_layers=2, steps=2)
+
+
+def _traced_recv(cfg: ReplicaConfig, run_id: str) -> dict[tuple[int, int], object]:
+    session = start_tracing(replica_targets(cfg.behaviour), exporter=None, npu_timing=True, run_id=run_id)
+    try:
+        assert run_threaded(cfg).error is None
+    finally:
+        session.shutdown()
+    return {(r.step, r.layer_id): r for r in session.recorder.drain(100_000) if r.kind == TaskKind.RECV}
 
 
 def test_key_path_never_releases_leases_in_either_engine() -> None:
@@ -20,3 +32,21 @@ def test_key_path_never_releases_leases_in_either_engine() -> None:
     # the GVA path still releases them once per step, after the final layer's copy
     gva = simulate(KEY.with_(path="gva"))
     assert all(s.lease_release_ns > 0 for s in gva.steps)
+
+
+@pytest.mark.parametrize("base", [KEY, KEY.with_(behaviour="v0.23"), KEY.with_(behaviour="v0.23", path="gva")],
+                         ids=["key-main", "key-v0.23", "gva-v0.23"])
+def test_failed_load_that_does_not_kill_the_thread_is_recorded_like_the_instrumentation(base) -> None:
+    """The thread logs a non-zero copy/``get`` result and goes on; the traced record keeps the code
+    (``backend_result``) and marks the task an error (``BackendResultError``)."""
+    cfg = base.with_(slow=SlowInjection(fail_copy_at=(1, 2)))
+    traced = _traced_recv(cfg, f"t-fail-{cfg.behaviour}-{cfg.path}")
+    res = simulate(cfg)
+    assert res.error is None
+    virtual = {(r.step, r.layer_id): r for r in res.recv}
+    assert traced[(1, 2)].backend_result == 1
+    got = {k: (r.backend_result, int(r.outcome)) for k, r in virtual.items()}
+    want = {k: (r.backend_result, int(r.outcome)) for k, r in traced.items()}
+    assert got == want
+    assert virtual[(1, 2)].outcome == Outcome.ERROR
+    assert type(virtual[(1, 2)].error) is type(traced[(1, 2)].error)
