@@ -109,7 +109,9 @@ class QueueInfo:
 
     @property
     def queue_id(self) -> str:
-        return f"{self.run_id}/pid{self.pid}/{self.thread_name}"
+        # The ranks make it unique across a deployment even when every rank shares OTEL_KVTRACE_RUN_ID
+        # and identical containers reuse the same pids.
+        return f"{self.run_id}/{self.rank_label}/pid{self.pid}/{self.thread_name}"
 
     @property
     def rank_label(self) -> str:

@@ -87,7 +87,7 @@ def test_root_attribute_values(make_record: Callable[..., TaskRecord]) -> None:
     root = _attrs(build_task_spans(rec, ANCHOR)[0])
     assert root["kvtrace.correlation_id"] == "run42/dp0.pp0.tp1.pcp0.dcp0/gva/s2/l5"
     assert root["kvtrace.path"] == "gva"
-    assert root["kvtrace.queue"] == "run42/pid1234/KVCacheRecvThread"
+    assert root["kvtrace.queue"] == "run42/dp0.pp0.tp1.pcp0.dcp0/pid1234/KVCacheRecvThread"
     assert (root["kvtrace.seq"], root["kvtrace.step"], root["kvtrace.layer_id"]) == (3, 2, 5)
     assert root["kvtrace.final_layer"] is False
     assert root["kvtrace.group_ids"] == [0, 1]
