@@ -119,8 +119,9 @@ class HolEvent:
 def hol_events(rep: QueueReplay) -> list[HolEvent]:
     """HOL events on a replayed FIFO timeline (design §4: union of bypass-ready intervals per head wait).
 
-    A later task j is bypass-ready at t when it has arrived, its dependencies are met (its readiness as
-    the replay computed it) and it is not the step's final-layer task.
+    A later task j is bypass-ready at t when it belongs to the head's step, has arrived, its dependencies
+    are met (its readiness as the replay computed it) and it is not the step's final-layer task. A
+    next-step task behind the head is not HOL (``queries/hol_intervals.sql`` partitions by queue and step).
     """
     q = rep.arrays
     n = q.n
@@ -130,6 +131,7 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
     for h in order:
         t = rep.start[h] + q.w0[h]
         intervals = []
+        step_h = q.step[h]
         for r, w, lag in ((rep.eff_rs[h], q.w1[h], q.ws[h]), (rep.eff_rg[h], q.w2[h], q.wg[h]),
                           (q.rl[h], q.w3[h], q.wl[h])):
             if r > t:
@@ -146,7 +148,7 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
             j_min = -1
             j = h + 1
             while j < n and q.arr[j] < b:
-                if not q.final[j] and rep.start[j] >= a:
+                if q.step[j] == step_h and not q.final[j] and rep.start[j] >= a:
                     e = max(q.arr[j], ready[j])
                     if e < b and (e_min is None or e < e_min):
                         e_min, j_min = e, j

@@ -46,6 +46,21 @@ def test_fifo_blocks_behind_a_waiting_head() -> None:
     assert [(h.seq, h.duration_ns, h.evidence_seq) for h in hol] == [(0, 100, 1)]
 
 
+def test_hol_counts_only_tasks_of_the_head_s_own_step() -> None:
+    # step 0: layer 3 waits for its gate until t=100; the final layer 7 is behind it. Step 1's layer 1
+    # arrives at 10 with no dependency: it is ready behind the head but belongs to the next step, so
+    # it is not HOL (the SQL partitions by queue and step the same way). Step 0's layer 4 is, from 40.
+    tasks = [task(0, 3, ready_gate_ns=100, gate_id=1), task(1, 7, final_layer=True),
+             task(2, 1, step=1, arrival=10)]
+    rep = run(tasks, "fifo")
+    assert order(rep) == [0, 1, 2]
+    assert hol_events(rep) == []
+    tasks = [task(0, 3, ready_gate_ns=100, gate_id=1), task(1, 4, arrival=40),
+             task(2, 7, arrival=40, final_layer=True), task(3, 1, step=1, arrival=50)]
+    hol = hol_events(run(tasks, "fifo"))
+    assert [(h.seq, h.duration_ns, h.evidence_seq) for h in hol] == [(0, 60, 1)]
+
+
 def test_ready_queue_runs_work_before_a_wait_early_and_sets_the_task_aside() -> None:
     # task 0: 30 of metadata work, then a gate at 100, then 10 of copy; task 1: 20 of work, no deps
     tasks = [
