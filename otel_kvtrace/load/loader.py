@@ -17,13 +17,16 @@ from otel_kvtrace.load.files import LoadError, resolve_inputs
 from otel_kvtrace.load.otlp_sql import (
     BAD_SPAN_CONDITION,
     create_raw_spans_sql,
+    dedupe_spans_sql,
+    duplicate_recv_roots_sql,
+    duplicate_spans_sql,
     insert_spans_sql,
     roots_table_sql,
     spans_view_sql,
 )
 from otel_kvtrace.load.tasks_sql import RECV_ROOT, SEND_ROOT, create_tasks_sql
 
-LOADER_VERSION = "4"
+LOADER_VERSION = "5"
 RAW_SPANS = "_kvtrace_spans"
 """Physical span rows (attributes as parsed lists); read them through the ``spans`` view."""
 ROOTS = "_kvtrace_roots"
@@ -42,7 +45,7 @@ class LoadStats:
     tasks: int = 0
     send_tasks: int = 0
     exporter_dropped: int = 0  # records the exporters reported dropping (sum over processes of the max)
-    duplicate_tasks: int = 0  # root spans whose trace id was already seen (a task loaded or exported twice)
+    duplicate_tasks: int = 0  # recv roots whose trace id was already seen (a task loaded or exported twice)
     malformed: list[MalformedLine] = field(default_factory=list)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
@@ -115,6 +118,7 @@ def load_traces(
     _run(con, "SET preserve_insertion_order = false")
     try:
         _load_json(con, files, stats, say)
+        _drop_duplicate_spans(con, files, stats, say)
         say("deriving tasks ...")
         _run(con, create_tasks_sql(RAW_SPANS, "tasks"))
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
@@ -134,10 +138,19 @@ def _count_into(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
     stats.spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
-    stats.duplicate_tasks = int(_scalar(con, f"SELECT coalesce(sum(roots - 1), 0) FROM {ROOTS}"))
     stats.exporter_dropped = int(_scalar(con, f"""
         SELECT coalesce(sum(d), 0) FROM (
             SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))
+
+
+def _drop_duplicate_spans(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats,
+                          say: Progress) -> None:
+    """Count duplicated recv tasks, then keep one row per (trace_id, span_id): a second copy of a task
+    would be a later task of its own queue to hol_intervals and double every total."""
+    stats.duplicate_tasks = int(_scalar(con, duplicate_recv_roots_sql(RAW_SPANS)))
+    if _scalar(con, duplicate_spans_sql(RAW_SPANS)):
+        say(f"dropping duplicated spans ({stats.duplicate_tasks} recv task(s) loaded more than once)")
+        _run(con, dedupe_spans_sql(RAW_SPANS), {"files": [str(f) for f in files]})
 
 
 def _scalar(con: duckdb.DuckDBPyConnection, sql: str) -> int:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 
+from otel_kvtrace.record.model import RECV_ROOT_SPAN
+
 RESOURCE_COLUMNS: dict[str, tuple[str, str]] = {
     # column: (resource attribute, SQL type)
     "service_name": ("service.name", "VARCHAR"),
@@ -151,10 +153,35 @@ Duplicate attribute keys (which OTel SDKs never emit) are not checked here: the 
 load. ``tasks`` takes the first value; only reading ``spans.attrs`` of such a span would fail."""
 
 
+def duplicate_recv_roots_sql(raw: str) -> str:
+    """Recv root spans whose trace id another recv root already has (``stats.duplicate_tasks``). Send
+    roots are not tasks; counted before ``dedupe_spans_sql`` removes the copies."""
+    return f"SELECT count(*) - count(DISTINCT trace_id) FROM {raw} WHERE name = '{RECV_ROOT_SPAN}'"
+
+
+def duplicate_spans_sql(raw: str) -> str:
+    """How many span rows repeat an earlier (trace_id, span_id): 0 on clean input, so the loader only
+    rewrites the table when something was loaded twice."""
+    return f"SELECT count(*) - count(DISTINCT (trace_id, span_id)) FROM {raw}"
+
+
+def dedupe_spans_sql(raw: str) -> str:
+    """``DELETE`` every copy of a (trace_id, span_id) but the first: the first file in parameter ``$files``
+    (the input order), then the first row read. A copy would double every stage and HOL figure."""
+    return f"""
+DELETE FROM {raw} WHERE rowid IN (
+    SELECT rowid FROM (
+        SELECT rowid, row_number() OVER (PARTITION BY trace_id, span_id
+                                         ORDER BY list_position($files, file), rowid) AS copy
+        FROM {raw})
+    WHERE copy > 1)
+"""
+
+
 def roots_table_sql(raw: str, table: str, tasks: str = "tasks") -> str:
     """Correlation id of every root span's trace, for the ``spans`` view: recv roots from ``tasks``
-    (already extracted), other roots (send tasks) from their attribute list. ``roots`` > 1 means the
-    same task was loaded more than once."""
+    (already extracted), other roots (send tasks) from their attribute list. ``roots`` is the number of
+    root spans of the trace (1 once the loader has removed duplicated spans)."""
     return f"""
 CREATE OR REPLACE TABLE {table} AS
 SELECT trace_id, min(correlation_id) AS correlation_id, count(*) AS roots FROM (
@@ -162,7 +189,7 @@ SELECT trace_id, min(correlation_id) AS correlation_id, count(*) AS roots FROM (
     UNION ALL
     SELECT trace_id,
            list_extract(list_filter(attributes, lambda a: a.key = 'kvtrace.correlation_id'), 1).value.stringValue
-    FROM {raw} WHERE parent_span_id IS NULL AND name <> 'kvtrace.recv.task'
+    FROM {raw} WHERE parent_span_id IS NULL AND name <> '{RECV_ROOT_SPAN}'
 ) WHERE correlation_id IS NOT NULL GROUP BY trace_id  -- one row per trace: the view must not fan out
 """
 

@@ -1,4 +1,4 @@
-"""SQL deriving the ``tasks`` table (one row per ``kvtrace.recv.task`` root) from ``spans`` (docs/schema.md).
+"""SQL deriving the ``tasks`` table (one row per trace of a ``kvtrace.recv.task`` root) from ``spans`` (docs/schema.md).
 
 Column names are the root attributes without the ``kvtrace.`` prefix and with ``.`` replaced by ``_``,
 then the configuration/resource columns, then ``<stage>_start, <stage>_end, <stage>_ns`` for every child
@@ -119,8 +119,11 @@ CREATE OR REPLACE TABLE {table} AS
 WITH root_spans AS (
     -- A key list and positional lookups instead of a MAP: building a MAP (or a list of every value as
     -- text) costs several times more than the ~38 lookups it would save.
+    -- One row per trace: a task loaded twice (the same file under two names, an export retried) would
+    -- otherwise be a later task of its own queue in hol_intervals and fan out every join on the queue.
     SELECT *, list_transform(attributes, lambda a: a.key) AS attr_keys
     FROM {raw} WHERE name = '{RECV_ROOT}'
+    QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY start_ns, span_id) = 1
 ),
 roots AS (
     SELECT {root_cols},

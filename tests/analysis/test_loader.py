@@ -10,6 +10,7 @@ import orjson
 import pytest
 from synthetic_traces import QueueSpec, request_lines, simulate_queue, write_otlp_json
 
+from otel_kvtrace.analyse.queries import run_query
 from otel_kvtrace.load import LoadError, load_traces, tasks_columns
 
 SPEC = QueueSpec(run_id="load")
@@ -189,3 +190,30 @@ def test_a_file_loaded_twice_is_reported_and_spans_do_not_fan_out(tmp_path: Path
     result = load_traces([path, copy])
     assert result.stats.duplicate_tasks == 6
     assert _count(result.con, "SELECT count(*) FROM spans") == result.stats.spans
+
+
+def test_a_duplicated_trace_file_changes_no_hol_figure(tmp_path: Path) -> None:
+    """The same file under two names (or a task exported twice) must not add tasks, HOL rows or HOL time:
+    a head's own copy is not a later task of its queue, and evidence joins must not fan out."""
+    spec = QueueSpec(run_id="dup")
+    tasks = simulate_queue(spec, 60, seed=3, hol_probability=0.3, bounded_probability=0.3)
+    path = write_otlp_json(tmp_path / "a.jsonl", [(spec, tasks)], with_send_tasks=True)
+    copy = tmp_path / "copy.jsonl"
+    copy.write_bytes(path.read_bytes())
+
+    def figures(paths: list[Path]) -> tuple:
+        result = load_traces(paths)
+        con = result.con
+        intervals = run_query(con, "hol_intervals").records()
+        summary = run_query(con, "hol_summary").records()
+        return result.stats, _count(con, "SELECT count(*) FROM tasks"), intervals, summary
+
+    single_stats, single_tasks, single_intervals, single_summary = figures([path])
+    stats, n_tasks, intervals, summary = figures([path, copy])
+    assert single_intervals, "the workload must have HOL for this test to mean anything"
+    assert single_stats.send_tasks > 0, "send roots must be present: they are not duplicated recv tasks"
+    assert n_tasks == single_tasks == stats.tasks == len(tasks)
+    assert stats.spans == single_stats.spans and stats.send_tasks == single_stats.send_tasks
+    assert intervals == single_intervals
+    assert summary == single_summary
+    assert stats.duplicate_tasks == len(tasks) and single_stats.duplicate_tasks == 0
