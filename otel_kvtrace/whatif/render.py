@@ -131,7 +131,8 @@ def _detail(v: ConfigVerdict) -> list[str]:
     lines.append(f"Runs: {', '.join(v.run_ids)}.")
     state = "validated" if v.validated else "**not validated: no policy compared**"
     lines.append(f"FIFO replay error: median {_f(v.fifo_median_error_pct, 2)}%, p95 "
-                 f"{_f(v.fifo_p95_error_pct, 2)}% of service time ({state}).")
+                 f"{_f(v.fifo_p95_error_pct, 2)}% of service time, pooled; worst run {v.fifo_worst_run} "
+                 f"{_f(v.fifo_worst_run_error_pct, 2)}% ({state}).")
     lines.append(f"HOL: {', '.join(str(n) for n in v.hol_events)} event(s) per run, "
                  f"{', '.join(_f(x, 3) for x in v.hol_ms)} ms per run." +
                  (f" Example: {v.extra['hol_example']}." if v.extra.get("hol_example") else ""))

@@ -123,8 +123,8 @@ def _detail(v: ConfigVerdict) -> str:
 <p>Configuration: {config}.</p>
 {reproduce}
 <p>Runs: {_e(", ".join(v.run_ids))}.</p>
-<p>FIFO replay error: median {_f(v.fifo_median_error_pct, 2)}%, p95 {_f(v.fifo_p95_error_pct, 2)}% of service time
-({_e(state)}).</p>
+<p>FIFO replay error: median {_f(v.fifo_median_error_pct, 2)}%, p95 {_f(v.fifo_p95_error_pct, 2)}% of service time,
+pooled; worst run {_e(v.fifo_worst_run)} {_f(v.fifo_worst_run_error_pct, 2)}% ({_e(state)}).</p>
 <p>HOL: {_e(", ".join(str(n) for n in v.hol_events))} event(s) per run, {_e(", ".join(_f(x, 3) for x in v.hol_ms))}
 ms per run.{example}</p>
 {_policy_table(v)}

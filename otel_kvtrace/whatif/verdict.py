@@ -1,8 +1,9 @@
 """The decision per configuration: keep FIFO, or switch, from >= 3 independent runs.
 
 Rules (design §5), checked in this order:
-1. FIFO replay must reproduce the recorded completions: median |error| <= 5% of the median service
-   time, pooled over every task of every run (p95 reported). Otherwise "keep FIFO", no policy compared.
+1. FIFO replay must reproduce the recorded completions in every run: each run's median |error| <= 5%
+   of its median service time (pooling would let accurate runs hide a bad one); the pooled median and
+   p95 are reported too. Otherwise "keep FIFO" naming the worst run, no policy compared.
 2. At least ``MIN_REPEATS`` independent runs.
 3. HOL must be stable: at least one HOL event in every run. Otherwise "no stable HOL".
 4. Per policy, the gain is the paired per-run reduction of the mean TTFT estimate (FIFO minus policy,
@@ -59,6 +60,9 @@ class ConfigVerdict:
     verdict: str
     reason: str
     reproduce: str = ""
+    fifo_worst_run: str = ""
+    """The run with the largest FIFO median error (each run must be <= 5% on its own)."""
+    fifo_worst_run_error_pct: float = 0.0
     layers: dict[str, dict[str, list[float]]] = field(default_factory=dict)
     """policy -> per-layer means over runs: ``layer``, ``load_done_ms`` (after the step's first
     enqueue), ``consumer_wait_ms``."""
@@ -76,8 +80,10 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
     names = list(runs[0].figures)
     pooled = validation_from([e for r in runs for e in r.fifo_errors_ns], [s for r in runs for s in r.service_ns])
     med, p95 = pooled.median_error_pct, pooled.p95_error_pct
-    worst = max(r.validation.median_error_pct for r in runs)
-    validated = pooled.ok
+    per_run = [r.validation for r in runs]
+    worst_at = max(range(len(runs)), key=lambda k: per_run[k].median_error_pct)
+    worst, worst_id = per_run[worst_at].median_error_pct, runs[worst_at].run_id
+    validated = pooled.ok and all(v.ok for v in per_run)
     policies = {
         name: {m: spread([float(r.figures[name][m]) for r in runs]) for m in METRICS} for name in names
     }
@@ -103,12 +109,13 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
     hol_events = [r.hol_events for r in runs]
     layers = _mean_layers(runs, names)
     hol_ms = [r.hol_ms for r in runs]
-    verdict, reason = _rule(runs, validated, med, worst, hol_events, gains, noise)
+    verdict, reason = _rule(runs, validated, med, (worst_id, worst), hol_events, gains, noise)
     return ConfigVerdict(
         cfg_label=cfg_label or runs[0].cfg_label, config=config or {}, run_ids=[r.run_id for r in runs],
         fifo_median_error_pct=round(med, 3), fifo_p95_error_pct=round(p95, 3), validated=validated,
         hol_events=hol_events, hol_ms=hol_ms, policies=policies if validated else {"fifo": policies["fifo"]},
         gains=gains if validated else {}, noise_ms=noise, verdict=verdict, reason=reason, reproduce=reproduce,
+        fifo_worst_run=worst_id, fifo_worst_run_error_pct=round(worst, 3),
         layers=layers if validated else {k: v for k, v in layers.items() if k == "fifo"},
     )
 
@@ -129,11 +136,13 @@ def _mean_layers(runs: list[RunSummary], names: list[str]) -> dict[str, dict[str
     return out
 
 
-def _rule(runs: list[RunSummary], validated: bool, med: float, worst: float, hol_events: list[int],
+def _rule(runs: list[RunSummary], validated: bool, med: float, worst: tuple[str, float], hol_events: list[int],
           gains: dict[str, dict[str, Any]], noise: float) -> tuple[str, str]:
     if not validated:
-        return KEEP, (f"FIFO replay does not reproduce the recorded completions (median error {med:.1f}% > "
-                      f"{MAX_FIFO_ERROR_PCT:.0f}% of service time, worst run {worst:.1f}%); no policy compared")
+        worst_id, worst_pct = worst
+        return KEEP, (f"FIFO replay does not reproduce the recorded completions (worst: run {worst_id}, median "
+                      f"error {worst_pct:.1f}% > {MAX_FIFO_ERROR_PCT:.0f}% of service time; pooled over "
+                      f"{len(runs)} run(s) {med:.1f}%); no policy compared")
     if len(runs) < MIN_REPEATS:
         return KEEP, f"only {len(runs)} independent run(s); need >= {MIN_REPEATS} to separate gain from noise"
     with_hol = sum(1 for n in hol_events if n > 0)

@@ -35,6 +35,16 @@ def test_fifo_not_reproduced_compares_no_policy() -> None:
     assert list(v.policies) == ["fifo"] and v.gains == {}
 
 
+def test_one_run_not_reproduced_blocks_every_comparison_even_when_the_pool_looks_fine() -> None:
+    # two accurate runs and one with 40% median error: pooled, the median error is 1.0%
+    v = decide([run(10.0, 9.0, i=0), run(10.2, 9.1, i=1), run(9.9, 8.95, error_ns=400, i=2)])
+    assert v.fifo_median_error_pct == 1.0  # the pooled figure alone would pass
+    assert not v.validated and v.verdict == "keep FIFO"
+    assert "does not reproduce" in v.reason and "run r2" in v.reason and "40.0%" in v.reason
+    assert (v.fifo_worst_run, v.fifo_worst_run_error_pct) == ("r2", 40.0)
+    assert list(v.policies) == ["fifo"] and v.gains == {}
+
+
 def test_fewer_than_three_runs() -> None:
     v = decide([run(10.0, 5.0, i=0), run(10.0, 5.0, i=1)])
     assert v.verdict == "keep FIFO" and "only 2 independent run(s)" in v.reason
