@@ -35,9 +35,10 @@ class Timing:
     (or slow slot-release layers) ``main`` GVA gets an ``external_slot_release_waiter`` that blocks until then."""
     blocks_per_request: int = 8
     independent_load_fraction: float = 1.0
-    """With buffer reuse, reused layers reload a request's whole cached prefix while independent layers load
-    only the part vLLM has not cached (research §2.2): this share of each request's blocks, the tail.
-    0 leaves independent layers without load tasks."""
+    """The share of each request's blocks vLLM has not cached (the tail). Upstream loads only that tail unless
+    buffers are really shared (``has_layer_reuse``): then reused layers reload the whole chunk and independent
+    layers load the tail. Without reuse (B=N, v0.23, key path) every layer loads the tail. 0 leaves the layers
+    that load the tail without load tasks."""
     jitter: str = "none"
     jitter_spread: float = 0.2
 

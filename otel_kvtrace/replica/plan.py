@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from otel_kvtrace.replica.config import ReplicaConfig, Timing
+from otel_kvtrace.replica.layout import build_layout
 from otel_kvtrace.replica.metadata import LayerBlockRange, ReqMeta
 
 DURATION_TABLES = (
@@ -26,7 +27,8 @@ class PlannedRequest:
     num_blocks: int
     start_block: int
     independent_blocks: int
-    """Blocks an independent layer loads (the tail of the request's chunk), when reuse is on."""
+    """Blocks vLLM has not cached (the tail of the request's chunk): what an independent layer loads with
+    buffer reuse, and what every layer loads without it."""
 
     @property
     def end_block(self) -> int:
@@ -43,9 +45,10 @@ class WorkPlan:
     blocks: list[int]
     """Blocks saved per layer in each step (and loaded by reused layers)."""
     load_blocks: list[int]
-    """Blocks loaded per (step, layer): fewer on independent layers when reuse is on (0 = no load task)."""
+    """Blocks loaded per (step, layer): ``independent_blocks`` on ``partial_layers`` (0 = no load task)."""
     partial_layers: frozenset[int]
-    """Layers that load only ``independent_blocks`` of each request."""
+    """Layers that load only ``independent_blocks`` of each request: the independent layers when buffers are
+    really shared (``has_layer_reuse``), every layer otherwise."""
     host_launch: list[int]
     attention: list[int]
     compute: list[int]
@@ -118,7 +121,14 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
         blocks.append(sum(r.num_blocks for r in batch))
 
     total = steps * n
-    partial_layers = frozenset(cfg.resolved_independent) if cfg.reuse_enabled else frozenset()
+    # Upstream (main pool_worker ``_process_load_for_layer_batch``) starts a load at vLLM's cached tokens
+    # `if not self.layerwise_offload or layer_id in self.independent_layers`, else at block 0; layerwise_offload
+    # is the layout's has_layer_reuse. So only really shared buffers make reused layers reload the whole chunk;
+    # without reuse (B=N, v0.23, key path) every layer loads the same uncached tail.
+    if build_layout(cfg).has_layer_reuse:
+        partial_layers = frozenset(cfg.resolved_independent)
+    else:
+        partial_layers = frozenset(range(n))
     partial_blocks = [sum(r.independent_blocks for r in batch) for batch in requests]
     load_blocks = [
         partial_blocks[step] if layer in partial_layers else blocks[step] for step in range(steps) for layer in range(n)

@@ -6,7 +6,9 @@ import pytest
 
 from otel_kvtrace.api import start_tracing
 from otel_kvtrace.record.model import NO_TIME, Outcome, TaskKind
-from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection
+from otel_kvtrace.replica.config import ReplicaConfig, SlowInjection, Timing
+from otel_kvtrace.replica.layout import build_layout
+from otel_kvtrace.replica.plan import build_plan
 from otel_kvtrace.replica.simulate import simulate
 from otel_kvtrace.replica.threaded import replica_targets, run_threaded
 
@@ -50,3 +52,25 @@ def test_failed_load_that_does_not_kill_the_thread_is_recorded_like_the_instrume
     assert got == want
     assert virtual[(1, 2)].outcome == Outcome.ERROR
     assert type(virtual[(1, 2)].error) is type(traced[(1, 2)].error)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ReplicaConfig(num_layers=6, independent_layers=(0, 3)),  # B defaults to N: nothing is shared
+        ReplicaConfig(num_layers=6, num_shared_buffers=4, independent_layers=(0, 3)),  # 4 reused, 4 slots
+        ReplicaConfig(behaviour="v0.23", num_layers=6, independent_layers=(0, 3)),
+        ReplicaConfig(path="key", num_layers=6, independent_layers=(0, 3)),
+    ],
+    ids=["B=N", "B=reused", "v0.23", "key"],
+)
+def test_without_real_buffer_sharing_every_layer_loads_the_same_uncached_tail(cfg: ReplicaConfig) -> None:
+    """Upstream starts a load at vLLM's cached tokens `if not layerwise_offload or layer_id in
+    independent_layers`; layerwise_offload is the layout's has_layer_reuse, false here."""
+    cfg = cfg.with_(steps=1, requests_per_step=2, timing=Timing(blocks_per_request=8, independent_load_fraction=0.25))
+    assert not build_layout(cfg).has_layer_reuse
+    plan = build_plan(cfg)
+    assert plan.load_blocks == [4] * 6
+    ranges = {tuple((r.start_block, r.end_block) for r in rec.transfer_tasks[0].block_ranges)
+              for rec in simulate(cfg).recv}
+    assert ranges == {((6, 8), (6, 8))}
