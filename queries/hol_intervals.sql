@@ -2,17 +2,20 @@
 -- implements: design.md section 4 (HOL definition)
 -- requires: tasks, spans
 -- purpose: every interval in which a recv queue's head task waits on a dependency while a later task of
---   the same queue could legally have been served: head-of-line blocking, with the task that proves it.
+--   the same queue and step could legally have been served: head-of-line blocking, with the task that
+--   proves it.
 -- definition:
 --   For each task h, each of its dependency-wait spans (save_cpu_wait, save_npu_sync, gate_cond_wait,
---   gate_npu_sync, slot_release_wait) is a wait window W (W_h may be several disjoint windows). A later task j of the same queue (seq_j > seq_h) is
---   bypass-ready at time t when ts_enqueue_j <= t, ts_ready_j <= t and j is not the step's final-layer
---   task (it releases every layer's leases, so it may never go first). h is blocked at t only while its
+--   gate_npu_sync, slot_release_wait) is a wait window W (W_h may be several disjoint windows). A later
+--   task j of the same queue and the same step (seq_j > seq_h, step_j = step_h) is bypass-ready at time t
+--   when ts_enqueue_j <= t, ts_ready_j <= t and j is not the step's final-layer task (it releases every
+--   layer's leases, so it may never go first). HOL is within a step: since that final-layer task releases
+--   the step's leases, a task of a later step can never legally pass h. h is blocked at t only while its
 --   own dependencies are unmet (t < ts_ready_h): a wait span that runs past ts_ready_h (the wait call's
 --   own overhead, the wake-up after the producer's set()) is not head-of-line blocking. The HOL interval
 --   of h is the union over such j of [max(start(W), ts_enqueue_j, ts_ready_j), min(end(W), ts_ready_h)).
 --   All those intervals end at the same point, so the union is
---   [max(start(W), R_h), min(end(W), ts_ready_h)) with R_h = min over later non-final j of
+--   [max(start(W), R_h), min(end(W), ts_ready_h)) with R_h = min over later non-final j of the step of
 --   max(ts_enqueue_j, ts_ready_j); the evidence is the j attaining R_h (earliest ready; lowest seq on ties).
 --   Bounded NPU times: class `proven` holds where j is surely ready (its upper bound ts_ready_j <= t) and
 --   h surely is not (t < its lower bound ts_ready_lo_h); class `possible` is the rest of the instants
@@ -37,7 +40,7 @@
 --   dur_ns                   BIGINT   end_ns - start_ns
 --   wait_start_ns            BIGINT   start of the first wait span the interval lies in
 --   wait_end_ns              BIGINT   end of the last wait span the interval lies in
---   evidence_correlation_id  VARCHAR  the earliest bypass-ready later task j
+--   evidence_correlation_id  VARCHAR  the earliest bypass-ready later task j (same queue and step)
 --   evidence_seq             BIGINT   seq of j
 --   evidence_ready_ns        BIGINT   max(ts_enqueue_j, ts_ready_j) (ts_ready_lo_j for class possible)
 WITH ready AS (
@@ -52,14 +55,15 @@ WITH ready AS (
     FROM tasks
 ),
 heads AS (
-    -- For each head: the earliest bypass-ready later task of its queue, as (ready time, seq), by upper
-    -- and by lower bound (a suffix minimum over seq; struct order breaks ties by the lower seq).
+    -- For each head: the earliest bypass-ready later task of its queue and step, as (ready time, seq), by
+    -- upper and by lower bound (a suffix minimum over seq; struct order breaks ties by the lower seq).
     SELECT * FROM (
         SELECT *,
                min(CASE WHEN ready_hi IS NOT NULL THEN {'ready': ready_hi, 'seq': seq} END) OVER later AS ev_hi,
                min(CASE WHEN ready_lo IS NOT NULL THEN {'ready': ready_lo, 'seq': seq} END) OVER later AS ev_lo
         FROM ready
-        WINDOW later AS (PARTITION BY queue ORDER BY seq DESC ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
+        WINDOW later AS (PARTITION BY queue, step ORDER BY seq DESC
+                         ROWS BETWEEN UNBOUNDED PRECEDING AND 1 PRECEDING)
     ) WHERE ev_lo IS NOT NULL
 ),
 waits AS (
@@ -115,5 +119,6 @@ SELECT i.queue, i.cfg_label, i.path, i.run_id, i.head_correlation_id, i.head_seq
        i.head_layer_id, i.class, i.start_ns, i.end_ns, i.end_ns - i.start_ns AS dur_ns,
        i.wait_start_ns, i.wait_end_ns, e.correlation_id AS evidence_correlation_id,
        i.ev.seq AS evidence_seq, i.ev.ready AS evidence_ready_ns
-FROM intervals AS i JOIN tasks AS e ON e.queue = i.queue AND e.seq = i.ev.seq
+FROM intervals AS i
+JOIN tasks AS e ON e.queue = i.queue AND e.step IS NOT DISTINCT FROM i.head_step AND e.seq = i.ev.seq
 ORDER BY i.queue, i.head_seq, i.start_ns

@@ -1,5 +1,6 @@
-"""Brute-force HOL reference, written straight from the definition (design.md section 4, with the head
-blocked only while its own dependencies are unmet, docs/analysis.md) for the property test.
+"""Brute-force HOL reference, written straight from the definition (design.md section 4: within one step
+of one queue, with the head blocked only while its own dependencies are unmet, docs/analysis.md) for the
+property test.
 
 Deliberately naive: for every head h, every one of its wait spans and every later task j, build the
 interval j contributes, then take unions with plain interval arithmetic. It shares no code or shortcut
@@ -54,7 +55,9 @@ def reference_hol(queues: Sequence[tuple[QueueSpec, Sequence[SynthTask]]]) -> di
     for spec, tasks in queues:
         for h in tasks:
             waits = [h.stages[s] for s in WAIT_STAGES if s in h.stages]
-            later = [j for j in tasks if j.seq > h.seq and not j.final_layer]
+            # HOL is within a step: the step's final-layer task releases its leases, so no task of a
+            # later step may legally pass h, however early it is ready.
+            later = [j for j in tasks if j.seq > h.seq and j.step == h.step and not j.final_layer]
             proven: list[Interval] = []
             possible_or_proven: list[Interval] = []
             own_lo = max(h.enqueue, h.ready_lo)  # h surely still waits for a dependency before this

@@ -81,8 +81,9 @@ def test_sql_hol_equals_bruteforce_reference(tmp_path: Path, queues: list[list[S
 
 
 def _task(seq: int, enqueue: int, *, final: bool = False, deps: dict | None = None,
-          waits: dict | None = None) -> SynthTask:
-    task = SynthTask(seq=seq, step=0, layer_id=seq, final_layer=final, enqueue=BASE_NS + enqueue)
+          waits: dict | None = None, step: int = 0, layer_id: int | None = None) -> SynthTask:
+    task = SynthTask(seq=seq, step=step, layer_id=seq if layer_id is None else layer_id, final_layer=final,
+                     enqueue=BASE_NS + enqueue)
     task.deps = {k: (BASE_NS + lo, BASE_NS + hi) for k, (lo, hi) in (deps or {}).items()}
     task.dequeue = task.enqueue
     task.stages = {"queue_wait": (task.enqueue, task.enqueue)}
@@ -112,6 +113,21 @@ def test_final_layer_task_ready_behind_is_not_hol(tmp_path: Path) -> None:
     head = _task(0, 0, deps={"save_cpu": (100, 100)}, waits={"save_cpu_wait": (0, 100)})
     final = _task(1, 10, final=True)  # ready at once, but it releases the step's leases: may not go first
     assert _run(tmp_path, [head, final]) == {}
+
+
+def test_next_step_task_ready_behind_blocked_head_is_not_hol(tmp_path: Path) -> None:
+    """HOL is within a step (design.md section 4): the step's final-layer task releases the leases, so a
+    step s+1 task can never legally pass a step s head, however early it is ready."""
+    head = _task(0, 0, deps={"save_cpu": (100, 100)}, waits={"save_cpu_wait": (0, 100)})
+    final = _task(1, 5, final=True, deps={"save_cpu": (120, 120)})
+    next_step = _task(2, 10, step=1, layer_id=0)  # ready at 10, while the head waits until 100
+    assert _run(tmp_path, [head, final, next_step]) == {}
+    # The same task in the head's own step is HOL: the case above is empty only because of the step.
+    same_step = _task(2, 10, step=0, layer_id=2)
+    (tmp_path / "same").mkdir()
+    cid = QueueSpec(run_id="case").correlation_id
+    assert _run(tmp_path / "same", [head, final, same_step]) == {
+        (cid(0, 0), "proven"): ([(BASE_NS + 10, BASE_NS + 100)], cid(0, 2), BASE_NS + 10)}
 
 
 def test_ready_task_behind_blocked_head_is_proven_hol(tmp_path: Path) -> None:
