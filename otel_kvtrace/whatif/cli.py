@@ -59,8 +59,10 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
     """Replay recorded recv queues under fifo / ready_queue / gate_group and decide: keep FIFO or switch.
 
     PATHS are trace files or directories (OTLP/JSON lines). Runs (run_id) of one configuration
-    (cfg_label) are its independent repeats; a switch needs >= 3 runs, a validated FIFO replay
-    (median error <= 5% of service time), a gain above run-to-run noise and no tail regression.
+    (cfg_label) are its independent repeats. A switch needs, in this order: a validated FIFO replay
+    (median error <= 5% of service time in every run), >= 3 runs, HOL in every run, a TTFT gain
+    whose lower bound over runs is above run-to-run noise, and in every run p99 TTFT no more than
+    1% above FIFO's and no increase of peak in-flight tasks.
 
     \b
     Example:

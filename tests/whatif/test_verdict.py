@@ -74,6 +74,33 @@ def test_tail_and_inflight_regressions_block_the_switch() -> None:
     assert v.verdict == "keep FIFO" and "peak in-flight regression" in v.reason
 
 
+def test_the_p99_tolerance_is_stated_where_it_is_used() -> None:
+    # FIFO's p99 is 15.0 ms; ready_queue's is 0.5% worse: inside the 1% tolerance, and the reason says so
+    v = decide([run(10.0, 9.0, rq_p99=15.075, i=k) for k in range(3)])
+    assert v.verdict == "switch to ready_queue"
+    assert "no p99 TTFT regression beyond 1%" in v.reason and "no peak in-flight increase" in v.reason
+    v = decide([run(10.0, 9.0, rq_p99=15.3, i=k) for k in range(3)])  # 2% worse: blocked
+    assert v.verdict == "keep FIFO" and "p99 TTFT regression (> 1%)" in v.reason
+
+
+def test_both_regressions_are_named() -> None:
+    v = decide([run(10.0, 9.0, rq_p99=20.0, rq_inflight=6, i=k) for k in range(3)])
+    assert v.verdict == "keep FIFO"
+    assert "p99 TTFT regression (> 1%) and peak in-flight regression" in v.reason
+
+
+def test_whatif_help_states_every_rule() -> None:
+    from click.testing import CliRunner
+
+    from otel_kvtrace.cli import main
+
+    text = " ".join(CliRunner().invoke(main, ["whatif", "--help"]).output.split())
+    assert "HOL in every run" in text
+    assert "p99 TTFT no more than 1% above FIFO's" in text
+    assert "peak in-flight" in text and "every run" in text
+    assert "5%" in text
+
+
 def test_summary_round_trips_through_json_dict() -> None:
     r = run(10.0, 9.0)
     assert RunSummary.from_dict(r.to_dict()) == r
