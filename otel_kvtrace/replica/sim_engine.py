@@ -118,6 +118,9 @@ class Simulation:
             pattern: [should_wait(cfg, layout, c, has) for c, has in enumerate(pattern)] for pattern in self.windows
         }
         release_on_forward = main and plan.has_slot_release_waiter
+        # v0.23 and the key path: the recv thread clears the task list after its copy, so a forward that
+        # arrives after the load finished sees no task (should_wait is false) and does not wait
+        cleared_after_load = not main or cfg.path == "key"
         recv_items, send_items, by_index = self.recv_items, self.send_items, self.by_index
         gate_npu, save_npu = self.gate_npu, self.save_npu
         rq, sq = self.rq, self.sq
@@ -158,10 +161,11 @@ class Simulation:
                     t = times[i]  # already fired: no round trip through the loop
                     if t < 0:
                         t = yield i
-                    if t > now:
-                        now = t
-                    consumer_wait += now - t0
-                    by_index[i].stages.extend((consumer, t0, now))  # type: ignore[union-attr]
+                    if not cleared_after_load or t > now:  # else: list already cleared, no wait and no stage
+                        if t > now:
+                            now = t
+                        consumer_wait += now - t0
+                        by_index[i].stages.extend((consumer, t0, now))  # type: ignore[union-attr]
                 elif release_on_forward:
                     release_at = step_start + slot_release[i]
                     if release_at > now:
