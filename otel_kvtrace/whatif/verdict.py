@@ -82,10 +82,10 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
     names = list(runs[0].figures)
     pooled = validation_from([e for r in runs for e in r.fifo_errors_ns], [s for r in runs for s in r.service_ns])
     med, p95 = pooled.median_error_pct, pooled.p95_error_pct
-    per_run = [r.validation for r in runs]
-    worst_at = max(range(len(runs)), key=lambda k: per_run[k].median_error_pct)
-    worst, worst_id = per_run[worst_at].median_error_pct, runs[worst_at].run_id
-    validated = pooled.ok and all(v.ok for v in per_run)
+    checks = [r.validation for r in runs]
+    worst_at = max(range(len(runs)), key=lambda k: checks[k].median_error_pct)
+    worst, worst_id = checks[worst_at].median_error_pct, runs[worst_at].run_id
+    validated = pooled.ok and all(v.ok for v in checks)
     policies = {
         name: {m: spread([float(r.figures[name][m]) for r in runs]) for m in METRICS} for name in names
     }
