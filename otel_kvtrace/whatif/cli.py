@@ -8,8 +8,19 @@ from pathlib import Path
 
 import click
 
-from otel_kvtrace.whatif.engine import FEEDBACKS
+from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
 from otel_kvtrace.whatif.task import BOUNDS
+
+
+class ReplayStalledError(click.ClickException):
+    """A replay could not finish (a policy bug or inconsistent input): exit 2 with the message, no traceback."""
+
+    exit_code = 2
+
+
+def _stalled(exc: ReplayStalled) -> ReplayStalledError:
+    return ReplayStalledError(f"replay stalled: {exc}. The input or the policy is inconsistent; rerun that "
+                              "configuration alone (--where \"cfg_label = '...'\") or without that --policy.")
 
 
 def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
@@ -79,6 +90,8 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
                         progress=lambda m: click.echo(m, err=True))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
+    except ReplayStalled as exc:
+        raise _stalled(exc) from exc
     _print_summary(report)
 
 
@@ -137,6 +150,8 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
             result = run_sweep(out_dir, matrix=matrix, quick=quick, confirm=confirm, on_progress=on_progress)
         except ValueError as exc:
             raise click.UsageError(str(exc)) from exc
+        except ReplayStalled as exc:
+            raise _stalled(exc) from exc
     click.echo(f"{len(result.verdicts)} cells: {result.ran} run(s) computed, {result.resumed} resumed from {out_dir}")
     report = (sweep_report(result, json_path=json_path, md_path=md_path, png_dir=png_dir, html_path=html_path)
               if write_report else None)

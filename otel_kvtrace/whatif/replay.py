@@ -12,7 +12,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from otel_kvtrace.whatif.engine import NONE, QueueArrays, QueueReplay, replay_queue
+from otel_kvtrace.whatif.engine import (
+    NONE,
+    QueueArrays,
+    QueueReplay,
+    ReplayStalled,
+    replay_queue,
+)
 from otel_kvtrace.whatif.metrics import (
     HolEvent,
     QueueFigures,
@@ -156,7 +162,10 @@ def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
 
 def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
                run_id: str = "", cfg_label: str = "") -> RunReplay:
-    """Replay every queue of one run under each policy (``fifo`` always included, first)."""
+    """Replay every queue of one run under each policy (``fifo`` always included, first).
+
+    Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
+    """
     names = list(policies) if policies else policy_names()
     if "fifo" in names:
         names.remove("fifo")
@@ -169,7 +178,11 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         arrays = QueueArrays.from_tasks(qtasks)
         replays[queue] = {}
         for name, policy in instances.items():
-            rep = replay_queue(arrays, policy, feedback=feedback)
+            try:
+                rep = replay_queue(arrays, policy, feedback=feedback)
+            except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
+                raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
+                                    f"policy {name!r}: {exc}") from exc
             replays[queue][name] = rep
             f = queue_figures(rep, with_hol=name == "fifo")
             hol.extend(f.hol)

@@ -118,3 +118,23 @@ def test_replay_hol_agrees_with_the_hol_intervals_query(traces: Path) -> None:
         assert key in sql, key
         assert abs(sql[key] - dur) <= max(50_000, 0.05 * dur), (key, sql[key], dur)
     assert {k for k, d in sql.items() if d > 100_000} <= set(mine)
+
+
+def test_a_stalled_replay_exits_2_naming_the_configuration(traces: Path, report) -> None:  # type: ignore[no-untyped-def]
+    from otel_kvtrace.whatif.policy import INF, Policy
+
+    class Sleeper(Policy):
+        name = "test_cli_sleeper"
+
+        def select(self, state, now):  # type: ignore[no-untyped-def]
+            return INF  # never serves anything: the engine must report a stall
+
+    try:
+        result = CliRunner().invoke(main, ["whatif", str(traces), "--policy", "test_cli_sleeper"])
+    finally:
+        Policy._registry.pop("test_cli_sleeper", None)
+    assert result.exit_code == 2, result.output
+    assert isinstance(result.exception, SystemExit)  # a message, not a traceback
+    labels = [v.cfg_label for v in report[0].verdicts]
+    assert "replay stalled" in result.output and "test_cli_sleeper" in result.output
+    assert any(f"configuration {label!r}" in result.output for label in labels), result.output
