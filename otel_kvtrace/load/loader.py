@@ -118,9 +118,9 @@ def load_traces(
     _run(con, "SET preserve_insertion_order = false")
     try:
         _load_json(con, files, stats, say)
-        _drop_duplicate_spans(con, files, stats, say)
+        roots_repeat = _drop_duplicate_spans(con, files, stats, say)
         say("deriving tasks ...")
-        _run(con, create_tasks_sql(RAW_SPANS, "tasks"))
+        _run(con, create_tasks_sql(RAW_SPANS, "tasks", one_root_per_trace=roots_repeat))
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
         _count_into(con, stats)
@@ -144,13 +144,16 @@ def _count_into(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
 
 
 def _drop_duplicate_spans(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats,
-                          say: Progress) -> None:
+                          say: Progress) -> bool:
     """Count duplicated recv tasks, then keep one row per (trace_id, span_id): a second copy of a task
-    would be a later task of its own queue to hol_intervals and double every total."""
+    would be a later task of its own queue to hol_intervals and double every total. Returns whether some
+    trace still has several recv roots (a task re-exported under new span ids)."""
     stats.duplicate_tasks = int(_scalar(con, duplicate_recv_roots_sql(RAW_SPANS)))
-    if _scalar(con, duplicate_spans_sql(RAW_SPANS)):
-        say(f"dropping duplicated spans ({stats.duplicate_tasks} recv task(s) loaded more than once)")
-        _run(con, dedupe_spans_sql(RAW_SPANS), {"files": [str(f) for f in files]})
+    if not _scalar(con, duplicate_spans_sql(RAW_SPANS)):
+        return stats.duplicate_tasks > 0
+    say(f"dropping duplicated spans ({stats.duplicate_tasks} recv task(s) loaded more than once)")
+    _run(con, dedupe_spans_sql(RAW_SPANS), {"files": [str(f) for f in files]})
+    return _scalar(con, duplicate_recv_roots_sql(RAW_SPANS)) > 0
 
 
 def _scalar(con: duckdb.DuckDBPyConnection, sql: str) -> int:

@@ -88,8 +88,11 @@ def tasks_columns() -> list[str]:
     return cols
 
 
-def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks") -> str:
-    """``CREATE TABLE tasks`` from the physical spans table (attribute lists, not the ``spans`` view)."""
+def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks", *, one_root_per_trace: bool = True) -> str:
+    """``CREATE TABLE tasks`` from the physical spans table (attribute lists, not the ``spans`` view).
+
+    ``one_root_per_trace`` keeps the earliest recv root of each trace. The window costs ~40% of this
+    statement, so the loader turns it off when it has checked that no trace has two recv roots."""
     def value(attr: str) -> str:
         return f"attributes[list_position(attr_keys, 'kvtrace.{attr}')].value"
 
@@ -114,6 +117,8 @@ def create_tasks_sql(raw: str = "_kvtrace_spans", table: str = "tasks") -> str:
     )
     stage_cols = ", ".join(f"st.{s}_start, st.{s}_end, st.{s}_end - st.{s}_start AS {s}_ns" for s in STAGES)
     names = ", ".join(f"'{s}'" for s in STAGES)
+    qualify = ("QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY start_ns, span_id) = 1"
+               if one_root_per_trace else "")
     return f"""
 CREATE OR REPLACE TABLE {table} AS
 WITH root_spans AS (
@@ -123,7 +128,7 @@ WITH root_spans AS (
     -- otherwise be a later task of its own queue in hol_intervals and fan out every join on the queue.
     SELECT *, list_transform(attributes, lambda a: a.key) AS attr_keys
     FROM {raw} WHERE name = '{RECV_ROOT}'
-    QUALIFY row_number() OVER (PARTITION BY trace_id ORDER BY start_ns, span_id) = 1
+    {qualify}
 ),
 roots AS (
     SELECT {root_cols},

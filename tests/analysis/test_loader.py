@@ -217,3 +217,26 @@ def test_a_duplicated_trace_file_changes_no_hol_figure(tmp_path: Path) -> None:
     assert intervals == single_intervals
     assert summary == single_summary
     assert stats.duplicate_tasks == len(tasks) and single_stats.duplicate_tasks == 0
+
+
+def test_a_task_exported_twice_under_new_span_ids_is_one_task(tmp_path: Path) -> None:
+    """A copy with other span ids survives the (trace_id, span_id) dedupe; tasks still has one row per
+    trace (the earliest root), so the head's copy is not a later task of its own queue."""
+    spec = QueueSpec(run_id="reexport")
+    tasks = simulate_queue(spec, 40, seed=4, hol_probability=0.3)
+    path = write_otlp_json(tmp_path / "a.jsonl", [(spec, tasks)])
+    docs = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    for doc in docs:
+        for span in doc["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            for key in ("spanId", "parentSpanId"):
+                if span.get(key):
+                    span[key] = span[key][::-1]  # other span ids, same trace id and times
+    copy = tmp_path / "reexported.jsonl"
+    copy.write_bytes(b"".join(orjson.dumps(d) + b"\n" for d in docs))
+    single = load_traces(path)
+    both = load_traces([path, copy])
+    assert both.stats.tasks == single.stats.tasks == len(tasks)
+    assert both.stats.duplicate_tasks == len(tasks)
+    intervals = run_query(single.con, "hol_intervals").records()
+    assert intervals and run_query(both.con, "hol_intervals").records() == intervals
+    assert run_query(both.con, "hol_summary").records() == run_query(single.con, "hol_summary").records()
