@@ -45,7 +45,9 @@ class WorkPlan:
     blocks: list[int]
     """Blocks saved per layer in each step (and loaded by reused layers)."""
     load_blocks: list[int]
-    """Blocks loaded per (step, layer): ``independent_blocks`` on ``partial_layers`` (0 = no load task)."""
+    """Blocks copied per (step, layer), 0 = no load task. A layer's own ranges hold ``independent_blocks`` on
+    ``partial_layers``; on the GVA path every load task copies the step's shared list, built from the first
+    layer that has a load task."""
     partial_layers: frozenset[int]
     """Layers that load only ``independent_blocks`` of each request: the independent layers when buffers are
     really shared (``has_layer_reuse``), every layer otherwise."""
@@ -130,9 +132,16 @@ def build_plan(cfg: ReplicaConfig, *, validate: bool = True) -> WorkPlan:
     else:
         partial_layers = frozenset(range(n))
     partial_blocks = [sum(r.independent_blocks for r in batch) for batch in requests]
-    load_blocks = [
-        partial_blocks[step] if layer in partial_layers else blocks[step] for step in range(steps) for layer in range(n)
-    ]
+    load_blocks: list[int] = []
+    for step in range(steps):
+        own = [partial_blocks[step] if layer in partial_layers else blocks[step] for layer in range(n)]
+        if cfg.path == "gva":
+            # Upstream's _build_shared_load_data builds ONE SharedBlockData per group and step from the first
+            # layer that has a load task and attaches it to every load task; the recv thread copies only
+            # that list. So every layer with a load task copies the first one's blocks.
+            first = next((b for b in own if b > 0), 0)
+            own = [first if b > 0 else 0 for b in own]
+        load_blocks.extend(own)
     step_blocks = np.repeat(np.asarray(blocks, dtype=np.float64), n)
     layer_load_blocks = np.asarray(load_blocks, dtype=np.float64)
     means = {

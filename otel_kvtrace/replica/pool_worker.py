@@ -161,18 +161,24 @@ class KVPoolWorker:
         """Build every layer's save and load tasks (and their shared data) for this step."""
         full, partial = step_block_ranges(self.plan, self._step)
         builder = self._build_group_layer_builders()[0]
-        shared: dict[bool, SharedBlockData] = {}
         for layer in range(self.num_layers):
-            is_partial = layer in self.plan.partial_layers
-            for lists, ranges, kind in ((self.layer_save_tasks, full, False),
-                                        (self.layer_load_tasks, partial if is_partial else full, is_partial)):
-                if not ranges:
-                    continue
-                task = LayerTransferTask(layer, ranges, 0, layer, step=self._step)
-                if kind not in shared:
-                    shared[kind] = builder.build_shared(task)
-                task.shared_block_data = shared[kind]
-                lists[layer].append(task)
+            if full:
+                self.layer_save_tasks[layer].append(LayerTransferTask(layer, full, 0, layer, step=self._step))
+            ranges = partial if layer in self.plan.partial_layers else full
+            if ranges:
+                self.layer_load_tasks[layer].append(LayerTransferTask(layer, ranges, 0, layer, step=self._step))
+        # upstream _build_shared_save_data / _build_shared_load_data: ONE shared block list per group and step,
+        # built from the first layer that has a task and attached to every task (the key path builds per task)
+        for lists in (self.layer_save_tasks, self.layer_load_tasks):
+            if lists is self.layer_load_tasks and not self.use_gva_layerwise:
+                continue
+            first = next((tasks[0] for tasks in lists if tasks), None)
+            if first is None:
+                continue
+            shared: SharedBlockData = builder.build_shared(first)
+            for tasks in lists:
+                for task in tasks:
+                    task.shared_block_data = shared
 
     def wait_for_layer_load(self) -> None:
         """Before layer ``current_layer``'s attention: new gate, submit the window, wait for the load."""

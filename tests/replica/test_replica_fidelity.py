@@ -74,3 +74,23 @@ def test_without_real_buffer_sharing_every_layer_loads_the_same_uncached_tail(cf
     ranges = {tuple((r.start_block, r.end_block) for r in rec.transfer_tasks[0].block_ranges)
               for rec in simulate(cfg).recv}
     assert ranges == {((6, 8), (6, 8))}
+
+
+@pytest.mark.parametrize("independent", [(0, 4), (2, 5)], ids=["tail-first", "full-first"])
+def test_every_gva_load_of_a_step_copies_the_one_shared_block_list(independent: tuple[int, ...]) -> None:
+    """Upstream's ``_build_shared_load_data`` builds one ``SharedBlockData`` per group and step from the first
+    layer with a load task and attaches it to every load task; the recv thread copies only that list. With
+    reuse, independent layers' own ranges are the uncached tail, yet every layer copies the first one's."""
+    cfg = ReplicaConfig(num_layers=8, num_shared_buffers=2, prefetch_layers=4, independent_layers=independent,
+                        requests_per_step=2, steps=2, timing=Timing(blocks_per_request=8, independent_load_fraction=0.25))
+    assert build_layout(cfg).has_layer_reuse
+    first_blocks = 4 if 0 in independent else 16  # layer 0 loads the tail (2 requests x 2) or the whole chunk
+    traced = _traced_recv(cfg, f"t-shared-{independent}")
+    res = simulate(cfg)
+    virtual = {(r.step, r.layer_id): r for r in res.recv}
+    assert {k: r.nbytes for k, r in traced.items()} == {k: r.nbytes for k, r in virtual.items()}
+    assert {r.nbytes for r in virtual.values()} == {first_blocks * 4096}
+    # the tasks keep their own ranges (upstream's LayerTransferTask.block_ranges); only the copy is shared
+    own = {layer: sum(b.end_block - b.start_block for b in virtual[(0, layer)].transfer_tasks[0].block_ranges)
+           for layer in range(8)}
+    assert {own[layer] for layer in independent} == {4} and own[1] == 16
