@@ -182,3 +182,11 @@ def test_run_loop_exception_semantics(behaviour: str) -> None:
         thread.join(5)
         assert not thread.is_alive()
         assert thread.request_queue.unfinished_tasks == 1  # v0.23 never task_done()s the failed item
+
+
+def test_docs_name_the_number_of_layouts_this_agreement_test_checks() -> None:
+    from pathlib import Path
+
+    words = {6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve"}
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "replica.md").read_text()
+    assert f"checks this for {words[len(CONFIGS)]} layouts" in doc
