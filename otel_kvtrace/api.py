@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -21,7 +22,7 @@ from otel_kvtrace.instrument import attach, patches
 from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
 from otel_kvtrace.instrument.wrappers import release
-from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, ClockAnchor, Recorder
+from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, Recorder
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -129,9 +130,7 @@ def start_tracing(
     without exporting (records stay in ``session.recorder``; tests drain them).
     """
     targets = Targets.coerce(targets)
-    recorder = Recorder(capacity=capacity, **({"clock": clock} if clock is not None else {}))
-    if clock is not None:
-        recorder.anchor = ClockAnchor.take(clock)
+    recorder = Recorder(capacity=capacity, clock=clock if clock is not None else time.perf_counter_ns)
     if npu_timing is None:
         npu_timing = os.environ.get(config.OTEL_KVTRACE_NPU_TIMING, "").strip().lower() in ("1", "true", "yes", "on")
     runtime = Runtime(

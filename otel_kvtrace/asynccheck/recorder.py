@@ -16,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import IntEnum
 
+from otel_kvtrace.record.recorder import count_value
+
 DEFAULT_CAPACITY = 65536
 
 
@@ -101,7 +103,7 @@ class StampBuffer:
         self._gen = _Generation(self.capacity)
         if settle_s:
             time.sleep(settle_s)
-        claimed = min(_count_value(old.claim), old.cap)
+        claimed = min(count_value(old.claim), old.cap)
         out: list[Stamp] = []
         for i in range(claimed):
             kind = old.kind[i]
@@ -114,9 +116,5 @@ class StampBuffer:
     @property
     def dropped(self) -> int:
         """Stamps lost because a generation was full (cumulative)."""
-        return _count_value(self._drops)
+        return count_value(self._drops)
 
-
-def _count_value(counter: itertools.count) -> int:
-    # itertools.count has no peek; its reduce tuple carries the next value without advancing it.
-    return counter.__reduce__()[1][0]

@@ -144,7 +144,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                     rec = vars(item).pop("_kvtrace", None)
                 except TypeError:  # no __dict__
                     rec = None
-            if rec is not None and rec.queue is not st.info and rec.queue.run_id != st.info.run_id:
+            if rec is not None and rec.queue is not st.info and getattr(rec.queue, "run_id", None) != st.info.run_id:
                 rec = None  # enqueued under an earlier tracing session
             if rec is None:  # enqueued before tracing started, or put() on request_queue directly
                 st.untraced += 1

@@ -120,11 +120,11 @@ class Recorder:
     @property
     def dropped(self) -> int:
         """Records dropped because the exporter fell behind (cumulative)."""
-        return _count_value(self._drops)
+        return count_value(self._drops)
 
     @property
     def submitted(self) -> int:
-        return _count_value(self._submitted)
+        return count_value(self._submitted)
 
     def count_drop(self, n: int = 1) -> None:
         """Count records lost elsewhere (e.g. an export batch that failed)."""
@@ -146,6 +146,7 @@ class Recorder:
         return self._disabled_reason
 
 
-def _count_value(counter: itertools.count) -> int:
+def count_value(counter: itertools.count) -> int:
+    """Current value of an ``itertools.count`` (a lock-free counter: ``next()`` is atomic under the GIL)."""
     # itertools.count has no peek; its reduce tuple carries the next value without advancing it.
-    return counter.__reduce__()[1][0]
+    return int(counter.__reduce__()[1][0])  # type: ignore[index]
