@@ -74,22 +74,23 @@ def inputs_for(size: int) -> list[Path]:
 def python_scan(tasks: list[tuple], waits: list[tuple]) -> tuple[int, int]:
     """HOL intervals by a plain Python scan; returns (intervals, total ns) for comparison with the SQL.
 
-    ``tasks``: (trace_id, queue, seq, final, enqueue, ready, ready_lo); ``waits``: (trace_id, start, end).
-    Per queue, walk tasks from the last seq to the first keeping the earliest bypass-ready time behind
+    ``tasks``: (trace_id, queue, step, seq, final, enqueue, ready, ready_lo); ``waits``: (trace_id, start, end).
+    Per queue and step (HOL is within a step), walk tasks from the last seq to the first keeping the
+    earliest bypass-ready time behind
     (upper and lower bound); merge each head's wait windows; clip them as hol_intervals.sql does.
     """
     by_trace: dict[str, list[tuple[int, int]]] = {}
     for trace_id, start, end in waits:
         if end > start:
             by_trace.setdefault(trace_id, []).append((start, end))
-    queues: dict[str, list[tuple]] = {}
+    queues: dict[tuple, list[tuple]] = {}
     for row in tasks:
-        queues.setdefault(row[1], []).append(row)
+        queues.setdefault((row[1], row[2]), []).append(row)
     count = total = 0
     for rows in queues.values():
-        rows.sort(key=lambda r: r[2], reverse=True)
+        rows.sort(key=lambda r: r[3], reverse=True)
         best_hi = best_lo = INF
-        for trace_id, _queue, _seq, final, enqueue, ready, ready_lo in rows:
+        for trace_id, _queue, _step, _seq, final, enqueue, ready, ready_lo in rows:
             ready = enqueue if ready is None else ready  # as SQL greatest(), which skips NULLs
             ready_lo = ready if ready_lo is None else ready_lo
             windows = by_trace.get(trace_id)
@@ -156,7 +157,7 @@ def run_size(size: int, repeats: int, json_repeats: int, cache_root: Path) -> di
     # Python scan over the same data.
     t0 = time.perf_counter()
     tasks = loaded.con.execute(
-        "SELECT trace_id, queue, seq, coalesce(final_layer, false), ts_enqueue, ts_ready, ts_ready_lo FROM tasks"
+        "SELECT trace_id, queue, step, seq, coalesce(final_layer, false), ts_enqueue, ts_ready, ts_ready_lo FROM tasks"
     ).fetchall()
     waits = loaded.con.execute(
         "SELECT trace_id, start_ns, end_ns FROM spans WHERE name IN "
