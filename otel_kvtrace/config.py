@@ -26,6 +26,10 @@ times are exact; otherwise they are exported as bounds. Default: off."""
 OTEL_KVTRACE_ASYNC = "OTEL_KVTRACE_ASYNC"
 """``0`` keeps the async-scheduling engine-loop spans off while KV tracing is on. Default: on."""
 
+OTEL_KVTRACE_QUERIES_DIR = "OTEL_KVTRACE_QUERIES_DIR"
+"""Directory of the analysis SQL (``*.sql``). Default: the repository's ``queries/`` in a source checkout,
+else the copy shipped inside the package (``otel_kvtrace/sql/``)."""
+
 OTEL_KVTRACE_DATA_DIR = "OTEL_KVTRACE_DATA_DIR"
 """Directory of the embedded file sink. Traces go to ``{dir}/traces/kvtrace-{run_id}-{pid}.jsonl``.
 Default: ``./kvtrace-data``."""

@@ -19,7 +19,9 @@ from typing import Any
 
 import duckdb
 
-QUERIES_ENV = "OTEL_KVTRACE_QUERIES_DIR"
+from otel_kvtrace import config
+
+QUERIES_ENV = config.OTEL_KVTRACE_QUERIES_DIR
 """Overrides where the ``.sql`` files are read from (default: the repository's ``queries/``)."""
 
 _COLUMN_LINE = re.compile(r"^--\s{3,}(\w+)\s+([A-Z][A-Z0-9_\[\]()]*)\s+(.*)$")
