@@ -21,13 +21,15 @@ from __future__ import annotations
 import argparse
 import bisect
 import gzip
-import hashlib
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+
+from otel_kvtrace.export.spans import child_span_ids
+from otel_kvtrace.record.model import ALL_CHILD_SPAN_NAMES, QueueInfo, TaskKind, correlation_id, trace_ids_for
 
 BASE_NS = 1_764_000_000_000_000_000  # 2025-11-24, epoch ns
 DEP_ORDER = ("save_cpu", "save_npu", "gate_record", "gate_npu", "slot_release")
@@ -58,13 +60,17 @@ class QueueSpec:
     tp: int = 0
     source: str = "replica"
 
+    def queue_info(self, thread_name: str | None = None) -> QueueInfo:
+        """The same identity the recorder gives a real queue (so ids and formats cannot drift)."""
+        return QueueInfo(run_id=self.run_id, path=self.path, thread_name=thread_name or self.thread_name,
+                         pid=self.pid, tp=self.tp, num_layers=self.num_layers)
+
     @property
     def queue_id(self) -> str:
-        return f"{self.run_id}/pid{self.pid}/{self.thread_name}"
+        return self.queue_info().queue_id
 
     def correlation_id(self, step: int, layer_id: int, save: bool = False) -> str:
-        what = f"{self.path}-save" if save else self.path
-        return f"{self.run_id}/dp0.pp0.tp{self.tp}.pcp0.dcp0/{what}/s{step}/l{layer_id}"
+        return correlation_id(self.queue_info(), TaskKind.SEND if save else TaskKind.RECV, step, layer_id)
 
 
 @dataclass(slots=True)
@@ -233,12 +239,11 @@ def resource_attributes(spec: QueueSpec) -> list[dict]:
 
 
 def _ids(cid: str) -> tuple[str, str]:
-    digest = hashlib.sha256(cid.encode()).digest()
-    return digest[:16].hex(), digest[16:24].hex()
+    trace_id, span_id = trace_ids_for(cid)
+    return trace_id.hex(), span_id.hex()
 
 
-def _child_id(root_span_id: str, index: int) -> str:
-    return f"{(int(root_span_id, 16) ^ (index + 1)) & 0xFFFFFFFFFFFFFFFF:016x}"
+_CHILD_INDEX = {name: index for index, name in enumerate(ALL_CHILD_SPAN_NAMES)}
 
 
 def task_spans(spec: QueueSpec, task: SynthTask) -> list[dict]:
@@ -296,7 +301,9 @@ def task_spans(spec: QueueSpec, task: SynthTask) -> list[dict]:
         "status": {"code": 2, "message": "error"} if task.outcome == "error" else {},
     }
     spans = [root]
-    for index, (name, (start, stop)) in enumerate(task.stages.items()):
+    child_ids = child_span_ids(cid)
+    task_attrs = [_s("kvtrace.path", spec.path), _s("kvtrace.task", "recv")]
+    for name, (start, stop) in task.stages.items():
         child_attrs: list[dict] = []
         if name == "queue_wait":
             child_attrs = [_i("kvtrace.queue_depth_at_enqueue", task.queue_depth_at_enqueue)]
@@ -313,13 +320,13 @@ def task_spans(spec: QueueSpec, task: SynthTask) -> list[dict]:
         spans.append(
             {
                 "traceId": trace_id,
-                "spanId": _child_id(root_id, index),
+                "spanId": child_ids[_CHILD_INDEX[name]],
                 "parentSpanId": root_id,
                 "name": name,
                 "kind": 1,
                 "startTimeUnixNano": str(start),
                 "endTimeUnixNano": str(stop),
-                "attributes": child_attrs,
+                "attributes": task_attrs + child_attrs,
                 "status": {},
             }
         )
@@ -340,7 +347,7 @@ def send_task_span(spec: QueueSpec, step: int, layer: int, start: int, end: int,
         "attributes": [
             _s("kvtrace.correlation_id", cid),
             _s("kvtrace.path", spec.path),
-            _s("kvtrace.queue", f"{spec.run_id}/pid{spec.pid}/kv-send-0"),
+            _s("kvtrace.queue", spec.queue_info("kv-send-0").queue_id),
             _i("kvtrace.seq", seq),
             _i("kvtrace.step", step),
             _i("kvtrace.layer_id", layer),
