@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -27,15 +26,14 @@ from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, Recorder
 logger = logging.getLogger("otel_kvtrace")
 
 
-_active_lock = threading.Lock()
-_active: list[TracingSession] = []
 
 
 @dataclass(slots=True)
 class SessionStats:
-    submitted: int
-    dropped: int
-    disabled_reason: str | None
+    submitted: int  # records handed to the exporter
+    dropped: int  # records lost because the exporter fell behind (or a batch failed)
+    disabled_reason: str | None  # set when an instrumentation error turned tracing off
+    untraced: int = 0  # tasks that were already queued when tracing started (ran untraced)
 
 
 class TracingSession:
@@ -55,6 +53,7 @@ class TracingSession:
         self.exporter = exporter
         self._installed = installed
         self._closed = False
+        self._untraced = 0  # counted over detached queues too
 
     @property
     def run_id(self) -> str:
@@ -75,6 +74,7 @@ class TracingSession:
                 for rec in held:
                     release(self.runtime, rec)
         for state in self.runtime.queues:
+            self._untraced += state.untraced
             attach.detach(state)
         for worker in self.runtime.workers:
             worker.__dict__.pop(attach.WORKER_ATTR, None)
@@ -95,13 +95,11 @@ class TracingSession:
             self.uninstrument()
             if self.exporter is not None:
                 self.exporter.shutdown(timeout_s)
-            with _active_lock:
-                if self in _active:
-                    _active.remove(self)
         return self.stats()
 
     def stats(self) -> SessionStats:
-        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason)
+        untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
+        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
 
     def __enter__(self) -> TracingSession:
         return self
@@ -164,12 +162,4 @@ def start_tracing(
     except BaseException:
         patches.uninstall(installed)
         raise
-    session = TracingSession(targets, recorder, runtime, installed, export_worker)
-    with _active_lock:
-        _active.append(session)
-    return session
-
-
-def active_sessions() -> list[TracingSession]:
-    with _active_lock:
-        return list(_active)
+    return TracingSession(targets, recorder, runtime, installed, export_worker)

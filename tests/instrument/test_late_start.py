@@ -39,3 +39,36 @@ def test_tracing_started_between_steps_adopts_the_running_threads() -> None:
     assert gates == {0: None, 1: 0, 2: 0, 3: 1, 4: 2, 5: 3}
     assert all(r.queue.tp == 0 and r.queue.run_id == "late" for r in recv)
     assert all(len(list(stage_triples(r.stages))) > 0 for r in send)
+
+
+def test_a_task_queued_before_tracing_runs_untraced_and_is_counted() -> None:
+    from types import SimpleNamespace
+
+    from otel_kvtrace.instrument.targets import Targets
+
+    class RecvThread:  # the smallest upstream-shaped FIFO: add_request / _handle_request
+        def __init__(self) -> None:
+            self.queue: list = []
+
+        def add_request(self, item) -> None:
+            self.queue.append(item)
+
+        def _handle_request(self, item) -> str:
+            return f"handled {item.layer_id}"
+
+    def task(layer: int) -> SimpleNamespace:
+        return SimpleNamespace(layer_id=layer, wait_for_save_layer=None, attention_start_gate=None,
+                               transfer_tasks=[])
+
+    thread = RecvThread()
+    thread.add_request(task(0))  # before tracing
+    session = start_tracing(Targets(recv_thread_classes=(RecvThread,)), exporter=None, run_id="pre")
+    try:
+        thread.add_request(task(1))
+        assert [thread._handle_request(t) for t in thread.queue] == ["handled 0", "handled 1"]
+    finally:
+        stats = session.shutdown()
+    assert stats.untraced == 1
+    assert stats.submitted == 1
+    (record,) = session.recorder.drain(10)
+    assert record.layer_id == 1 and record.seq == 0
