@@ -17,7 +17,7 @@ from typing import Any
 
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import StreamPosition
+from otel_kvtrace.instrument.stream_order import StreamPosition, next_position
 from otel_kvtrace.record.model import NO_TIME, Dep, Stage
 
 _FAR_FUTURE = 1 << 62
@@ -151,8 +151,7 @@ class TracedNpuEvent(_Proxy):
         rt = self._rt
         self.record_ns = rt.recorder.clock()
         self.sync_hi = _FAR_FUTURE
-        log = rt.stream_log
-        self.position = StreamPosition(log, log.append())
+        self.position = next_position(rt)
         result = self._inner.record(*args, **kwargs)
         timing = rt.npu_timing
         if timing is not None:

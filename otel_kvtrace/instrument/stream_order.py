@@ -18,8 +18,12 @@ forward thread's current stream, and that stream does not change within a step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 FAR_FUTURE = 1 << 62
+MAX_EVENTS_PER_LOG = 1 << 16
+"""A step records 2 events per layer; a log this long means no step boundary is being seen (no
+instrumented ``start_load_kv``): start a new one so memory stays bounded (bounds only lose reach)."""
 
 
 @dataclass(slots=True)
@@ -42,6 +46,14 @@ class StreamLog:
         """Earliest observed completion of this event or of any event recorded after it."""
         later = self.done_by[position:]
         return min(later) if later else FAR_FUTURE
+
+
+def next_position(holder: Any) -> StreamPosition:
+    """Register a newly recorded NPU event in ``holder.stream_log`` (the runtime's current step log)."""
+    log = holder.stream_log
+    if len(log.done_by) >= MAX_EVENTS_PER_LOG:
+        log = holder.stream_log = StreamLog()
+    return StreamPosition(log, log.append())
 
 
 @dataclass(slots=True, frozen=True)

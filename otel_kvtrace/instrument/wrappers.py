@@ -18,7 +18,7 @@ from otel_kvtrace.instrument.attach import STATE_ATTR
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+from otel_kvtrace.instrument.stream_order import StreamLog, next_position
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
 
 GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
@@ -258,8 +258,7 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
         if getattr(self, "_event", None) is None and rt.recorder.enabled and GATE_STAMP_ATTR not in self.__dict__:
             try:
                 recorded = clock()
-                log = rt.stream_log
-                position = StreamPosition(log, log.append())
+                position = next_position(rt)
                 mark = None
                 if rt.npu_timing_wanted:
                     timing = attach.npu_timing_for(rt)

@@ -55,3 +55,17 @@ def test_hol_preset_bounds_are_valid_and_beat_the_own_dequeue() -> None:
     assert checked > 100
     assert behind == 20
     assert bypass_ready >= 18, f"only {bypass_ready}/20 layer-4 tasks known ready before their dequeue"
+
+
+def test_a_log_without_step_boundaries_stays_bounded() -> None:
+    from types import SimpleNamespace
+
+    from otel_kvtrace.instrument.stream_order import MAX_EVENTS_PER_LOG, next_position
+
+    holder = SimpleNamespace(stream_log=StreamLog())
+    first = holder.stream_log
+    positions = [next_position(holder) for _ in range(MAX_EVENTS_PER_LOG + 10)]
+    assert len(first.done_by) == MAX_EVENTS_PER_LOG
+    assert holder.stream_log is not first and len(holder.stream_log.done_by) == 10
+    positions[-1].log.observe(positions[-1].position, 5)
+    assert positions[-1].upper_bound() == 5
