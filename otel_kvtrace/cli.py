@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
     "report": ("otel_kvtrace.report.cli", "report", "HOL blocking from traces: stage and HOL tables, --json, --png-dir, --html."),
+    "serve-replica": ("otel_kvtrace.serve.cli", "serve_replica_command", "OpenAI-compatible streaming server whose model is the threaded replica (traced)."),
     "sweep": ("otel_kvtrace.whatif.cli", "sweep_command", "Coverage matrix on the replica, >= 3 seeds per cell, verdict per cell (resumable)."),
 }
 

@@ -21,7 +21,7 @@ from otel_kvtrace.replica.kv_transfer import (
     KVCacheStoreLayerRecvingThread,
     KVCacheStoreLayerSendingThread,
 )
-from otel_kvtrace.replica.plan import build_plan
+from otel_kvtrace.replica.plan import WorkPlan, build_plan
 from otel_kvtrace.replica.pool_worker import EnqueueLogEntry, KVPoolWorker
 
 
@@ -54,6 +54,25 @@ class ThreadedResult:
     """``request_queue.unfinished_tasks`` per thread after shutdown (0 = no lost ``task_done``)."""
 
 
+def forward_step(worker: KVPoolWorker, plan: WorkPlan, npu: FakeNPU, step: int) -> None:
+    """One forward step of the model: ``start_load_kv``, then per layer wait -> gate -> attention -> save ->
+    compute -> host launch, with the durations of ``plan`` row ``step`` (the one home of the forward loop:
+    ``run_threaded`` and the serving engine both call it)."""
+    clock, compute, n = npu.clock, npu.compute, plan.num_layers
+    worker.start_load_kv(plan.requests[step])
+    base = step * n
+    for layer in range(n):
+        i = base + layer
+        worker.wait_for_layer_load()
+        if plan.late_gate[i]:
+            clock.sleep_until(clock.now_ns() + plan.late_gate[i])
+        gate_module.record_attention_compute_start()
+        compute.launch(("attention", i), plan.attention[i])
+        worker.save_kv_layer(None)
+        compute.launch(("compute", i), plan.compute[i])
+        clock.sleep_until(clock.now_ns() + plan.host_launch[i])
+
+
 def run_threaded(
     cfg: ReplicaConfig,
     *,
@@ -72,29 +91,15 @@ def run_threaded(
     plan = build_plan(cfg)
     npu = npu if npu is not None else FakeNPU(RealClock())
     set_default_device(npu)
-    clock = npu.clock
     worker = KVPoolWorker(cfg, plan, npu, wait_timeout_s=wait_timeout_s, keep_log=keep_log)
     worker.register_kv_caches()
-    compute = npu.compute
-    n = cfg.num_layers
     step_ns: list[int] = []
     error: BaseException | None = None
     done = 0
     try:
         for step in range(cfg.steps):
             t0 = time.perf_counter_ns()
-            worker.start_load_kv(plan.requests[step])
-            base = step * n
-            for layer in range(n):
-                i = base + layer
-                worker.wait_for_layer_load()
-                if plan.late_gate[i]:
-                    clock.sleep_until(clock.now_ns() + plan.late_gate[i])
-                gate_module.record_attention_compute_start()
-                compute.launch(("attention", i), plan.attention[i])
-                worker.save_kv_layer(None)
-                compute.launch(("compute", i), plan.compute[i])
-                clock.sleep_until(clock.now_ns() + plan.host_launch[i])
+            forward_step(worker, plan, npu, step)
             step_ns.append(time.perf_counter_ns() - t0)
             done += 1
             if on_step is not None:
