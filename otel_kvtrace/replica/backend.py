@@ -61,6 +61,8 @@ class FakeStoreClient:
         self._npu = npu
         self._h2d = npu.stream("h2d")
         self._d2h = npu.stream("d2h")
+        self.pending_copies = [0, 0]
+        """Calls inside ``batch_copy`` per direction (index ``L2G``/``G2L``); one writer each (send/recv thread)."""
 
     def batch_copy(self, srcs: list[int], dsts: list[int], sizes: list[int], direction: int) -> int:
         """Copy ``len(sizes)`` blocks; blocks the caller for the planned time. 0 = success."""
@@ -75,8 +77,10 @@ class FakeStoreClient:
             blocks, table = max(1, plan.blocks[index // plan.num_layers]), plan.save_copy
         duration = table[index] * len(sizes) // blocks
         stream = self._h2d if direction == G2L else self._d2h
+        self.pending_copies[direction] += 1
         end = stream.launch(("load" if direction == G2L else "save", index), duration)
         self._npu.clock.sleep_until(end)
+        self.pending_copies[direction] -= 1
         if direction == G2L and index == plan.fail_index:
             return 1
         return 0

@@ -54,6 +54,9 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
     except LoadError as exc:
         raise click.BadParameter(str(exc), param_hint="PATHS") from exc
     render_terminal(result, console)
+    from otel_kvtrace.resources.table import print_resources
+
+    print_resources(paths, console)  # resource series written beside the traces (kvtrace serve-replica)
     if db_path:
         install_views(con)
         con.close()

@@ -30,6 +30,8 @@ class ServeOptions:
     block_tokens: int = 128
     trace: bool = True
     run_id: str | None = None
+    resources: bool = True
+    """Per-step resource series (``otel_kvtrace.resources``) to DATA_DIR/metrics and OTel metrics."""
 
 
 def serve_replica(options: ServeOptions) -> int:
@@ -47,9 +49,17 @@ async def _serve(o: ServeOptions) -> int:
     session = _start_tracing(o, run_id) if o.trace else None
     engine = ReplicaEngine(o.config, max_num_seqs=o.max_num_seqs, block_tokens=o.block_tokens)
     log = RequestLog(o.data_dir / "requests" / f"requests-{run_id}.jsonl")
+    sampler = None
+    if o.resources:
+        from otel_kvtrace.resources.sampler import ResourceSampler
+
+        sampler = ResourceSampler(engine.worker, o.data_dir, run_id, attributes=o.config.resource_attributes())
+        engine.on_step = sampler.notify_step
     runner = None
     try:
         engine.start()
+        if sampler is not None:
+            sampler.start()
         runner = web.AppRunner(build_app(engine, o.model, log), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, o.host, o.port)
@@ -67,6 +77,8 @@ async def _serve(o: ServeOptions) -> int:
         if runner is not None:
             await runner.cleanup()
         clean = engine.stop()
+        if sampler is not None:
+            sampler.stop()
         log.close()
         if session is not None:
             stats = session.shutdown()

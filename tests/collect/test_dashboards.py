@@ -12,6 +12,9 @@ from typing import Any
 
 import pytest
 
+from otel_kvtrace.resources.probe import FIELDS as RESOURCE_FIELDS
+from otel_kvtrace.resources.sampler import metric_name
+
 from tests.collect.stack_config import (
     all_panels,
     collector_config,
@@ -66,6 +69,10 @@ def known_series() -> dict[str, set[str]]:
     # Worker metrics arrive over OTLP in the metrics pipeline (a counter: `_total`, braces unit dropped).
     assert "otlp" in cfg["service"]["pipelines"]["metrics"]["receivers"]
     series[f"{_prom_name(schema_exporter_counter())}_total"] = {"service_name", "job", "instance"}
+    # Resource gauges (otel_kvtrace.resources): no `_total`; the exporter appends `_bytes` to unit By.
+    for field in RESOURCE_FIELDS:
+        name, unit = metric_name(field)
+        series[_prom_name(name) + ("_bytes" if unit == "By" else "")] = {"service_name", "job", "instance"}
     assert cfg["service"]["telemetry"]["metrics"]["readers"], "Collector telemetry must be exposed for drop panels"
     series.update({k: v | _BASE_LABELS for k, v in COLLECTOR_INTERNAL.items()})
     return series

@@ -1,0 +1,114 @@
+"""Resource series: per-step peaks, OTel metrics (file and real OTLP/HTTP), DuckDB table, kvtrace report."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+import time
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+from click.testing import CliRunner
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+
+from otel_kvtrace.cli import main
+from otel_kvtrace.loadgen import LoadProfile, run_load
+from otel_kvtrace.resources import load_resources, resource_summary
+from otel_kvtrace.resources.sampler import ResourceSampler
+from tests.serve.conftest import serve_replica, wait_exit
+
+
+class _Probe:
+    """Counters that rise mid-step and fall back to 0 before the step ends (as the recv queue does)."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def __call__(self) -> dict[str, int | None]:
+        return {"tasks_in_flight": self.value, "metadata_bytes": self.value * 8}
+
+
+def _drive(sampler: ResourceSampler, probe: _Probe, peaks: list[int]) -> None:
+    for step, peak in enumerate(peaks):
+        probe.value = peak
+        time.sleep(0.03)  # several polls see the mid-step value
+        probe.value = 0
+        time.sleep(0.03)
+        sampler.notify_step(step)
+    time.sleep(0.05)
+
+
+def test_sampler_records_the_step_peak_not_the_boundary_value(tmp_path: Path) -> None:
+    probe = _Probe()
+    sampler = ResourceSampler(None, tmp_path, "r1", poll_ms=2, probe=probe, memory=lambda: {"host_rss_bytes": 1 << 20},
+                              export_interval_ms=50).start()
+    _drive(sampler, probe, [3, 7, 5])
+    sampler.stop()
+    rows = [orjson.loads(line) for line in (tmp_path / "metrics" / "resources-r1.jsonl").read_bytes().splitlines()]
+    assert [r["tasks_in_flight"] for r in rows[:3]] == [3, 7, 5]
+    summary = resource_summary(load_resources([tmp_path]))
+    assert summary["tasks_in_flight"]["peak"] == 7 and summary["metadata_bytes"]["peak"] == 56
+    otlp = (tmp_path / "metrics" / "otlp-metrics-r1.jsonl").read_bytes()
+    assert b"kvtrace.resource.tasks_in_flight" in otlp and b"kvtrace.resource.host_rss" in otlp
+
+
+def test_metrics_reach_a_real_otlp_http_receiver(tmp_path: Path, monkeypatch) -> None:
+    got: list[ExportMetricsServiceRequest] = []
+
+    async def receive(request: web.Request) -> web.Response:
+        msg = ExportMetricsServiceRequest()
+        msg.ParseFromString(await request.read())
+        got.append(msg)
+        return web.Response(body=b"", content_type="application/x-protobuf")
+
+    loop = asyncio.new_event_loop()
+    app = web.Application()
+    app.router.add_post("/v1/metrics", receive)
+    runner = web.AppRunner(app)
+    loop.run_until_complete(runner.setup())
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    loop.run_until_complete(site.start())
+    port = runner.addresses[0][1]
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
+        monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
+        probe = _Probe()
+        sampler = ResourceSampler(None, tmp_path, "r2", poll_ms=2, probe=probe, memory=lambda: {"host_rss_bytes": 1 << 20},
+                              export_interval_ms=50).start()
+        _drive(sampler, probe, [4, 9])
+        sampler.stop()
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+    values = {}
+    for msg in got:
+        for rm in msg.resource_metrics:
+            for sm in rm.scope_metrics:
+                for metric in sm.metrics:
+                    for point in metric.gauge.data_points:
+                        values.setdefault(metric.name, []).append(point.as_int)
+    assert 9 in values["kvtrace.resource.tasks_in_flight"], values
+    assert not (tmp_path / "metrics" / "otlp-metrics-r2.jsonl").exists()  # endpoint set: no local metric file
+
+
+def test_serve_replica_writes_resource_series_that_kvtrace_report_shows(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    with serve_replica(data) as (url, proc):
+        result = run_load(LoadProfile(url, "/v1/completions", None, num_requests=8, concurrency=4, prompt_len=2000,
+                                      output_len=3))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 0
+    assert result.summary()["failed"] == 0
+    summary = resource_summary(load_resources([data]))
+    # hol preset: P=4 loads queued at a time; a 2000-word prompt is 16 blocks, each with a lease key
+    assert 1 <= summary["tasks_in_flight"]["peak"] <= 8
+    assert summary["outstanding_leases"]["peak"] >= 16
+    assert summary["host_rss_bytes"]["peak"] > 10 * 2**20
+    out = CliRunner().invoke(main, ["report", str(data / "traces"), "--no-cache"])
+    assert out.exit_code == 0, out.output
+    assert "Resources per step" in out.output and "outstanding_leases" in out.output
