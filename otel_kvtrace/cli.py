@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("otel_kvtrace.demo", "demo_command", "Run the CPU replica (HOL and FIFO-optimal scenarios), traced, and summarise it."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
+    "experiment": ("otel_kvtrace.experiment.cli", "experiment_command", "Coverage matrix on a real server (or serve-replica), >= 3 runs per cell; --report."),
     "load": ("otel_kvtrace.loadgen.cli", "load_command", "Streaming load on an OpenAI-compatible server: TTFT, TPOT, ITL, throughput; vLLM bench import."),
     "report": ("otel_kvtrace.report.cli", "report", "HOL blocking from traces: stage and HOL tables, --json, --png-dir, --html."),
     "serve-replica": ("otel_kvtrace.serve.cli", "serve_replica_command", "OpenAI-compatible streaming server whose model is the threaded replica (traced)."),
