@@ -41,7 +41,7 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
     s = load["summary"]
     con = load_traces(rdir / "data" / "traces").con
     hol = run_query(con, "hol_summary").records()
-    waits = con.sql("SELECT avg(coalesce(queue_wait_ns, 0)) / 1e6, avg(coalesce(consumer_wait_ns, 0)) / 1e6, "
+    waits = con.execute("SELECT avg(coalesce(queue_wait_ns, 0)) / 1e6, avg(coalesce(consumer_wait_ns, 0)) / 1e6, "
                     "count(*) FROM tasks").fetchone()
     res = resource_summary(load_resources([rdir / "data"]))
     ttft = s["ttft_ms"]

@@ -67,8 +67,9 @@ def render(matrix: Matrix, cell: Cell, port: int, data_dir: Path, run_id: str) -
     except (KeyError, IndexError) as exc:
         raise ValueError(f"server.command: unknown placeholder {exc}; known: {sorted(values)}") from None
     argv = shlex.split(command)
-    if argv and argv[0] == "kvtrace" and shutil.which("kvtrace") is None:
-        argv = [sys.executable, "-m", "otel_kvtrace.cli", *argv[1:]]  # this interpreter's kvtrace
+    if "kvtrace" in argv and shutil.which("kvtrace") is None:  # this interpreter's kvtrace
+        i = argv.index("kvtrace")
+        argv = [*argv[:i], sys.executable, "-m", "otel_kvtrace.cli", *argv[i + 1:]]
     return argv, env
 
 
@@ -131,6 +132,7 @@ def _serve_and_load(matrix: Matrix, cell: Cell, k: int, argv: list[str], extra_e
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     except OSError as exc:
         return RunOutcome(cell.cell_id, k, "failed", f"server did not start: {exc}")
+    (rdir / "server.pid").write_text(f"{proc.pid}\n")
     try:
         base = f"http://127.0.0.1:{port}"
         reason = _wait_healthy(proc, base + matrix.health_path, matrix.startup_timeout_s)

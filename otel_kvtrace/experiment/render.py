@@ -1,0 +1,154 @@
+"""Markdown and HTML views of the experiment report document (every value from a run is escaped)."""
+
+from __future__ import annotations
+
+import html
+from typing import Any
+
+from otel_kvtrace.experiment.analysis import LABELS
+
+_CSP = "default-src 'none'; style-src 'unsafe-inline'"
+_CELL_COLUMNS = ("cell", "runs ok", "TTFT p50/p95/p99 ms", "TTFT p50 noise", "tok/s (noise)", "HOL events/run",
+                 "HOL ms/run (noise)", "queue wait ms", "consumer wait ms", "peak RSS MB", "peak in flight", "what-if")
+
+
+def _f(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}"
+    return str(value)
+
+
+def cell_row(c: dict[str, Any]) -> list[str]:
+    t = c["ttft_ms"]
+    return [c["cell_id"], f"{c['runs_ok']}/{len(c['runs'])}", f"{_f(t['p50'])} / {_f(t['p95'])} / {_f(t['p99'])}",
+            _f(c["ttft_p50_noise_ms"], 2), f"{_f(c['throughput_tok_s'])} ({_f(c['throughput_noise_tok_s'], 2)})",
+            _f(c["hol"]["events"]), f"{_f(c['hol']['total_ms'])} ({_f(c['hol']['total_ms_noise'], 2)})",
+            _f(c["queue_wait_ms"]), _f(c["consumer_wait_ms"]), _f(c["peak_host_rss_mb"]), _f(c["peak_inflight_tasks"]),
+            c["whatif"]["verdict"] or c["whatif"]["reason"]]
+
+
+def effect_row(e: dict[str, Any]) -> list[str]:
+    levels = f"{e['low']} -> {e['high']}" if e["low"] is not None else "interaction"
+    return [e["factor"], levels, LABELS.get(e["metric"], e["metric"]), _f(e["effect"]), _f(e["noise"], 2),
+            "yes" if e["real"] else "within noise"]
+
+
+def heatmap(doc: dict[str, Any], metric: str = "hol_total_ms") -> tuple[str, str, list[Any], list[Any], dict] | None:
+    """(row factor, column factor, row levels, column levels, {(r, c): mean}) over the first two varying
+    factors (B and P when both vary), averaging the other factors; ``None`` with fewer than two."""
+    varying = [f for f in doc["factors"] if len({repr(c["config"].get(f)) for c in doc["cells"]}) >= 2]
+    if len(varying) < 2:
+        return None
+    rf, cf = varying[0], varying[1]
+    rows = sorted({repr(c["config"].get(rf)) for c in doc["cells"]})
+    cols = sorted({repr(c["config"].get(cf)) for c in doc["cells"]})
+    grid: dict[tuple[str, str], list[float]] = {}
+    for c in doc["cells"]:
+        value = c["hol"]["total_ms"] if metric == "hol_total_ms" else c["ttft_ms"]["p50"]
+        if value is not None:
+            grid.setdefault((repr(c["config"].get(rf)), repr(c["config"].get(cf))), []).append(value)
+    means = {k: sum(v) / len(v) for k, v in grid.items()}
+    return rf, cf, rows, cols, means
+
+
+def _md_escape(text: Any) -> str:
+    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
+
+
+def _md_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(_md_escape(x) for x in row) + " |" for row in rows]
+    return out
+
+
+def render_markdown(doc: dict[str, Any]) -> str:
+    env = doc["environment"]
+    lines = [f"# {_md_escape(doc['title'])}", "", "## Conclusion", "", _md_escape(doc["verdict"]), ""]
+    lines += [f"- {_md_escape(d)}" for d in doc["verdict_details"]] + ["", "## Environment", ""]
+    lines += [f"- {_md_escape(k)}: {_md_escape(v)}" for k, v in env.items()] + ["", "## Cells", ""]
+    lines += _md_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
+    lines += ["", "## Factor effects", "",
+              "Effect = mean at the high level minus mean at the low level (interaction: (hh - hl - lh + ll) / 2); "
+              "noise = 95% half-width from the pooled run-to-run variance.", ""]
+    lines += _md_table(["factor", "levels", "metric", "effect", "noise", "real"], [effect_row(e) for e in doc["factor_effects"]])
+    for metric in ("hol_total_ms", "ttft_p50_ms"):
+        hm = heatmap(doc, metric)
+        if hm:
+            rf, cf, rows, cols, means = hm
+            lines += ["", f"## Heatmap: {LABELS[metric]} by {rf} (rows) x {cf} (columns)", ""]
+            lines += _md_table([f"{rf} \\ {cf}", *cols], [[r, *(_f(means.get((r, c))) for c in cols)] for r in rows])
+    lines += ["", "## Reproduce and raw timelines", ""]
+    for c in doc["cells"]:
+        lines += [f"### {_md_escape(c['cell_id'])}", "", f"- config: `{_md_escape(c['config'])}`",
+                  f"- command: `{_md_escape(c['command'])}`"]
+        for r in c["runs"]:
+            lines.append(f"- run {r['run']}: {_md_escape(r['status'])}; traces `{_md_escape(r['traces'])}` "
+                         f"(`kvtrace report {_md_escape(r['traces'])}`){'; ' + _md_escape(r['reason']) if r['reason'] else ''}")
+            if r["status"] == "failed" and r.get("log_tail"):
+                lines += ["", "  server log tail:", "", "  ```", *("  " + x for x in r["log_tail"].splitlines()), "  ```", ""]
+        lines.append("")
+    lines += ["## Stage definitions", "", "Queue wait, dependency waits (save CPU wait, save NPU sync, gate wait, "
+              "gate NPU sync, slot release wait), metadata build, backend submit, completion and consumer wait are "
+              "the child spans of each recv task (docs/schema.md); HOL is a head waiting while a later queued "
+              "task is ready (docs/analysis.md). `kvtrace report <traces>` shows every stage table of a run.", ""]
+    return "\n".join(lines)
+
+
+def _h(value: Any) -> str:
+    return html.escape(str(value), quote=True)
+
+
+def _html_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{_h(x)}</th>" for x in header)
+    body = "".join("<tr>" + "".join(f"<td>{_h(x)}</td>" for x in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _html_heatmap(doc: dict[str, Any], metric: str) -> str:
+    hm = heatmap(doc, metric)
+    if not hm:
+        return ""
+    rf, cf, rows, cols, means = hm
+    top = max(means.values(), default=0.0) or 1.0
+    cells = []
+    for r in rows:
+        tds = []
+        for c in cols:
+            v = means.get((r, c))
+            shade = 0 if v is None else int(255 - 200 * max(0.0, v) / top)
+            tds.append(f'<td class="hm" style="background: rgb(255,{shade},{shade})">{_h(_f(v))}</td>')
+        cells.append(f"<tr><th>{_h(r)}</th>{''.join(tds)}</tr>")
+    head = "".join(f"<th>{_h(c)}</th>" for c in cols)
+    return (f"<h2>Heatmap: {_h(LABELS[metric])} by {_h(rf)} (rows) x {_h(cf)} (columns)</h2>"
+            f'<table class="heatmap" data-metric="{_h(metric)}"><thead><tr><th>{_h(rf)} \\ {_h(cf)}</th>{head}</tr>'
+            f"</thead><tbody>{''.join(cells)}</tbody></table>")
+
+
+def render_html(doc: dict[str, Any]) -> str:
+    env = "".join(f"<li>{_h(k)}: {_h(v)}</li>" for k, v in doc["environment"].items())
+    failed = []
+    for c in doc["cells"]:
+        for r in c["runs"]:
+            if r["status"] != "ok":
+                failed.append(f"<h3>{_h(c['cell_id'])} run {r['run']}: {_h(r['status'])}</h3><p>{_h(r['reason'])}</p>"
+                              f"<pre>{_h(r.get('log_tail', ''))}</pre>")
+    runs = "".join(f"<li><code>{_h(c['cell_id'])}</code>: <code>{_h(c['command'])}</code><ul>"
+                   + "".join(f"<li>run {r['run']} {_h(r['status'])}: <code>{_h(r['traces'])}</code></li>" for r in c["runs"])
+                   + "</ul></li>" for c in doc["cells"])
+    style = ("body{font-family:sans-serif;margin:2em;max-width:90em}table{border-collapse:collapse;margin:1em 0}"
+             "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:right}td:first-child{text-align:left}"
+             "pre{background:#f4f4f4;padding:.5em;overflow:auto}")
+    return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
+            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}"><title>{_h(doc["title"])}</title>'
+            f"<style>{style}</style></head><body><h1>{_h(doc['title'])}</h1>"
+            f'<h2>Conclusion</h2><p id="verdict">{_h(doc["verdict"])}</p><ul>'
+            + "".join(f"<li>{_h(d)}</li>" for d in doc["verdict_details"])
+            + f"</ul><h2>Environment</h2><ul>{env}</ul><h2>Cells</h2>"
+            + _html_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
+            + "<h2>Factor effects</h2>"
+            + _html_table(["factor", "levels", "metric", "effect", "noise", "real"], [effect_row(e) for e in doc["factor_effects"]])
+            + _html_heatmap(doc, "hol_total_ms") + _html_heatmap(doc, "ttft_p50_ms")
+            + (f"<h2>Failed runs</h2>{''.join(failed)}" if failed else "")
+            + f"<h2>Reproduce and raw timelines</h2><ul>{runs}</ul></body></html>")
