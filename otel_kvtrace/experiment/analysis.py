@@ -88,8 +88,10 @@ def pooled_variance(groups: Sequence[Sequence[float]]) -> tuple[float, int] | No
 
 
 def factor_effects(cells: Sequence[dict[str, Any]], factors: Sequence[str],
-                   metrics: Sequence[str] = METRICS) -> list[dict[str, Any]]:
-    """Main effects of every factor with >= 2 levels and the interaction of every pair of them.
+                   metrics: Sequence[str] = METRICS,
+                   pairs: Sequence[tuple[str, str]] | None = None) -> list[dict[str, Any]]:
+    """Main effects of every factor with >= 2 levels and the interaction of every pair of them (or of
+    ``pairs`` only). Levels sort by value with ``None`` (the upstream default) last.
 
     ``cells``: ``[{"config": {factor: level}, "run_values": {metric: [per-run values]}}]``.
     """
@@ -101,7 +103,8 @@ def factor_effects(cells: Sequence[dict[str, Any]], factors: Sequence[str],
         for f in varying:
             out.append(_main(cells, f, metric, var))
         for a, b in itertools.combinations(varying, 2):
-            out.append(_interaction(cells, a, b, metric, var))
+            if pairs is None or (a, b) in pairs or (b, a) in pairs:
+                out.append(_interaction(cells, a, b, metric, var))
     return out
 
 

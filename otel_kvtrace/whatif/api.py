@@ -146,7 +146,23 @@ def sweep_report(
     report = VerdictReport("Coverage sweep: keep FIFO or switch?", command, verdicts,
                            model={"feedback": "full", "npu_bound": "exact (virtual clock)"}, notes=notes)
     _write(report, json_path or out / "verdict.json", md_path or out / "verdict.md", png_dir or out, html_path)
+    _add_summary(result, Path(json_path or out / "verdict.json"), Path(md_path or out / "verdict.md"))
     return report
+
+
+def _add_summary(result: SweepResult, json_path: Path, md_path: Path) -> None:
+    """The sweep summary first: a ``summary`` key in the JSON and a "Summary" section atop the Markdown."""
+    import json
+
+    from otel_kvtrace.whatif.sweep import summary_lines, sweep_summary
+
+    summary = sweep_summary(result)
+    doc = json.loads(json_path.read_text())
+    json_path.write_text(json.dumps({"summary": summary, **doc}, indent=1, default=str))
+    text = md_path.read_text()
+    head, _, rest = text.partition("\n")
+    lines = "\n".join(f"- {line}" for line in summary_lines(summary)).replace("<", "&lt;")
+    md_path.write_text(f"{head}\n\n## Summary\n\n{lines}\n{rest}")
 
 
 def _write(report: VerdictReport, json_path: str | Path | None, md_path: str | Path | None,
