@@ -34,7 +34,7 @@ LABELS = {"hol_total_ms": "HOL time (ms per run)", "queue_wait_ms": "queue wait 
 def run_metrics(rdir: Path) -> dict[str, Any]:
     """The metrics of one finished run folder (``load.json`` + ``data/``)."""
     from otel_kvtrace.analyse import run_query
-    from otel_kvtrace.load import load_traces
+    from otel_kvtrace.load import DEPENDENCY_WAIT_STAGES, load_traces
     from otel_kvtrace.resources import load_resources, resource_summary
 
     load = orjson.loads((rdir / "load.json").read_bytes())
@@ -45,6 +45,13 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
                     "count(*) FROM tasks").fetchone()
     res = resource_summary(load_resources([rdir / "data"]))
     ttft = s["ttft_ms"]
+    dep = " + ".join(f"coalesce({st}_ns, 0)" for st in DEPENDENCY_WAIT_STAGES)
+    pct = con.execute(
+        "SELECT quantile_cont(queue_wait_ns, [0.5, 0.95, 0.99]), "
+        f"quantile_cont({dep}, [0.5, 0.95, 0.99]) FROM tasks").fetchone()
+    first = hol[0] if hol else {}
+    waits_pct = {"queue_wait_ms": _pcts(pct[0]), "dep_wait_ms": _pcts(pct[1]),
+                 "hol_event_ms": {k: first.get(f"{k}_ms") for k in ("p50", "p95", "p99")}}
     return {
         "ttft_p50_ms": ttft["p50"], "ttft_p95_ms": ttft["p95"], "ttft_p99_ms": ttft["p99"],
         "ttft_values_ms": [_ttft(r) for r in load["requests"] if _ttft(r) is not None],
@@ -52,12 +59,18 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
         "hol_events": int(sum(r["hol_events"] or 0 for r in hol)),
         "hol_total_ms": float(sum(r["hol_total_ms"] or 0.0 for r in hol)),
         "dep_wait_ms": float(sum(r["dep_wait_ms"] or 0.0 for r in hol)),
+        "wait_percentiles": waits_pct,
         "queue_wait_ms": float(waits[0] or 0.0), "consumer_wait_ms": float(waits[1] or 0.0), "tasks": int(waits[2]),
         "peak_host_rss_mb": res.get("host_rss_bytes", {}).get("peak", 0) / 2**20 if res.get("host_rss_bytes") else None,
         "peak_inflight_tasks": res.get("tasks_in_flight", {}).get("peak"),
         "peak_outstanding_leases": res.get("outstanding_leases", {}).get("peak"),
         "peak_backend_copies_pending": res.get("backend_copies_pending", {}).get("peak"),
     }
+
+
+def _pcts(values: Sequence[float] | None) -> dict[str, float | None]:
+    vals = list(values) if values is not None else [None, None, None]
+    return {k: (v / 1e6 if v is not None else None) for k, v in zip(("p50", "p95", "p99"), vals, strict=True)}
 
 
 def _ttft(r: dict[str, Any]) -> float | None:

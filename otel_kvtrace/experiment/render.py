@@ -29,6 +29,15 @@ def cell_row(c: dict[str, Any]) -> list[str]:
             c["whatif"]["verdict"] or c["whatif"]["reason"]]
 
 
+WAIT_COLUMNS = ("cell", "queue wait p50/p95/p99 ms", "dependency wait p50/p95/p99 ms", "HOL per event p50/p95/p99 ms")
+
+
+def wait_row(c: dict[str, Any]) -> list[str]:
+    w = c["wait_percentiles"]
+    return [c["cell_id"], *(" / ".join(_f(w[k][q]) for q in ("p50", "p95", "p99"))
+                            for k in ("queue_wait_ms", "dep_wait_ms", "hol_event_ms"))]
+
+
 def effect_row(e: dict[str, Any]) -> list[str]:
     levels = f"{e['low']} -> {e['high']}" if e["low"] is not None else "interaction"
     return [e["factor"], levels, LABELS.get(e["metric"], e["metric"]), _f(e["effect"]), _f(e["noise"], 2),
@@ -69,6 +78,8 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [f"- {_md_escape(d)}" for d in doc["verdict_details"]] + ["", "## Environment", ""]
     lines += [f"- {_md_escape(k)}: {_md_escape(v)}" for k, v in env.items()] + ["", "## Cells", ""]
     lines += _md_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
+    lines += ["", "Wait percentiles per recv task (HOL: per event), averaged over runs:", ""]
+    lines += _md_table(WAIT_COLUMNS, [wait_row(c) for c in doc["cells"]])
     lines += ["", "## Factor effects", "",
               "Effect = mean at the high level minus mean at the low level (interaction: (hh - hl - lh + ll) / 2); "
               "noise = 95% half-width from the pooled run-to-run variance.", ""]
@@ -147,6 +158,8 @@ def render_html(doc: dict[str, Any]) -> str:
             + "".join(f"<li>{_h(d)}</li>" for d in doc["verdict_details"])
             + f"</ul><h2>Environment</h2><ul>{env}</ul><h2>Cells</h2>"
             + _html_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
+            + "<h2>Wait percentiles (per recv task; HOL per event; mean over runs)</h2>"
+            + _html_table(WAIT_COLUMNS, [wait_row(c) for c in doc["cells"]])
             + "<h2>Factor effects</h2>"
             + _html_table(["factor", "levels", "metric", "effect", "noise", "real"], [effect_row(e) for e in doc["factor_effects"]])
             + _html_heatmap(doc, "hol_total_ms") + _html_heatmap(doc, "ttft_p50_ms")

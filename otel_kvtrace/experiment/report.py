@@ -4,7 +4,8 @@
 ``config``, ``command``, ``runs`` [per run: ``run``, ``status``, ``reason``, ``traces``, metrics],
 ``ttft_ms`` {p50, p95, p99} over every request of the cell's ok runs, ``ttft_p50_noise_ms``,
 ``throughput_tok_s`` (mean over runs) and ``throughput_noise_tok_s``, ``hol`` {events, total_ms} (mean per
-run) with ``total_ms_noise``, ``queue_wait_ms``, ``consumer_wait_ms``, ``peak_host_rss_mb``,
+run) with ``total_ms_noise``, ``queue_wait_ms``, ``consumer_wait_ms``, ``wait_percentiles`` (queue wait, dependency wait per task and HOL per event,
+{p50, p95, p99} ms averaged over runs), ``peak_host_rss_mb``,
 ``peak_inflight_tasks``, ``whatif`` {verdict, reason}); ``factor_effects`` (``factor``, ``metric``,
 ``effect``, ``noise``, ``low``, ``high``, ``real``); ``verdict`` (the conclusion, one paragraph) and
 ``verdict_details`` (one sentence per metric). Noise is the run-to-run sample standard deviation for a
@@ -96,12 +97,19 @@ def _cell(folder: Path, cell_id: str, config: dict[str, Any], runs: int) -> dict
             "throughput_noise_tok_s": noise_of([r["throughput_tok_s"] for r in ok]),
             "hol": {"events": _avg([r["hol_events"] for r in ok]), "total_ms": _avg([r["hol_total_ms"] for r in ok]),
                     "total_ms_noise": noise_of([r["hol_total_ms"] for r in ok])},
+            "wait_percentiles": _mean_percentiles([r["wait_percentiles"] for r in ok]),
             "queue_wait_ms": _avg([r["queue_wait_ms"] for r in ok]),
             "consumer_wait_ms": _avg([r["consumer_wait_ms"] for r in ok]),
             "peak_host_rss_mb": _max([r["peak_host_rss_mb"] for r in ok]),
             "peak_inflight_tasks": _max([r["peak_inflight_tasks"] for r in ok]),
             "whatif": _whatif([Path(r["traces"]) for r in ok])}
     return cell
+
+
+def _mean_percentiles(per_run: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, float | None]]:
+    """Per wait kind, each percentile averaged over the runs (``queue_wait_ms``, ``dep_wait_ms``, ``hol_event_ms``)."""
+    kinds = ("queue_wait_ms", "dep_wait_ms", "hol_event_ms")
+    return {k: {q: _avg([r[k][q] for r in per_run]) for q in ("p50", "p95", "p99")} for k in kinds}
 
 
 def _plain(config: dict[str, Any]) -> dict[str, Any]:

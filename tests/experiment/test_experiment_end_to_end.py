@@ -41,6 +41,7 @@ def test_example_matrix_is_valid() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.browser
 def test_two_by_two_experiment_report_json_contract(tmp_path: Path) -> None:
     out = tmp_path / "exp"
     matrix = _matrix(tmp_path, {"num_shared_buffers": [2, 4], "prefetch_layers": [2, 4], "concurrency": [4]})
@@ -62,6 +63,9 @@ def test_two_by_two_experiment_report_json_contract(tmp_path: Path) -> None:
     # reaching past the slow save (P=4); B=4 or P=2 removes it
     assert cells[(2, 4)]["hol"]["events"] > 0
     assert cells[(4, 2)]["hol"]["events"] == 0
+    w = cells[(2, 4)]["wait_percentiles"]
+    assert w["hol_event_ms"]["p50"] > 0 and cells[(4, 2)]["wait_percentiles"]["hol_event_ms"]["p50"] is None
+    assert 0 <= w["queue_wait_ms"]["p50"] <= w["queue_wait_ms"]["p95"] <= w["queue_wait_ms"]["p99"]
     effects = {(e["factor"], e["metric"]): e for e in doc["factor_effects"]}
     assert {"num_shared_buffers", "prefetch_layers", "num_shared_buffers:prefetch_layers"} <= {f for f, _ in effects}
     assert all(e["noise"] is not None for e in doc["factor_effects"])
