@@ -120,20 +120,23 @@ class ReplicaEngine:
 
     def _loop(self) -> None:
         step = 0
+        prefills: list[EngineRequest] = []
         try:
             while True:
-                prefills = self._admit()
-                if prefills is None:
+                admitted = self._admit()
+                if admitted is None:
                     return
+                prefills = admitted
                 t0 = time.perf_counter_ns()
                 slot = step % RING_STEPS
                 self._fill_row(slot, step, prefills)
                 self.worker._step = slot - 1  # replica bookkeeping: the row start_load_kv will read
                 forward_step(self.worker, self.plan, self.npu, slot)
                 self._running.extend(prefills)
+                prefills = []
                 self._emit_tokens()
                 self.stats.steps += 1
-                self.stats.prefill_steps += bool(prefills)
+                self.stats.prefill_steps += bool(admitted)
                 self.stats.step_ns.append(time.perf_counter_ns() - t0)
                 if self.on_step is not None:
                     self.on_step(step)
@@ -142,7 +145,8 @@ class ReplicaEngine:
             self.stats.error = f"{type(exc).__name__}: {exc}"
             with self._cond:
                 self._stop = True
-                failed, self._waiting = list(self._waiting) + self._running, deque()
+                # the step's prefills are not in _running yet: they fail too
+                failed, self._waiting = list(self._waiting) + self._running + (prefills or []), deque()
                 self._running = []
             for req in failed:
                 req.on_token(-1, time.time_ns())
