@@ -66,6 +66,7 @@ class ResourceSampler:
         self._step = -1
         self._stop = threading.Event()
         self.records = 0
+        self.cpu_ns = 0
         self.error: str | None = None
         self._latest: dict[str, Any] = {}
         self._provider = _meter_provider(Path(data_dir), run_id, attributes or {}, export_interval_ms)
@@ -91,6 +92,7 @@ class ResourceSampler:
     def _run(self) -> None:
         seen: int = -1
         peaks: dict[str, int | None] = dict.fromkeys(_PEAK_FIELDS)
+        t0 = time.thread_time_ns()
         try:
             while not self._stop.wait(self._poll_s):
                 step = self._step  # read before sampling: this sample already belongs to the next step
@@ -106,6 +108,8 @@ class ResourceSampler:
         except Exception as exc:  # noqa: BLE001 - instrumentation failures disable the instrumentation
             self.error = f"{type(exc).__name__}: {exc}"
             logger.warning("otel-kvtrace: resource sampler stopped: %s", self.error)
+        finally:
+            self.cpu_ns = time.thread_time_ns() - t0  # the sampler's own CPU time (bench/serve_resources.py)
 
     def _write(self, step: int, sample: dict[str, Any], peaks: dict[str, int | None]) -> None:
         """Peak fields: the step's peak over the polls; memory fields: read now (once per step)."""

@@ -25,9 +25,10 @@ from otel_kvtrace import config
               help=f"Traces and request log (default ${config.OTEL_KVTRACE_DATA_DIR} or ./kvtrace-data).")
 @click.option("--run-id", help=f"Trace run id (default ${config.OTEL_KVTRACE_RUN_ID} or serve-<time>).")
 @click.option("--no-trace", is_flag=True, help="Serve without tracing.")
+@click.option("--no-resources", is_flag=True, help="No per-step resource series (DATA_DIR/metrics, OTel gauges).")
 def serve_replica_command(host: str, port: int, model: str, preset: str, kv_config: str | None,
                           num_layers: int | None, max_num_seqs: int, block_tokens: int, seed: int,
-                          data_dir: Path | None, run_id: str | None, no_trace: bool) -> None:
+                          data_dir: Path | None, run_id: str | None, no_trace: bool, no_resources: bool) -> None:
     """OpenAI-compatible streaming server whose model runs the threaded replica's layerwise pipeline.
 
     Serves /health, /v1/models, /v1/completions and /v1/chat/completions (stream: true -> SSE). Each
@@ -66,7 +67,8 @@ def serve_replica_command(host: str, port: int, model: str, preset: str, kv_conf
     data = data_dir or Path(os.environ.get(config.OTEL_KVTRACE_DATA_DIR) or config.DEFAULT_DATA_DIR)
     try:
         code = serve_replica(ServeOptions(cfg, host, port, model, data, max_num_seqs, block_tokens, not no_trace,
-                                          run_id or os.environ.get(config.OTEL_KVTRACE_RUN_ID) or None))
+                                          run_id or os.environ.get(config.OTEL_KVTRACE_RUN_ID) or None,
+                                          not no_resources))
     except OSError as exc:  # port in use, unwritable data dir
         raise click.ClickException(str(exc)) from exc
     raise SystemExit(code)
