@@ -26,6 +26,7 @@ import orjson
 from otel_kvtrace.experiment.analysis import LABELS, METRICS, factor_effects, noise_of, run_metrics, verdict
 from otel_kvtrace.experiment.matrix import FACTORS, MatrixError, read_matrix
 from otel_kvtrace.experiment.runner import read_status
+from otel_kvtrace.load import LoadError
 
 
 class ReportError(ValueError):
@@ -84,7 +85,10 @@ def _cell(folder: Path, cell_id: str, config: dict[str, Any], runs: int) -> dict
                                "log_tail": status.get("log_tail", ""), "command": status.get("command", ""),
                                "traces": str(rdir / "data" / "traces")}
         if doc["status"] == "ok":
-            doc.update(run_metrics(rdir))
+            try:
+                doc.update(run_metrics(rdir))
+            except (LoadError, OSError, ValueError, KeyError) as exc:  # a damaged run is reported, not fatal
+                doc.update(status="unreadable", reason=f"{type(exc).__name__}: {exc}")
         run_docs.append(doc)
     ok = [r for r in run_docs if r["status"] == "ok"]
     ttfts = [v for r in ok for v in r.pop("ttft_values_ms", [])]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import duckdb
+import orjson
 
 from otel_kvtrace.resources.probe import FIELDS
 
@@ -24,18 +25,32 @@ def resource_files(paths: Iterable[str | Path]) -> list[Path]:
     return sorted(set(found))
 
 
-def load_resources(paths: Iterable[str | Path], con: duckdb.DuckDBPyConnection | None = None
-                   ) -> duckdb.DuckDBPyConnection:
-    """Create table ``resources`` (columns: file, t_unix_ns, step, one BIGINT per probe field)."""
+def load_resources(paths: Iterable[str | Path], con: duckdb.DuckDBPyConnection | None = None,
+                   rejected: list[str] | None = None) -> duckdb.DuckDBPyConnection:
+    """Create table ``resources`` (columns: file, t_unix_ns, step, one BIGINT per probe field).
+
+    A line that is not a JSON object with integer ``t_unix_ns`` and ``step`` (e.g. the half-written last
+    line of a killed server) is skipped and named in ``rejected`` as ``file:line: reason``.
+    """
     con = con if con is not None else duckdb.connect()
     cols = ", ".join(f"{f} BIGINT" for f in FIELDS)
     con.execute(f"CREATE OR REPLACE TABLE resources (file VARCHAR, t_unix_ns BIGINT, step BIGINT, {cols})")
-    files = resource_files(paths)
-    if files:
-        spec = "{" + ", ".join([f"'{c}': 'BIGINT'" for c in ("t_unix_ns", "step", *FIELDS)]) + "}"
-        con.execute(f"INSERT INTO resources SELECT filename, t_unix_ns, step, {', '.join(FIELDS)} "
-                    f"FROM read_json(?, format='newline_delimited', columns={spec}, filename=true)",
-                    [[str(f) for f in files]])
+    rows = []
+    for path in resource_files(paths):
+        for n, line in enumerate(path.read_bytes().splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = orjson.loads(line)
+                row = [str(path), int(rec["t_unix_ns"]), int(rec["step"]),
+                       *(None if rec.get(f) is None else int(rec[f]) for f in FIELDS)]
+            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                if rejected is not None:
+                    rejected.append(f"{path}:{n}: {type(exc).__name__}: {exc}")
+                continue
+            rows.append(row)
+    if rows:
+        con.executemany(f"INSERT INTO resources VALUES ({', '.join(['?'] * (3 + len(FIELDS)))})", rows)
     return con
 
 
@@ -57,7 +72,8 @@ def print_resources(paths: Iterable[str | Path], console: Any) -> bool:
         return False
     from rich.table import Table
 
-    summary = resource_summary(load_resources(paths))
+    rejected: list[str] = []
+    summary = resource_summary(load_resources(paths, rejected=rejected))
     table = Table(title="Resources per step (otel_kvtrace.resources)", title_justify="left")
     for col in ("resource", "samples", "peak", "p50", "p95", "p99"):
         table.add_column(col, justify="left" if col == "resource" else "right")
@@ -67,4 +83,6 @@ def print_resources(paths: Iterable[str | Path], console: Any) -> bool:
             scale, name = (1 / 2**20, field.replace("_bytes", " MiB")) if s["peak"] > 2**20 else (1 / 1024, field.replace("_bytes", " KiB"))
         table.add_row(name, str(s["samples"]), *(f"{s[k] * scale:.1f}" for k in ("peak", "p50", "p95", "p99")))
     console.print(table)
+    if rejected:
+        console.print(f"{len(rejected)} resource line(s) skipped: " + "; ".join(rejected[:5]), markup=False)
     return True

@@ -77,6 +77,12 @@ def test_two_by_two_experiment_report_json_contract(tmp_path: Path) -> None:
     # resumable: a second run skips every finished run
     again = CliRunner().invoke(main, ["experiment", str(matrix), "--out", str(out)])
     assert again.exit_code == 0 and "12 of 12 runs ok (12 from before)" in again.output
+    # a damaged run folder is reported as unreadable; the report is still written
+    next(out.glob("cells/*/run-2/load.json")).unlink()
+    res = CliRunner().invoke(main, ["experiment", str(out), "--report"])
+    assert res.exit_code == 0, res.output
+    runs = [r for c in orjson.loads((out / "report.json").read_bytes())["cells"] for r in c["runs"]]
+    assert [r["status"] for r in runs].count("unreadable") == 1
 
 
 def _check_in_chromium(path: Path) -> None:

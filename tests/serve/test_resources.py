@@ -112,3 +112,13 @@ def test_serve_replica_writes_resource_series_that_kvtrace_report_shows(tmp_path
     out = CliRunner().invoke(main, ["report", str(data / "traces"), "--no-cache"])
     assert out.exit_code == 0, out.output
     assert "Resources per step" in out.output and "outstanding_leases" in out.output
+
+
+def test_a_half_written_resource_line_is_skipped_and_named(tmp_path: Path) -> None:
+    path = tmp_path / "metrics" / "resources-r.jsonl"
+    path.parent.mkdir()
+    path.write_bytes(b'{"t_unix_ns": 1, "step": 0, "tasks_in_flight": 3}\n{"t_unix_ns": 2, "st')
+    rejected: list[str] = []
+    summary = resource_summary(load_resources([tmp_path], rejected=rejected))
+    assert summary["tasks_in_flight"]["peak"] == 3 and summary["tasks_in_flight"]["samples"] == 1
+    assert len(rejected) == 1 and rejected[0].startswith(f"{path}:2: JSONDecodeError")
