@@ -153,7 +153,8 @@ def _conclusion(cells: list[dict[str, Any]], effects: list[dict[str, Any]], deta
               else "replay says keep FIFO in every cell")
     failed = sum(r["status"] != "ok" for c in cells for r in c["runs"])
     tail = f" {failed} run(s) failed or did not run (see the cells)." if failed else ""
-    return f"{hol}. {details[3]}. FIFO vs candidates: {policy}.{tail}"
+    ttft = details[3][:1].upper() + details[3][1:]
+    return f"{hol}. {ttft}. FIFO vs candidates: {policy}.{tail}"
 
 
 def write_reports(folder: Path) -> list[Path]:
