@@ -35,6 +35,9 @@ COMM_EXPOSED_NOTE = 0.3
 EFFECTIVE = "effective"
 NOT_EFFECTIVE = "not effective"
 CANNOT_TELL = "cannot tell"
+UNREADABLE_WARNINGS = frozenset({"unsupported_file", "unsupported_db", "unsupported_csv"})
+LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME})
+"""Capture warnings under which the measured overlap is only a lower bound: a low value proves nothing."""
 
 _PAIRS_SQL = """
 WITH s AS (
@@ -176,7 +179,8 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
         if mt.steps_with_schedule == 0:
             hint = (" (the domain filter dropped 'Schedule')" if m.WARN_SCHEDULE_DOMAIN_MISSING in warning_kinds
                     else "; forward.csv alone has none: add batch.csv" if m.WARN_SCHEDULE_MISSING in warning_kinds
-                    else "")
+                    else "; some files could not be read (see warnings and import errors)"
+                    if warning_kinds & UNREADABLE_WARNINGS else "")
             reasons.append(f"no schedule spans in the capture{hint}")
         if mt.steps_with_done == 0:
             reasons.append("no output-ready (device completion) times: host launch spans alone cannot show overlap "
@@ -195,6 +199,12 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
             reasons.append(f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms")
         reasons.append(f"async markers: {marker_text}")
         verdict_ = EFFECTIVE
+    elif warning_kinds & LOWER_BOUND_WARNINGS:
+        return CANNOT_TELL, [
+            f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs, but the output-"
+            "ready times are only a lower bound (see warnings): a low overlap does not show async was off",
+            f"async markers: {marker_text}",
+        ]
     else:
         verdict_ = NOT_EFFECTIVE
         reasons.append(f"schedule(n+1) overlaps execute(n) for only {pct} of its time over {mt.pairs} step pairs")

@@ -20,6 +20,11 @@ COMPUTE = "compute"
 FORWARD = "forward"
 """A device-synchronised forward window (MindIE sync mode, msServiceProfiler's vLLM hooks)."""
 
+LAUNCH_API = "launch_api"
+"""An MSPTI ``Api`` row (the host call that queued a kernel; joined to it by ``correlationId``)."""
+FORWARD_UNKNOWN = "forward_unknown_kind"
+"""Done precision of a ``forward.csv`` forward: device-synchronised (MindIE sync) or a host launch (async)."""
+
 STEP_CHILD_SPANS: tuple[str, ...] = (
     BATCH_SCHEDULE,
     MODEL_EXECUTE,
@@ -67,6 +72,8 @@ WARN_COMM_DOMAIN_NOT_HCCL = "communication_domain_not_hccl"
 WARN_UNIT_GUESS = "unit_convention"
 WARN_MULTI_PROCESS = "multi_process"
 WARN_DROPPED = "recorder_dropped"
+WARN_FORWARD_KIND_UNKNOWN = "forward_kind_unknown"
+WARN_KERNELS_BY_TIME = "kernels_by_time"
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.importers import import_paths
-from otel_kvtrace.asynccheck.steps import build_steps, run_warnings
+from otel_kvtrace.asynccheck.steps import build_steps, dedup_sources, run_warnings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS async_spans(
@@ -69,6 +69,7 @@ def _records(con: duckdb.DuckDBPyConnection, table: str, rows: Iterable[Any], ty
 def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: str) -> m.ImportResult:
     """Import ``paths`` as run ``run`` into ``con``; returns what was imported (for reporting)."""
     result = import_paths(paths, run)
+    result.spans = dedup_sources(result.spans)
     steps, step_warnings = build_steps(result.spans, run)
     result.warnings += step_warnings + run_warnings(result.spans, result.seen, run)
     s = result.spans
