@@ -70,11 +70,22 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
         raise click.UsageError("give capture PATHS or --compare LABEL=PATH")
     from otel_kvtrace.asynccheck.render import render_check, render_compare
 
-    if compare_runs:
-        results = compare(_parse_compare(compare_runs), json_path=json_path)
-        render_compare(results, console)
-    else:
-        render_check(check(list(paths), json_path=json_path), console)
+    from otel_kvtrace.asynccheck.runs import NothingToCheckError, SeveralRunsError
+
+    try:
+        if compare_runs:
+            results = compare(_parse_compare(compare_runs), json_path=json_path)
+            render_compare(results, console)
+            return
+        try:
+            render_check(check(list(paths), json_path=json_path), console)
+        except SeveralRunsError as exc:
+            if exc.runs is None:
+                raise
+            console.print(f"[bold]{exc}[/] (use --compare LABEL=PATH to choose labels and order)")
+            render_compare(compare(exc.runs, json_path=json_path), console)
+    except (NothingToCheckError, SeveralRunsError) as exc:
+        raise InputError(str(exc)) from None
 
 
 @async_group.command("replica")

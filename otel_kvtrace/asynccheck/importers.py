@@ -8,6 +8,7 @@ symbols file). Unsupported files are reported as warnings, never silently droppe
 
 from __future__ import annotations
 
+import csv
 import sqlite3
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -17,11 +18,14 @@ import orjson
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck import msprof
+from otel_kvtrace.load.clean import _attr_problem, open_lines, span_problem
 
 _CANONICAL = frozenset(m.STEP_CHILD_SPANS)
 
 
-def _attr_value(value: dict[str, Any]) -> Any:
+def _attr_value(value: Any) -> Any:
+    if not isinstance(value, dict):
+        return None
     if "intValue" in value:
         return int(value["intValue"])
     for key in ("stringValue", "boolValue", "doubleValue"):
@@ -31,46 +35,59 @@ def _attr_value(value: dict[str, Any]) -> Any:
 
 
 def _attrs(items: Iterable[dict[str, Any]] | None) -> dict[str, Any]:
-    return {kv["key"]: _attr_value(kv.get("value", {})) for kv in items or ()}
+    return {kv["key"]: _attr_value(kv.get("value")) for kv in items or () if isinstance(kv, dict) and "key" in kv}
 
 
 def import_otlp_json(path: Path, run: str) -> m.ImportResult:
-    """Spans of our async traces (one ``ExportTraceServiceRequest`` per line)."""
+    """Spans of our async traces (one ``ExportTraceServiceRequest`` per line).
+
+    Lines and spans are checked by the project loader's own rules (``load.clean.span_problem``), so a
+    span this reader keeps is one ``kvtrace report`` would load; other kvtrace spans (KV recv traces) are
+    counted in ``seen`` as ``otlp_other:<n>`` so that ``check`` can say which command reads them.
+    """
     result = m.ImportResult()
-    batch_queue_steps = 0
-    dropped = 0
-    with path.open("rb") as fh:
-        for line_no, line in enumerate(fh, 1):
-            if not line.strip():
+    batch_queue_steps = dropped = other = 0
+    for line_no, line in enumerate(open_lines(path), 1):
+        if not line.strip():
+            continue
+        try:
+            doc = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            doc = None
+        resource_spans = doc.get("resourceSpans") if isinstance(doc, dict) else None
+        if not isinstance(resource_spans, list):
+            result.issues.append(m.ImportIssue(run, str(path), line_no, "not an OTLP/JSON trace request line"))
+            continue
+        for rs in resource_spans:
+            res_attrs = rs.get("resource", {}).get("attributes") if isinstance(rs, dict) else None
+            if not isinstance(rs, dict) or _attr_problem(res_attrs):
+                result.issues.append(m.ImportIssue(run, str(path), line_no, "bad resourceSpans entry"))
                 continue
-            try:
-                doc = orjson.loads(line)
-                resource_spans = doc["resourceSpans"]
-            except (orjson.JSONDecodeError, KeyError, TypeError):
-                result.issues.append(m.ImportIssue(run, str(path), line_no, "not an OTLP/JSON trace request line"))
-                continue
-            for rs in resource_spans:
-                res = _attrs(rs.get("resource", {}).get("attributes"))
-                lane = f"{res.get('kvtrace.run_id', path.stem)}/pid{res.get('process.pid', 0)}"
-                for ss in rs.get("scopeSpans") or ():
-                    for span in ss.get("spans") or ():
-                        try:
-                            name = span["name"]
-                            start, end = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
-                        except (KeyError, TypeError, ValueError):
-                            result.issues.append(
-                                m.ImportIssue(run, str(path), line_no, "span without name or start/end times")
-                            )
-                            continue
-                        attrs = _attrs(span.get("attributes"))
-                        if name == m.STEP_SPAN:
-                            batch_queue_steps += bool(attrs.get(m.ATTR_BATCH_QUEUE))
-                            dropped = max(dropped, int(attrs.get("kvtrace.exporter.dropped") or 0))
-                        if name not in _CANONICAL:
-                            continue
-                        step = attrs.get(m.ATTR_STEP)
-                        result.spans.append(m.SpanRow(run, str(path), lane, step, name, name, start, end, attrs))
-                        result.seen.add(name)
+            res = _attrs(res_attrs)
+            lane = f"{res.get('kvtrace.run_id', path.stem)}/pid{res.get('process.pid', 0)}"
+            for ss in rs.get("scopeSpans") or ():
+                for span in (ss.get("spans") if isinstance(ss, dict) else None) or ():
+                    problem = span_problem(span)
+                    if problem is None:
+                        start, end = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
+                        problem = "ends before it starts" if end < start else None
+                    if problem is not None:
+                        result.issues.append(m.ImportIssue(run, str(path), line_no, f"span skipped: {problem}"))
+                        continue
+                    name = span["name"]
+                    attrs = _attrs(span.get("attributes"))
+                    if name == m.STEP_SPAN:
+                        batch_queue_steps += bool(attrs.get(m.ATTR_BATCH_QUEUE))
+                        dropped = max(dropped, _int(attrs.get("kvtrace.exporter.dropped")))
+                    if name not in _CANONICAL:
+                        other += not name.startswith("kvtrace.async")
+                        continue
+                    step = attrs.get(m.ATTR_STEP)
+                    step = step if isinstance(step, int) else None
+                    result.spans.append(m.SpanRow(run, str(path), lane, step, name, name, start, end, attrs))
+                    result.seen.add(name)
+    if other:
+        result.seen.add(f"otlp_other:{other}")
     if batch_queue_steps:
         result.markers.append(m.Marker(run, str(path), m.MARKER_BATCH_QUEUE, batch_queue_steps))
     if dropped:
@@ -80,6 +97,13 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
     return result
 
 
+def _int(value: Any) -> int:
+    try:
+        return int(value or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
 def _import_json(path: Path, run: str) -> m.ImportResult:
     with path.open("rb") as fh:
         head = fh.read(4096).lstrip()
@@ -87,6 +111,10 @@ def _import_json(path: Path, run: str) -> m.ImportResult:
         return import_otlp_json(path, run)
     return msprof.import_chrome_tracing(path, run)
 
+
+_UNREADABLE = (OSError, ValueError, UnicodeDecodeError, sqlite3.Error, csv.Error, RecursionError, OverflowError,
+               TypeError, AttributeError, KeyError, IndexError, MemoryError)
+"""A file that fails with one of these is reported as unreadable (``file:0``); the others are still read."""
 
 _BY_SUFFIX: dict[str, Callable[[Path, str], m.ImportResult]] = {
     ".jsonl": import_otlp_json,
@@ -98,6 +126,12 @@ _BY_SUFFIX: dict[str, Callable[[Path, str], m.ImportResult]] = {
 }
 
 
+def _importer_for(path: Path) -> Callable[[Path, str], m.ImportResult] | None:
+    if path.name.endswith(".jsonl.gz"):
+        return import_otlp_json
+    return _BY_SUFFIX.get(path.suffix)
+
+
 def capture_files(paths: Iterable[str | Path]) -> list[Path]:
     """Every importable file under ``paths``; raises FileNotFoundError naming a missing path."""
     out: list[Path] = []
@@ -106,7 +140,7 @@ def capture_files(paths: Iterable[str | Path]) -> list[Path]:
         if not p.exists():
             raise FileNotFoundError(f"no such file or directory: {p}")
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in _BY_SUFFIX)
+            out += sorted(f for f in p.rglob("*") if f.is_file() and _importer_for(f) is not None)
         else:
             out.append(p)
     return out
@@ -116,7 +150,7 @@ def import_paths(paths: Iterable[str | Path], run: str) -> m.ImportResult:
     """Import every capture file under ``paths`` as one run."""
     result = m.ImportResult()
     for path in capture_files(paths):
-        importer = _BY_SUFFIX.get(path.suffix)
+        importer = _importer_for(path)
         if importer is None:
             result.warnings.append(
                 m.CaptureWarning(run, str(path), "unsupported_file", f"{path.name}: unknown format; not imported")
@@ -124,6 +158,6 @@ def import_paths(paths: Iterable[str | Path], run: str) -> m.ImportResult:
             continue
         try:
             result.extend(importer(path, run))
-        except (OSError, ValueError, UnicodeDecodeError, sqlite3.Error) as exc:
-            result.issues.append(m.ImportIssue(run, str(path), 0, f"cannot read: {exc}"))
+        except _UNREADABLE as exc:
+            result.issues.append(m.ImportIssue(run, str(path), 0, f"cannot read: {type(exc).__name__}: {str(exc)[:200]}"))
     return result

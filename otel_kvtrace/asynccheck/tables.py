@@ -17,7 +17,8 @@ import orjson
 import pyarrow as pa
 
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck.importers import import_paths
+from otel_kvtrace.asynccheck.importers import capture_files, import_paths
+from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed
 from otel_kvtrace.asynccheck.steps import build_steps, dedup_sources, run_warnings
 
 SCHEMA = """
@@ -67,8 +68,15 @@ def _records(con: duckdb.DuckDBPyConnection, table: str, rows: Iterable[Any], ty
 
 
 def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: str) -> m.ImportResult:
-    """Import ``paths`` as run ``run`` into ``con``; returns what was imported (for reporting)."""
+    """Import ``paths`` as run ``run`` into ``con``; returns what was imported (for reporting).
+
+    Raises ``runs.NothingToCheckError`` for an input without async spans it can name (empty, KV traces)
+    and ``runs.SeveralRunsError`` when ``paths`` hold several runs (never one merged verdict).
+    """
+    paths = list(paths)
     result = import_paths(paths, run)
+    refuse_empty(paths, capture_files(paths), result)
+    refuse_mixed(result)
     result.spans = dedup_sources(result.spans)
     steps, step_warnings = build_steps(result.spans, run)
     result.warnings += step_warnings + run_warnings(result.spans, result.seen, run)
