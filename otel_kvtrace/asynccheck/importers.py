@@ -59,8 +59,9 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
             result.issues.append(m.ImportIssue(run, str(path), line_no, "not an OTLP/JSON trace request line"))
             continue
         for rs in resource_spans:
-            res_attrs = rs.get("resource", {}).get("attributes") if isinstance(rs, dict) else None
-            if not isinstance(rs, dict) or _attr_problem(res_attrs):
+            resource = rs.get("resource") if isinstance(rs, dict) else None
+            res_attrs = resource.get("attributes") if isinstance(resource, dict) else None
+            if not isinstance(resource, (dict, type(None))) or not isinstance(rs, dict) or _attr_problem(res_attrs):
                 result.issues.append(m.ImportIssue(run, str(path), line_no, "bad resourceSpans entry"))
                 continue
             res = _attrs(res_attrs)

@@ -51,15 +51,15 @@ def norm_pid(value: Any) -> int | str | None:
     """One pid form across files: int in chrome/raw DBs, text in profiler.db, ``ms_service_<host>-<pid>`` in CSVs."""
     if value is None or isinstance(value, bool):
         return None
-    if isinstance(value, int):
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
         return value
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
         return int(value)
-    text = str(value).strip()
-    if text.isdigit():
-        return int(text)
-    match = _TRAILING_PID.search(text)
-    return int(match.group(1)) if match else (text or None)
+    text = str(value).strip()[:200]
+    match = _TRAILING_PID.search(text) or re.fullmatch(r"(\d+)", text)
+    if match and len(match.group(1)) <= 18:
+        return int(match.group(1))
+    return text or None
 
 
 def source_kind(path: Path) -> str:
@@ -144,6 +144,8 @@ def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             raise _JsonSyntaxError(exc.lineno, f"JSON syntax error: {exc.msg}; the rest of the file is skipped") from exc
+        except RecursionError as exc:
+            raise _JsonSyntaxError(line, "JSON nested too deeply; the rest of the file is skipped") from exc
         yield line, obj
         line += text.count("\n", pos, end)
         pos = end
