@@ -36,7 +36,7 @@ EFFECTIVE = "effective"
 NOT_EFFECTIVE = "not effective"
 CANNOT_TELL = "cannot tell"
 UNREADABLE_WARNINGS = frozenset({"unsupported_file", "unsupported_db", "unsupported_csv"})
-LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME})
+LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME, m.WARN_NPU_SYNC_HOOKS})
 """Capture warnings under which the measured overlap is only a lower bound: a low value proves nothing."""
 
 _PAIRS_SQL = """
@@ -173,8 +173,6 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
     reasons: list[str] = []
     has_markers = any(markers.values())
     marker_text = ", ".join(f"{k} x{v}" for k, v in sorted(markers.items()) if v) or "none"
-    if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
-        return CANNOT_TELL, ["the capture used hooks that synchronize the NPU: overlap cannot be judged"]
     if mt.pairs < MIN_PAIRS or mt.overlap_ratio is None:
         if mt.steps_with_schedule == 0:
             hint = (" (the domain filter dropped 'Schedule')" if m.WARN_SCHEDULE_DOMAIN_MISSING in warning_kinds
@@ -195,14 +193,18 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
     pct = f"{mt.overlap_ratio:.0%}"
     if mt.overlap_ratio >= EFFECTIVE_OVERLAP:
         reasons.append(f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs")
+        if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
+            reasons.append("measured although the capture's hooks synchronize the NPU (they can only shrink overlap)")
         if mt.gap_p50_ms is not None:
             reasons.append(f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms")
         reasons.append(f"async markers: {marker_text}")
         verdict_ = EFFECTIVE
     elif warning_kinds & LOWER_BOUND_WARNINGS:
+        why = ("the capture used hooks that synchronize the NPU, which serialise host and device"
+               if m.WARN_NPU_SYNC_HOOKS in warning_kinds else "the output-ready times are only a lower bound")
         return CANNOT_TELL, [
-            f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs, but the output-"
-            "ready times are only a lower bound (see warnings): a low overlap does not show async was off",
+            f"schedule(n+1) overlaps execute(n) for only {pct} of its time over {mt.pairs} step pairs, but {why} "
+            "(see warnings): a low overlap does not show async was off",
             f"async markers: {marker_text}",
         ]
     else:

@@ -53,6 +53,8 @@ DONE_ENGINE_OBSERVED = "engine_observed"
 """Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
 DONE_SYNCED_FORWARD = "synced_forward"
 DONE_KERNELS = "kernels"
+DONE_FUTURE_CALLBACK = "future_done_callback"
+"""msServiceProfiler's current vLLM hooks end ``modelExec`` in the Future's done-callback (output ready)."""
 
 # ---- markers of the async path ----------------------------------------------------------------------
 MARKER_BATCH_QUEUE = "vllm_batch_queue_step"
@@ -74,6 +76,7 @@ WARN_MULTI_PROCESS = "multi_process"
 WARN_DROPPED = "recorder_dropped"
 WARN_FORWARD_KIND_UNKNOWN = "forward_kind_unknown"
 WARN_KERNELS_BY_TIME = "kernels_by_time"
+WARN_SPAN_START_LOST = "span_start_lost"
 
 
 @dataclass(slots=True)

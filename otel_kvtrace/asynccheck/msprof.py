@@ -85,6 +85,7 @@ class _Sink:
         self.source = source or source_kind(file)
         self.result = m.ImportResult()
         self.marker_counts: Counter[str] = Counter()
+        self.lost_starts: dict[str, int] = {}
 
     def issue(self, line: int, reason: str) -> None:
         self.result.issues.append(m.ImportIssue(self.run, self.file, line, reason))
@@ -95,6 +96,12 @@ class _Sink:
     def span(self, name: str, args: dict[str, Any], start_ns: int, end_ns: int, pid: Any, track: str = "",
              line: int = 0, extra: dict[str, Any] | None = None) -> None:
         problem = time_problem(start_ns, end_ns)
+        if problem is not None and start_ns == 0 and time_problem(end_ns, end_ns) is None:
+            # msServiceProfiler keeps span starts in a thread_local cache: a span ended on another thread
+            # (current vLLM hooks end modelExec in a Future done-callback) is written with start 0
+            self.lost_starts[name] = self.lost_starts.get(name, 0) + 1
+            self.issue(line, f"{name!r}: start 0 (ended on another thread than it started)")
+            return
         if problem is not None:
             self.issue(line, f"{name!r}: {problem}")
             return
@@ -112,6 +119,11 @@ class _Sink:
             )
 
     def finish(self) -> m.ImportResult:
+        for name, count in sorted(self.lost_starts.items()):
+            self.result.seen.add(f"start_lost:{name}")
+            self.warn(m.WARN_SPAN_START_LOST, f"{count} {name!r} spans have start 0: msServiceProfiler reads a span's "
+                      "start from the ending thread's cache, and these ended on another thread (a Future "
+                      "done-callback); the launch is taken from modelRunnerExec instead")
         self.result.markers += [m.Marker(self.run, self.file, k, v) for k, v in sorted(self.marker_counts.items())]
         return self.result
 

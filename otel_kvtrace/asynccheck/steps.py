@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import Counter, defaultdict, deque
+from collections.abc import Iterable
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.classify import MINDIE_PD_MESSAGES, ORIGIN_PRIORITY, SOURCE_PRIORITY, VLLM_PATCHER_SPANS
@@ -40,14 +41,15 @@ def dedup_sources(spans: list[m.SpanRow]) -> list[m.SpanRow]:
             or SOURCE_PRIORITY.get(str(s.attrs.get("source")), 9) == best[_source_key(s)]]
 
 
-def build_steps(spans: list[m.SpanRow], run: str) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
-    """Steps of one run and warnings about how they were matched."""
+def build_steps(spans: list[m.SpanRow], run: str,
+                lost_starts: Iterable[str] = ()) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
+    """Steps of one run and warnings about how they were matched (``lost_starts``: span names with start 0)."""
     ours = [s for s in spans if s.step is not None]
     capture = [s for s in spans if s.step is None]
     steps = _steps_from_ours(ours, run)
     warnings: list[m.CaptureWarning] = []
     if capture:
-        capture_steps, warnings = _steps_from_capture(capture, run)
+        capture_steps, warnings = _steps_from_capture(capture, run, frozenset(lost_starts))
         steps += capture_steps
     return steps, warnings
 
@@ -91,12 +93,15 @@ def _busiest_pid(spans: list[m.SpanRow], run: str, what: str) -> tuple[list[m.Sp
     return [s for s in spans if s.attrs.get("pid") == pid], [warning]
 
 
-def _steps_from_capture(spans: list[m.SpanRow], run: str) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
+def _steps_from_capture(spans: list[m.SpanRow], run: str,
+                        lost_starts: frozenset[str] = frozenset()) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
     by_name: dict[str, list[m.SpanRow]] = defaultdict(list)
     for s in spans:
         by_name[s.name].append(s)
     warnings: list[m.CaptureWarning] = []
     phases: dict[str, list[m.SpanRow]] = {}
+    if lost_starts and any(s.origin == "modelRunnerExec" for s in by_name.get(m.MODEL_EXECUTE, [])):
+        by_name[m.MODEL_EXECUTE] = [s for s in by_name[m.MODEL_EXECUTE] if s.origin not in lost_starts]
     for name in (m.BATCH_SCHEDULE, m.MODEL_EXECUTE, m.FORWARD):
         chosen, warns = _busiest_pid(_best_origin(by_name.get(name, [])), run, name)
         phases[name] = sorted(chosen, key=lambda s: s.start_ns)
@@ -117,12 +122,29 @@ def _steps_from_capture(spans: list[m.SpanRow], run: str) -> tuple[list[m.StepRo
             "launches (MindIE async); overlap measured from them is a lower bound. Pass chrome_tracing.json or "
             "profiler.db from the same parse output to tell.",
         ))
+    _done_from_callback(rows, phases[m.MODEL_EXECUTE])
     if not phases[m.FORWARD]:
         device = [s for s in by_name.get(m.COMPUTE, []) + by_name.get(m.COMMUNICATION, [])
                   if s.attrs.get("source") != "forward_csv"]
         warnings += _done_from_kernels(rows, device, by_name.get(m.LAUNCH_API, []), run)
     _fill_queue_depth(rows)
     return rows, warnings
+
+
+def _done_from_callback(rows: list[m.StepRow], launches: list[m.SpanRow]) -> None:
+    """Current vLLM hooks end ``modelExec`` when its Future resolves (output ready), 1.2.3 at dispatch return.
+
+    When the span ends at or after the synchronised forward in most steps it is the done-callback kind:
+    its end is the output-ready time and the dispatch return is unknown.
+    """
+    if not launches or launches[0].origin != "modelExec":
+        return
+    paired = [r for r in rows if r.done is not None and r.launch_end is not None]
+    if not paired or sum(r.launch_end >= r.done for r in paired) < 0.8 * len(paired):
+        return
+    for r in rows:
+        if r.launch_end is not None:
+            r.done, r.done_precision, r.launch_end = r.launch_end, m.DONE_FUTURE_CALLBACK, None
 
 
 def _step_of(launched: list[m.StepRow], starts: list[int], t: int) -> m.StepRow | None:

@@ -78,7 +78,8 @@ def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: s
     refuse_empty(paths, capture_files(paths), result)
     refuse_mixed(result)
     result.spans = dedup_sources(result.spans)
-    steps, step_warnings = build_steps(result.spans, run)
+    lost = [x.split(":", 1)[1] for x in result.seen if x.startswith("start_lost:")]
+    steps, step_warnings = build_steps(result.spans, run, lost)
     result.warnings += step_warnings + run_warnings(result.spans, result.seen, run)
     s = result.spans
     _insert(

@@ -118,3 +118,42 @@ def test_real_mindie_2024_capture(tmp_path: Path) -> None:
     assert result.verdict == CANNOT_TELL
     assert any("no output-ready" in r for r in result.reasons)
     assert result.import_errors == 0
+
+
+def _vllm_hooks(overlapping: bool, lost_start: bool) -> list:
+    """msServiceProfiler's stock vLLM hooks (patcher/vllm/handlers/v1/model_handlers.py, batch_handlers.py):
+    batchFrameworkProcessing (Schedule), modelExec ended in the Future's done-callback (output ready),
+    modelRunnerExec in the worker, the hook-synchronised forward."""
+    from .msprof_writer import Span
+
+    at = lambda ms: T0_NS + int(round(ms * MS))  # noqa: E731
+    spans = []
+    for n in range(10):
+        b = 10 * n + (0 if overlapping else 1.6 * n)
+        spans.append(Span("batchFrameworkProcessing", "Schedule", at(b), at(b + 1), 100, 101))
+        exec_start = 0 if lost_start else at(b + 1)
+        spans.append(Span("modelExec", "Execute", exec_start, at(b + 11.5), 100, 102))
+        spans.append(Span("modelRunnerExec", "Execute", at(b + 1.2), at(b + 11.3), 200, 201))
+        spans.append(Span("forward", "Execute", at(b + 1.5), at(b + 10.5), 200, 201))
+    return spans
+
+
+@pytest.mark.parametrize("lost_start", [False, True], ids=["modelExec", "start-lost-fallback"])
+def test_stock_vllm_hooks_with_measurable_overlap_is_effective(tmp_path: Path, lost_start: bool) -> None:
+    write_raw_dbs(tmp_path, _vllm_hooks(overlapping=True, lost_start=lost_start), [])
+    result = check([tmp_path])
+    kinds = {w["kind"] for w in result.warnings}
+    assert result.verdict == EFFECTIVE, result.reasons
+    assert m.WARN_NPU_SYNC_HOOKS in kinds
+    assert (m.WARN_SPAN_START_LOST in kinds) is lost_start
+    con = connect()
+    load_run(con, [tmp_path], "r")
+    precision = con.execute("SELECT DISTINCT done_precision FROM async_steps").fetchall()
+    assert precision == [(m.DONE_SYNCED_FORWARD if lost_start else m.DONE_FUTURE_CALLBACK,)]
+
+
+def test_stock_vllm_hooks_without_overlap_cannot_tell(tmp_path: Path) -> None:
+    write_raw_dbs(tmp_path, _vllm_hooks(overlapping=False, lost_start=False), [])
+    result = check([tmp_path])
+    assert result.verdict == CANNOT_TELL
+    assert any("synchronize the NPU" in r for r in result.reasons)
