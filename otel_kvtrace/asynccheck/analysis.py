@@ -22,6 +22,7 @@ import duckdb
 import orjson
 
 from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck.outcome import OutcomeMetrics, compute_outcome
 from otel_kvtrace.asynccheck.tables import connect, load_run
 
 EFFECTIVE_OVERLAP = 0.5
@@ -112,6 +113,7 @@ class CheckResult:
     warnings: list[dict[str, str]] = field(default_factory=list)
     import_errors: int = 0
     import_error_samples: list[dict[str, Any]] = field(default_factory=list)
+    outcome: OutcomeMetrics = field(default_factory=OutcomeMetrics)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -248,6 +250,7 @@ def _check_loaded(con: duckdb.DuckDBPyConnection, run: str, paths: Sequence[str 
         warnings=warnings,
         import_errors=len(result.issues),
         import_error_samples=[{"file": i.file, "line": i.line, "reason": i.reason} for i in result.issues[:20]],
+        outcome=compute_outcome(con, run),
     )
 
 

@@ -115,6 +115,20 @@ class StepRow:
 
 
 @dataclass(slots=True)
+class RequestRow:
+    """One served request from msServiceProfiler's ``request.csv`` (table ``async_requests``)."""
+
+    run: str
+    file: str
+    rid: str
+    start_ns: int | None
+    latency_ms: float | None
+    ttft_ms: float | None
+    queue_ms: float | None
+    out_tokens: int | None
+
+
+@dataclass(slots=True)
 class ImportIssue:
     """A malformed row that was skipped (table ``async_import_errors``)."""
 
@@ -154,9 +168,11 @@ class ImportResult:
     markers: list[Marker] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     """Raw span names and ``domain:<d>`` seen (for capture warnings)."""
+    requests: list[RequestRow] = field(default_factory=list)
 
     def extend(self, other: ImportResult) -> None:
         self.spans.extend(other.spans)
+        self.requests.extend(other.requests)
         self.issues.extend(other.issues)
         self.warnings.extend(other.warnings)
         self.markers.extend(other.markers)

@@ -362,6 +362,8 @@ def datetime_ns(text: str) -> int:
 
 
 def _csv_format(path: Path, header: list[str]) -> str | None:
+    if "http_rid" in header or path.name.startswith("request"):
+        return "request_csv"
     if "forward_iter" in header or path.name.startswith("forward"):
         return "forward_csv"
     if "res_list" in header or path.name.startswith("batch"):
@@ -377,6 +379,9 @@ def import_csv(path: Path, run: str) -> m.ImportResult:
         sink = _Sink(run, path, fmt or "csv")
         if fmt is None:
             sink.warn("unsupported_csv", f"{path.name}: neither forward.csv nor batch.csv columns; nothing imported")
+            return sink.finish()
+        if fmt == "request_csv":
+            _import_requests(sink, reader)
             return sink.finish()
         if {"start_time(ms)", "end_time(ms)"} <= set(header):
             columns, generation = ("start_time(ms)", "end_time(ms)"), "number"
@@ -436,6 +441,48 @@ def _csv_row(sink: _Sink, fmt: str, line: int, row: dict[str, Any], columns: tup
         return
     args = {"async": row.get("async")} if row.get("async") else {}
     sink.span(name, args, start, end, row.get("prof_id") or None, line=line)
+
+
+def _opt_number(row: dict[str, Any], column: str) -> Decimal | None:
+    value = row.get(column)
+    if value is None or (isinstance(value, str) and value.strip() in ("", "N/A", "nan")):
+        return None
+    return parse_number(value)
+
+
+def _import_requests(sink: _Sink, reader: csv.DictReader) -> None:
+    """request.csv (``exporters/exporter_req_data.py``): latencies in ms; start ``start_time(ms)`` (epoch ms,
+    current parser) or ``start_datetime`` (both generations)."""
+    sink.result.seen.add("format:request_csv")
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            sink.issue(reader.line_num, f"CSV syntax: {exc}")
+            continue
+        line = reader.line_num
+        try:
+            start_ms = _opt_number(row, "start_time(ms)")
+            start = to_ns(start_ms, "ms") if start_ms is not None else (
+                datetime_ns(row["start_datetime"]) if row.get("start_datetime") else None)
+            latency, ttft, queue, out = (_opt_number(row, c) for c in (
+                "execution_time(ms)", "first_token_latency(ms)", "queue_wait_time(ms)", "reply_token_size"))
+        except (TypeError, ValueError, ArithmeticError):
+            sink.issue(line, "request row: a time or token count is not a number")
+            continue
+        if start is not None and time_problem(start, start) is not None:
+            sink.issue(line, f"request row: {time_problem(start, start)}")
+            continue
+        if any(v is not None and not 0 <= v < 10**10 for v in (latency, ttft, queue, out)):
+            sink.issue(line, "request row: negative or absurd latency/token count")
+            continue
+        sink.result.requests.append(m.RequestRow(
+            sink.run, sink.file, str(row.get("http_rid") or "")[:200], start,
+            None if latency is None else float(latency), None if ttft is None else float(ttft),
+            None if queue is None else float(queue), None if out is None else int(out),
+        ))
 
 
 # ---- vLLM symbols file ---------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from otel_kvtrace.asynccheck.analysis import EFFECTIVE, NOT_EFFECTIVE, CheckResult
 from otel_kvtrace.asynccheck.doctor import DoctorReport
+from otel_kvtrace.asynccheck.outcome import outcome_line
 
 _VERDICT_STYLE = {EFFECTIVE: "bold green", NOT_EFFECTIVE: "bold red"}
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
@@ -48,6 +49,9 @@ def render_check(result: CheckResult, console: Console) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    outcome = outcome_line(result.outcome)
+    if outcome:
+        console.print(f"outcome: {outcome}")
     if result.markers:
         console.print("async markers: " + ", ".join(f"{k} x{v}" for k, v in sorted(result.markers.items())))
     for w in result.warnings:
@@ -82,6 +86,9 @@ def render_compare(results: Sequence[CheckResult], console: Console) -> None:
         markers = ", ".join(sorted(k for k, v in r.markers.items() if v)) or "none"
         console.print(f"[bold]{escape(r.run)}[/]: gap p95 {_num(mt.gap_p95_ms, '{:.2f}')} ms, max in flight "
                       f"{_num(mt.max_queue_depth, '{}')}, markers {escape(markers)}")
+        outcome = outcome_line(r.outcome)
+        if outcome:
+            console.print(f"  outcome: {outcome}")
         for reason in r.reasons:
             console.print(f"  - {escape(reason)}")
         for w in r.warnings:

@@ -32,6 +32,9 @@ CREATE TABLE IF NOT EXISTS async_steps(
     done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER);
 CREATE TABLE IF NOT EXISTS async_markers(run VARCHAR, file VARCHAR, marker VARCHAR, count BIGINT);
 CREATE TABLE IF NOT EXISTS async_warnings(run VARCHAR, file VARCHAR, kind VARCHAR, message VARCHAR);
+CREATE TABLE IF NOT EXISTS async_requests(
+    run VARCHAR, file VARCHAR, rid VARCHAR, start_ns BIGINT, latency_ms DOUBLE, ttft_ms DOUBLE, queue_ms DOUBLE,
+    out_tokens BIGINT);
 CREATE TABLE IF NOT EXISTS async_import_errors(run VARCHAR, file VARCHAR, line BIGINT, reason VARCHAR);
 """
 
@@ -99,4 +102,7 @@ def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: s
     _records(con, "async_markers", result.markers, text)
     _records(con, "async_warnings", result.warnings, text)
     _records(con, "async_import_errors", result.issues, text)
+    _records(con, "async_requests", result.requests,
+             {**text, "rid": pa.string(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
+              "queue_ms": pa.float64()})
     return result

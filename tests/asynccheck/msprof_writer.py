@@ -245,3 +245,19 @@ def write_parse_folder(folder: Path, *, older: bool = False, raw: bool = True) -
     if raw:
         write_raw_dbs(folder / "raw", spans, dev, older=older)
     return folder
+
+
+def write_request_csv(folder: Path, latencies_ms: list[int], *, older: bool = False, tokens: int = 100) -> Path:
+    """request.csv as ``exporters/exporter_req_data.py`` writes it (``execution_time`` = end//1000 - start//1000 ms;
+    the current parser appends ``start_time(ms)``, integer epoch ms)."""
+    path = folder / "request.csv"
+    with path.open("w", newline="") as fh:
+        w = csv.writer(fh)
+        head = ["http_rid", "start_datetime", "recv_token_size", "reply_token_size", "execution_time(ms)",
+                "queue_wait_time(ms)", "first_token_latency(ms)", "cache_hit_rate"]
+        w.writerow(head if older else head + ["start_time(ms)"])
+        for i, lat in enumerate(latencies_ms):
+            start = T0_NS + i * 100 * MS
+            row = [f"req{i}", _dt(start), 32, tokens, lat, 1.5, 20.0, "N/A"]
+            w.writerow(row if older else row + [start // MS])
+    return path
