@@ -361,6 +361,19 @@ def datetime_ns(text: str) -> int:
     return (local - _EPOCH) // timedelta(microseconds=1) * 1000
 
 
+def _csv_rows(sink: _Sink, reader: csv.DictReader) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(line, row)`` of every readable row; a row the csv module rejects is a named skip, not a lost file."""
+    while True:
+        try:
+            row = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            sink.issue(reader.line_num, f"CSV syntax: {exc}")
+            continue
+        yield reader.line_num, row
+
+
 def _csv_format(path: Path, header: list[str]) -> str | None:
     if "http_rid" in header or path.name.startswith("request"):
         return "request_csv"
@@ -396,15 +409,8 @@ def import_csv(path: Path, run: str) -> m.ImportResult:
             return sink.finish()
         sink.result.seen.add(f"format:{fmt}")
         corrected: dict[str, int] = {}
-        while True:
-            try:
-                row = next(reader)
-            except StopIteration:
-                break
-            except csv.Error as exc:
-                sink.issue(reader.line_num, f"CSV syntax: {exc}")
-                continue
-            _csv_row(sink, fmt, reader.line_num, row, columns, generation, corrected)
+        for line, row in _csv_rows(sink, reader):
+            _csv_row(sink, fmt, line, row, columns, generation, corrected)
     for unit, count in corrected.items():
         sink.warn(
             m.WARN_UNIT_GUESS,
@@ -454,15 +460,7 @@ def _import_requests(sink: _Sink, reader: csv.DictReader) -> None:
     """request.csv (``exporters/exporter_req_data.py``): latencies in ms; start ``start_time(ms)`` (epoch ms,
     current parser) or ``start_datetime`` (both generations)."""
     sink.result.seen.add("format:request_csv")
-    while True:
-        try:
-            row = next(reader)
-        except StopIteration:
-            return
-        except csv.Error as exc:
-            sink.issue(reader.line_num, f"CSV syntax: {exc}")
-            continue
-        line = reader.line_num
+    for line, row in _csv_rows(sink, reader):
         try:
             start_ms = _opt_number(row, "start_time(ms)")
             start = to_ns(start_ms, "ms") if start_ms is not None else (

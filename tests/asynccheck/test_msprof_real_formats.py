@@ -157,3 +157,13 @@ def test_stock_vllm_hooks_without_overlap_cannot_tell(tmp_path: Path) -> None:
     result = check([tmp_path])
     assert result.verdict == CANNOT_TELL
     assert any("synchronize the NPU" in r for r in result.reasons)
+
+
+def test_older_mspti_db_name_gives_the_pid(tmp_path: Path) -> None:
+    spans, dev = mindie_async()
+    paths = write_raw_dbs(tmp_path, spans, dev, older=True)
+    assert paths[-1].name == "ascend_service_profiler_200.db"  # the older writer's name
+    con = connect()
+    load_run(con, [tmp_path], "r")
+    pids = con.execute("SELECT DISTINCT attrs->>'pid' FROM async_spans WHERE name = 'compute'").fetchall()
+    assert pids == [("200",)]
