@@ -58,8 +58,10 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
 
     PATHS are files or directories of one capture: our traces (./kvtrace-data/async/*.jsonl) and/or
     msServiceProfiler outputs (chrome_tracing.json, forward.csv, batch.csv, profiler.db,
-    ms_service_*.db, ascend_service_profiler_*.db, service_profiling_symbols*.yaml). Verdict:
-    effective / not effective / cannot tell, with reasons.
+    ms_service_*.db, ascend_service_profiler_*.db, request.csv, service_profiling_symbols*.yaml), of
+    either parser generation. Verdict: effective / not effective / cannot tell, with reasons, and the
+    outcome (step interval, request latency, throughput). PATHS holding several runs get one verdict
+    per run.
 
     \b
     Example:

@@ -135,22 +135,35 @@ def _importer_for(path: Path) -> Callable[[Path, str], m.ImportResult] | None:
 
 def capture_files(paths: Iterable[str | Path]) -> list[Path]:
     """Every importable file under ``paths``; raises FileNotFoundError naming a missing path."""
-    out: list[Path] = []
+    return list(_files_with_roots(paths))
+
+
+def _files_with_roots(paths: Iterable[str | Path]) -> dict[Path, str]:
+    """``file -> capture root``: the directory given for files found under it, else the file's folder.
+
+    A root inside another given root joins it. One capture (a parse output with its raw DBs below it, or
+    its files named one by one) has one root; two capture folders have two, so they are never merged
+    into one verdict (``runs.split_runs``).
+    """
+    out: dict[Path, str] = {}
     for raw in paths:
         p = Path(raw)
         if not p.exists():
             raise FileNotFoundError(f"no such file or directory: {p}")
         if p.is_dir():
-            out += sorted(f for f in p.rglob("*") if f.is_file() and _importer_for(f) is not None)
+            for f in sorted(f for f in p.rglob("*") if f.is_file() and _importer_for(f) is not None):
+                out.setdefault(f, str(p))
         else:
-            out.append(p)
-    return out
+            out.setdefault(p, str(p.parent))
+    roots = {r: Path(r).resolve() for r in set(out.values())}
+    outer = {r: min((o for o, op in roots.items() if rp == op or op in rp.parents), key=len) for r, rp in roots.items()}
+    return {f: outer[r] for f, r in out.items()}
 
 
 def import_paths(paths: Iterable[str | Path], run: str) -> m.ImportResult:
     """Import every capture file under ``paths`` as one run."""
     result = m.ImportResult()
-    for path in capture_files(paths):
+    for path, root in _files_with_roots(paths).items():
         importer = _importer_for(path)
         if importer is None:
             result.warnings.append(
@@ -158,7 +171,11 @@ def import_paths(paths: Iterable[str | Path], run: str) -> m.ImportResult:
             )
             continue
         try:
-            result.extend(importer(path, run))
+            one = importer(path, run)
+            for span in one.spans:
+                if span.step is None:
+                    span.attrs["capture"] = root
+            result.extend(one)
         except _UNREADABLE as exc:
             result.issues.append(m.ImportIssue(run, str(path), 0, f"cannot read: {type(exc).__name__}: {str(exc)[:200]}"))
     return result

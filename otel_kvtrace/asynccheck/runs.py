@@ -1,6 +1,7 @@
 """One verdict per run: find the runs in an input and refuse inputs that hold none.
 
-Our traces carry ``kvtrace.run_id`` (lane ``<run_id>/pid<pid>``); an msServiceProfiler capture is one run.
+Our traces carry ``kvtrace.run_id`` (lane ``<run_id>/pid<pid>``); an msServiceProfiler capture is one run
+per capture folder.
 ``check`` must never merge several runs into one verdict (``kvtrace async replica`` writes three runs
 into one folder), and must say what an input holds when it holds no async-check spans.
 """
@@ -28,7 +29,11 @@ class SeveralRunsError(ValueError):
 
 
 def run_of(span: m.SpanRow) -> str:
-    return span.lane.rsplit("/pid", 1)[0] if span.step is not None else CAPTURE_RUN
+    """Our traces: ``kvtrace.run_id``; a capture: ``capture <root folder>`` (``importers._files_with_roots``)."""
+    if span.step is not None:
+        return span.lane.rsplit("/pid", 1)[0]
+    root = span.attrs.get("capture")
+    return f"{CAPTURE_RUN} {root}" if root else CAPTURE_RUN
 
 
 def split_runs(spans: Iterable[m.SpanRow]) -> dict[str, list[str]]:

@@ -57,7 +57,16 @@ def test_capture_and_our_trace_together_are_two_runs(tmp_path: Path, replica_fol
     folder = write_parse_folder(tmp_path / "out", raw=False)
     with pytest.raises(SeveralRunsError) as exc:
         check([folder, replica_folder / "kvtrace-async-replica-async.jsonl"])
-    assert set(exc.value.runs or {}) == {"capture", "replica-async"}
+    assert set(exc.value.runs or {}) == {f"capture {folder}", "replica-async"}
+
+
+def test_two_capture_folders_are_two_runs(tmp_path: Path) -> None:
+    a = write_parse_folder(tmp_path / "a")
+    b = write_parse_folder(tmp_path / "b", older=True)
+    with pytest.raises(SeveralRunsError) as exc:
+        check([a, b])
+    assert set(exc.value.runs or {}) == {f"capture {a}", f"capture {b}"}
+    assert check([a / "batch.csv", a / "chrome_tracing.json", a / "raw"]).metrics.steps == 12
 
 
 def test_one_file_mixing_runs_is_refused(tmp_path: Path, replica_folder: Path) -> None:
