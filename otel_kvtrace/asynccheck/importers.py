@@ -2,8 +2,9 @@
 
 ``import_paths`` walks files and directories and dispatches by name and content: ``*.jsonl`` (our
 traces, docs/schema.md "Files" shape), ``*.json`` (chrome tracing array, or one OTLP request),
-``*.csv`` (``forward.csv``/``batch.csv``), ``*.db`` (``slice`` / MSPTI tables), ``*.yaml`` (vLLM
-symbols file). Unsupported files are reported as warnings, never silently dropped.
+``*.csv`` (``forward.csv``/``batch.csv``/``request.csv``), ``*.db`` (``slice``/``Mstx``/MSPTI tables),
+``*.yaml`` (vLLM symbols file). Unsupported files are reported as warnings, never silently dropped; a file
+that cannot be parsed at all is one ``file:0`` import error, never a traceback.
 """
 
 from __future__ import annotations

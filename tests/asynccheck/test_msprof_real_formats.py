@@ -167,3 +167,17 @@ def test_older_mspti_db_name_gives_the_pid(tmp_path: Path) -> None:
     load_run(con, [tmp_path], "r")
     pids = con.execute("SELECT DISTINCT attrs->>'pid' FROM async_spans WHERE name = 'compute'").fetchall()
     assert pids == [("200",)]
+
+
+def test_unreadable_files_are_not_blamed_on_the_domain_filter(tmp_path: Path) -> None:
+    spans, _ = mindie_async()
+    write_csvs(tmp_path, [s for s in spans if s.name == "forward"])
+    con = sqlite3.connect(tmp_path / "ms_service_host-100.db")
+    con.execute("CREATE TABLE something_else (x TEXT)")  # a DB of no known generation
+    con.commit()
+    con.close()
+    result = check([tmp_path])
+    kinds = {w["kind"] for w in result.warnings}
+    assert "unsupported_db" in kinds and m.WARN_SCHEDULE_DOMAIN_MISSING not in kinds
+    assert any("could not be read" in r for r in result.reasons)
+    assert not any("domain filter" in r for r in result.reasons)
