@@ -38,6 +38,24 @@ def step_interval_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) ->
     return fig
 
 
+def batch_size_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure | None:
+    fig = Figure(figsize=(8, 3.2))
+    ax = fig.add_subplot()
+    for run in runs:
+        rows = con.execute("SELECT step, batch_size FROM async_steps WHERE run = $run AND batch_size IS NOT NULL "
+                           "ORDER BY step", {"run": run}).fetchall()
+        if rows:
+            ax.step([r[0] for r in rows], [r[1] for r in rows], where="post", label=run)
+    if not ax.lines:
+        return None
+    ax.set_xlabel("step")
+    ax.set_ylabel("batch size (requests)")
+    ax.set_title("batch size per step")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    return fig
+
+
 def request_latency_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure | None:
     fig = Figure(figsize=(8, 3.2))
     ax = fig.add_subplot()
@@ -91,7 +109,8 @@ def overlap_timeline_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str])
 def curve_pngs(con: duckdb.DuckDBPyConnection, results: Sequence[CheckResult]) -> dict[str, bytes]:
     """``stem -> PNG`` for every curve the data supports."""
     runs = [r.run for r in results]
-    figures = {"step_interval": step_interval_figure(con, runs), "request_latency": request_latency_figure(con, runs),
+    figures = {"step_interval": step_interval_figure(con, runs), "batch_size": batch_size_figure(con, runs),
+               "request_latency": request_latency_figure(con, runs),
                "overlap_timeline": overlap_timeline_figure(con, runs)}
     return {stem: figure_png(fig) for stem, fig in figures.items() if fig is not None}
 

@@ -112,6 +112,8 @@ class StepRow:
     done_precision: str | None = None
     batch_queue: bool | None = None
     queue_depth: int | None = None
+    batch_size: int | None = None
+    """Requests in the step's batch (msServiceProfiler ``batch_size`` / ``rid`` list of the schedule span)."""
 
 
 @dataclass(slots=True)

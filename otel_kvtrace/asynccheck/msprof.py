@@ -62,6 +62,15 @@ def norm_pid(value: Any) -> int | str | None:
     return text or None
 
 
+def batch_size_of(args: dict[str, Any]) -> int | None:
+    """The batch's request count: ``batch_size`` (MindIE attr; the parser's chrome args), else the ``rid`` list."""
+    size = args.get("batch_size")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size < 10**7:
+        return int(size)
+    rids = args.get("rid")
+    return len(rids) if isinstance(rids, list) else None
+
+
 def source_kind(path: Path) -> str:
     """Which file of a capture ``path`` is (see ``classify.SOURCE_PRIORITY``)."""
     name = path.name
@@ -114,6 +123,10 @@ class _Sink:
         canon, origin = canonical(name, args, track)
         if canon is not None:
             attrs = {"pid": norm_pid(pid), "source": self.source, "raw": name, **(extra or {})}
+            if canon == m.BATCH_SCHEDULE:
+                size = batch_size_of(args)
+                if size is not None:
+                    attrs["batch_size"] = size
             self.result.spans.append(
                 m.SpanRow(self.run, self.file, CAPTURE_LANE, None, canon, origin, start_ns, end_ns, attrs)
             )

@@ -110,6 +110,7 @@ def _steps_from_capture(spans: list[m.SpanRow], run: str,
     rows = [m.StepRow(run, "capture", i) for i in range(n)]
     for i, s in enumerate(phases[m.BATCH_SCHEDULE]):
         rows[i].schedule_start, rows[i].schedule_end = s.start_ns, s.end_ns
+        rows[i].batch_size = s.attrs.get("batch_size")
     for i, s in enumerate(phases[m.MODEL_EXECUTE]):
         rows[i].launch_start, rows[i].launch_end = s.start_ns, s.end_ns
     for i, s in enumerate(phases[m.FORWARD]):

@@ -48,11 +48,11 @@ def test_compare_shows_outcome_and_writes_curves(tmp_path: Path) -> None:
     text = " ".join(result.output.split())
     assert "latency p90 300.0 ms" in text and "latency p90 189.1 ms" in text
     pngs = sorted(p.name for p in png_dir.iterdir())
-    assert pngs == ["overlap_timeline.png", "request_latency.png", "step_interval.png"]
+    assert pngs == ["batch_size.png", "overlap_timeline.png", "request_latency.png", "step_interval.png"]
     assert all(imread(png_dir / p).shape[0] > 100 for p in pngs)
     page = html_path.read_text()
     assert "&lt;b&gt;x&lt;/b&gt;" in page and label not in page
-    assert page.count("data:image/png;base64,") == 3
+    assert page.count("data:image/png;base64,") == 4
 
 
 def test_bad_request_rows_are_named_skips(tmp_path: Path) -> None:
@@ -66,3 +66,13 @@ def test_bad_request_rows_are_named_skips(tmp_path: Path) -> None:
     assert len(result.requests) == 2
     assert [(i.line, "absurd" in i.reason) for i in result.issues] == [(3, True)]
     json.dumps([r.rid for r in result.requests])
+
+
+@pytest.mark.parametrize("files", [["chrome_tracing.json"], ["profiler.db"], ["raw"]])
+def test_batch_size_per_step_comes_from_the_schedule_spans(tmp_path: Path, files: list[str]) -> None:
+    from otel_kvtrace.asynccheck.tables import connect, load_run
+
+    folder = write_parse_folder(tmp_path / "out")
+    con = connect()
+    load_run(con, [folder / f for f in files], "r")
+    assert con.execute("SELECT count(*), min(batch_size), max(batch_size) FROM async_steps").fetchone() == (12, 4, 4)
