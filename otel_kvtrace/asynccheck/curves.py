@@ -18,60 +18,51 @@ TIMELINE_STEPS = 6
 """Steps drawn per run in the overlap timeline (enough to see the pattern, few enough to read)."""
 
 
-def step_interval_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure:
+_STEP_INTERVAL_SQL = (
+    "SELECT step, (LEAD(coalesce(device_start, launch_start)) OVER w - coalesce(device_start, launch_start)) / 1e6 "
+    "FROM async_steps WHERE run = $run WINDOW w AS (PARTITION BY lane ORDER BY step) ORDER BY step")
+_BATCH_SIZE_SQL = "SELECT step, batch_size FROM async_steps WHERE run = $run ORDER BY step"
+_LATENCY_SQL = "SELECT latency_ms FROM async_requests WHERE run = $run ORDER BY latency_ms"
+
+
+def _per_run_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str], sql: str, kind: str,
+                    labels: tuple[str, str, str]) -> Figure | None:
+    """One line per run of ``sql``'s ``(x, y)`` rows (``cdf``: one value column, drawn as its CDF);
+    None when no run has a value."""
     fig = Figure(figsize=(8, 3.2))
     ax = fig.add_subplot()
     for run in runs:
-        rows = con.execute(
-            "SELECT step, (LEAD(coalesce(device_start, launch_start)) OVER w - coalesce(device_start, launch_start)) / 1e6 "
-            "FROM async_steps WHERE run = $run WINDOW w AS (PARTITION BY lane ORDER BY step) ORDER BY step",
-            {"run": run}).fetchall()
-        pts = [(s, v) for s, v in rows if v is not None]
-        if pts:
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=run)
-    ax.set_xlabel("step")
-    ax.set_ylabel("step interval (ms)")
-    ax.set_title("decode speed: interval between consecutive steps")
-    if ax.lines:
-        ax.legend(fontsize="small")
+        rows = [r for r in con.execute(sql, {"run": run}).fetchall() if r[-1] is not None]
+        if not rows:
+            continue
+        if kind == "cdf":
+            ax.plot([r[0] for r in rows], [(i + 1) / len(rows) for i in range(len(rows))], drawstyle="steps-post",
+                    label=run)
+        else:
+            ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="." if kind == "line" else None,
+                    drawstyle="steps-post" if kind == "step" else "default", label=run)
+    if not ax.lines:
+        return None
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(labels[2])
+    ax.legend(fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def step_interval_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure | None:
+    return _per_run_figure(con, runs, _STEP_INTERVAL_SQL, "line",
+                           ("step", "step interval (ms)", "decode speed: interval between consecutive steps"))
 
 
 def batch_size_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure | None:
-    fig = Figure(figsize=(8, 3.2))
-    ax = fig.add_subplot()
-    for run in runs:
-        rows = con.execute("SELECT step, batch_size FROM async_steps WHERE run = $run AND batch_size IS NOT NULL "
-                           "ORDER BY step", {"run": run}).fetchall()
-        if rows:
-            ax.step([r[0] for r in rows], [r[1] for r in rows], where="post", label=run)
-    if not ax.lines:
-        return None
-    ax.set_xlabel("step")
-    ax.set_ylabel("batch size (requests)")
-    ax.set_title("batch size per step")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return _per_run_figure(con, runs, _BATCH_SIZE_SQL, "step", ("step", "batch size (requests)", "batch size per step"))
 
 
 def request_latency_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure | None:
-    fig = Figure(figsize=(8, 3.2))
-    ax = fig.add_subplot()
-    for run in runs:
-        lat = [v for (v,) in con.execute("SELECT latency_ms FROM async_requests WHERE run = $run AND latency_ms "
-                                         "IS NOT NULL ORDER BY latency_ms", {"run": run}).fetchall()]
-        if lat:
-            ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))], drawstyle="steps-post", label=run)
-    if not ax.lines:
-        return None
-    ax.set_xlabel("request latency (ms)")
-    ax.set_ylabel("share of requests")
-    ax.set_title("request latency (CDF)")
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
+    return _per_run_figure(con, runs, _LATENCY_SQL, "cdf",
+                           ("request latency (ms)", "share of requests", "request latency (CDF)"))
 
 
 def overlap_timeline_figure(con: duckdb.DuckDBPyConnection, runs: Sequence[str]) -> Figure:

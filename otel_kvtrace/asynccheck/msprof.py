@@ -82,7 +82,9 @@ def source_kind(path: Path) -> str:
         return "profiler_db"
     if name.endswith(".json"):
         return "chrome"
-    return "csv"
+    if name.startswith(("batch", "forward")) and name.endswith(".csv"):
+        return f"{name.split('.')[0].split('_')[0]}_csv"
+    return "other"
 
 
 class _Sink:

@@ -16,15 +16,28 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import Counter, defaultdict, deque
 from collections.abc import Iterable
+from pathlib import Path
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.classify import MINDIE_PD_MESSAGES, ORIGIN_PRIORITY, SOURCE_PRIORITY, VLLM_PATCHER_SPANS
+from otel_kvtrace.asynccheck.msprof import source_kind
 
 _DEVICE = frozenset({m.COMPUTE, m.COMMUNICATION, m.LAUNCH_API})
 
 
 def _source_key(s: m.SpanRow) -> str:
     return "device" if s.name in _DEVICE else str(s.attrs.get("raw", s.origin))
+
+
+def dedup_markers(markers: list[m.Marker]) -> list[m.Marker]:
+    """Each marker counted from the best capture file kind that has it (the files repeat the same spans)."""
+    def rank(mk: m.Marker) -> int:
+        return SOURCE_PRIORITY.get(source_kind(Path(mk.file)), 9)
+
+    best: dict[str, int] = {}
+    for mk in markers:
+        best[mk.marker] = min(best.get(mk.marker, 9), rank(mk))
+    return [mk for mk in markers if rank(mk) == best[mk.marker]]
 
 
 def dedup_sources(spans: list[m.SpanRow]) -> list[m.SpanRow]:

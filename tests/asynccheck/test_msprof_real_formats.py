@@ -31,6 +31,8 @@ def test_mindie_async_parse_folder_with_raw_dbs_is_effective_once(tmp_path: Path
     kinds = {w["kind"] for w in result.warnings}
     assert m.WARN_MULTI_PROCESS not in kinds and "unsupported_db" not in kinds
     assert result.import_errors == 0
+    # the async markers are counted once per span, not once per file that repeats it
+    assert result.markers == {m.MARKER_MINDIE_ASYNC_FORWARD: 12, m.MARKER_MINDIE_ASYNC_SPANS: 12}
 
 
 @pytest.mark.parametrize("files", [["chrome_tracing.json"], ["profiler.db"], ["raw"]])
