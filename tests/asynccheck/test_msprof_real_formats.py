@@ -183,3 +183,24 @@ def test_unreadable_files_are_not_blamed_on_the_domain_filter(tmp_path: Path) ->
     assert "unsupported_db" in kinds and m.WARN_SCHEDULE_DOMAIN_MISSING not in kinds
     assert any("could not be read" in r for r in result.reasons)
     assert not any("domain filter" in r for r in result.reasons)
+
+
+def test_mstx_message_in_the_cpp_caret_form(tmp_path: Path) -> None:
+    """The older parser repairs C++-written messages ``^key^:^value^,`` (db_data_source.py); so do we."""
+    db = tmp_path / "ms_service_host-7.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE Mstx (message TEXT,flag INTEGER,markId INTEGER,timestamp INTEGER,endTimestamp INTEGER,"
+                "pid INTEGER,tid INTEGER);")
+    for n in range(4):
+        start = T0_NS + n * 10 * MS
+        con.execute("INSERT INTO Mstx VALUES (?,2,?,?,?,7,8)",
+                    ("^name^:^BatchSchedule^,^domain^:^Schedule^,^batch_size^:3,", 2 * n, start, start + MS))
+        con.execute("INSERT INTO Mstx VALUES (?,2,?,?,?,7,8)",
+                    ('{"name": "modelExec", "domain": "Execute"}', 2 * n + 1, start + MS, start + 2 * MS))
+    con.commit()
+    con.close()
+    c = connect()
+    result = load_run(c, [db], "r")
+    assert result.issues == []
+    rows = c.execute("SELECT count(schedule_start), count(launch_start), min(batch_size) FROM async_steps").fetchone()
+    assert rows == (4, 4, 3)
