@@ -18,7 +18,7 @@ from typing import Any
 import orjson
 
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck import msprof
+from otel_kvtrace.asynccheck import msprof, msprof_csv, msprof_db
 from otel_kvtrace.load.clean import _attr_problem, open_lines, span_problem
 
 _CANONICAL = frozenset(m.STEP_CHILD_SPANS)
@@ -121,8 +121,8 @@ _UNREADABLE = (OSError, ValueError, UnicodeDecodeError, sqlite3.Error, csv.Error
 _BY_SUFFIX: dict[str, Callable[[Path, str], m.ImportResult]] = {
     ".jsonl": import_otlp_json,
     ".json": _import_json,
-    ".csv": msprof.import_csv,
-    ".db": msprof.import_sqlite,
+    ".csv": msprof_csv.import_csv,
+    ".db": msprof_db.import_sqlite,
     ".yaml": msprof.import_symbols_yaml,
     ".yml": msprof.import_symbols_yaml,
 }

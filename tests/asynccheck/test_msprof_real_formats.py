@@ -13,7 +13,8 @@ import pytest
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.analysis import CANNOT_TELL, EFFECTIVE, check
-from otel_kvtrace.asynccheck.msprof import datetime_ns, norm_pid
+from otel_kvtrace.asynccheck.msprof import norm_pid
+from otel_kvtrace.asynccheck.msprof_csv import datetime_ns
 from otel_kvtrace.asynccheck.tables import connect, load_run
 
 from .msprof_writer import MS, T0_NS, mindie_async, write_csvs, write_parse_folder, write_raw_dbs
