@@ -121,6 +121,8 @@ def test_real_mindie_2024_capture(tmp_path: Path) -> None:
     assert result.verdict == CANNOT_TELL
     assert any("no output-ready" in r for r in result.reasons)
     assert result.import_errors == 0
+    # PROVENANCE.md's hand check: step period median 20186 µs (modelExec to modelExec)
+    assert result.outcome.step_interval_p50_ms == pytest.approx(20.186, abs=0.01)
 
 
 def _vllm_hooks(overlapping: bool, lost_start: bool) -> list:
