@@ -76,3 +76,25 @@ def test_batch_size_per_step_comes_from_the_schedule_spans(tmp_path: Path, files
     con = connect()
     load_run(con, [folder / f for f in files], "r")
     assert con.execute("SELECT count(*), min(batch_size), max(batch_size) FROM async_steps").fetchone() == (12, 4, 4)
+
+
+@pytest.mark.browser
+def test_html_page_in_chromium_shows_every_run_and_decodes_every_curve(tmp_path: Path) -> None:
+    from browser import chromium_page
+
+    base = write_parse_folder(tmp_path / "base", raw=False)
+    write_request_csv(base, [300] * 10)
+    html_path = tmp_path / "a.html"
+    result = CliRunner().invoke(main, ["async", "check", "--compare", f"<i>base</i>={base}", "--html", str(html_path),
+                                       "--json", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((tmp_path / "a.json").read_text())
+    with chromium_page() as (page, log):
+        page.goto(html_path.as_uri(), wait_until="load")
+        rows = page.eval_on_selector_all("table tr", "rows => rows.slice(1).map(r => [...r.cells].map(c => c.innerText))")
+        widths = page.eval_on_selector_all("img", "imgs => imgs.map(i => i.complete ? i.naturalWidth : 0)")
+    assert log.errors == []
+    assert all(url.startswith(("file://", "data:")) for url in log.requests), log.requests
+    assert [(r[0], r[1]) for r in rows] == [(d["run"], d["verdict"]) for d in doc]  # the label shown as text
+    assert rows[0][6] == "300.00"  # request latency p90
+    assert len(widths) == 4 and all(w > 0 for w in widths)
