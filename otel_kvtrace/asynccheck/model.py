@@ -113,6 +113,8 @@ class StepRow:
     batch_queue: bool | None = None
     queue_depth: int | None = None
     batch_size: int | None = None
+    batch_type: str | None = None
+    """``Prefill``/``Decode``/``Mixed``/... from the schedule span (``batch_type``, or MindIE's ``batchType``)."""
     """Requests in the step's batch (msServiceProfiler ``batch_size`` / ``rid`` list of the schedule span)."""
 
 

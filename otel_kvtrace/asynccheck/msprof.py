@@ -53,13 +53,24 @@ def norm_pid(value: Any) -> int | str | None:
     return text or None
 
 
-def batch_size_of(args: dict[str, Any]) -> int | None:
-    """The batch's request count: ``batch_size`` (MindIE attr; the parser's chrome args), else the ``rid`` list."""
+BATCH_TYPES = {0: "Prefill", 1: "Decode", 2: "Extend", 3: "Mixed", 5: "Dummy"}
+"""MindIE ``batchType`` values as the parser maps them (``plugins/plugin_trace.py`` ``fix_batch_type``)."""
+
+
+def batch_of(args: dict[str, Any]) -> dict[str, Any]:
+    """``batch_size`` (MindIE attr / parser arg, else the ``rid`` list) and ``batch_type`` of a schedule span."""
+    out: dict[str, Any] = {}
     size = args.get("batch_size")
     if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size < 10**7:
-        return int(size)
-    rids = args.get("rid")
-    return len(rids) if isinstance(rids, list) else None
+        out["batch_size"] = int(size)
+    elif isinstance(args.get("rid"), list):
+        out["batch_size"] = len(args["rid"])
+    kind = args.get("batch_type")
+    if isinstance(kind, str) and kind:
+        out["batch_type"] = kind[:40]
+    elif isinstance(args.get("batchType"), int) and not isinstance(args.get("batchType"), bool):
+        out["batch_type"] = BATCH_TYPES.get(args["batchType"], "Other")
+    return out
 
 
 def source_kind(path: Path) -> str:
@@ -117,9 +128,7 @@ class Sink:
         if canon is not None:
             attrs = {"pid": norm_pid(pid), "source": self.source, "raw": name, **(extra or {})}
             if canon == m.BATCH_SCHEDULE:
-                size = batch_size_of(args)
-                if size is not None:
-                    attrs["batch_size"] = size
+                attrs.update(batch_of(args))
             self.result.spans.append(
                 m.SpanRow(self.run, self.file, CAPTURE_LANE, None, canon, origin, start_ns, end_ns, attrs)
             )

@@ -124,6 +124,7 @@ def _steps_from_capture(spans: list[m.SpanRow], run: str,
     for i, s in enumerate(phases[m.BATCH_SCHEDULE]):
         rows[i].schedule_start, rows[i].schedule_end = s.start_ns, s.end_ns
         rows[i].batch_size = s.attrs.get("batch_size")
+        rows[i].batch_type = s.attrs.get("batch_type")
     for i, s in enumerate(phases[m.MODEL_EXECUTE]):
         rows[i].launch_start, rows[i].launch_end = s.start_ns, s.end_ns
     for i, s in enumerate(phases[m.FORWARD]):

@@ -29,7 +29,7 @@ CREATE TABLE IF NOT EXISTS async_steps(
     run VARCHAR, lane VARCHAR, step BIGINT,
     schedule_start BIGINT, schedule_end BIGINT, launch_start BIGINT, launch_end BIGINT,
     device_start BIGINT, done BIGINT, update_start BIGINT, update_end BIGINT,
-    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER);
+    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR);
 CREATE TABLE IF NOT EXISTS async_markers(run VARCHAR, file VARCHAR, marker VARCHAR, count BIGINT);
 CREATE TABLE IF NOT EXISTS async_warnings(run VARCHAR, file VARCHAR, kind VARCHAR, message VARCHAR);
 CREATE TABLE IF NOT EXISTS async_requests(
@@ -40,7 +40,7 @@ CREATE TABLE IF NOT EXISTS async_import_errors(run VARCHAR, file VARCHAR, line B
 
 _STEP_TYPES: dict[str, pa.DataType] = {
     "run": pa.string(), "lane": pa.string(), "step": pa.int64(), "done_precision": pa.string(),
-    "batch_queue": pa.bool_(), "queue_depth": pa.int32(), "batch_size": pa.int32(),
+    "batch_queue": pa.bool_(), "queue_depth": pa.int32(), "batch_size": pa.int32(), "batch_type": pa.string(),
 }
 
 

@@ -68,7 +68,7 @@ def mindie_async(steps: int = 12) -> tuple[list[Span], list[Device]]:
     for n in range(steps):
         b = 10 * n
         spans.append(Span("BatchSchedule", "Schedule", at(b - 8), at(b - 7), SCHED_PID, SCHED_TID,
-                          {"batch_size": 4, "rid": [f"r{i}" for i in range(4)]}))
+                          {"batch_size": 4, "rid": [f"r{i}" for i in range(4)], "batchType": int(n > 0)}))
         spans.append(Span("Execute", "Schedule", at(b - 7), at(b - 6.8), SCHED_PID, SCHED_TID))
         spans.append(Span("forward", "ModelExecute", at(b - 6.8), at(b - 6.2), EXEC_PID, EXEC_TID, {"async": True}))
         spans.append(Span("get_from_output_queue", "ModelExecute", at(b - 6.9), at(b - 6.85), EXEC_PID, EXEC_TID + 1))
@@ -144,8 +144,11 @@ def chrome_events(spans: list[Span], dev: list[Device]) -> list[dict]:
     """exporter_trace.py: X rows ``tid = domain(tid)``; Api/Kernel rows with the Api's name, µs ints, ``args {}``."""
     ev: list[dict] = [{"name": "process_name", "ph": "M", "pid": SCHED_PID, "args": {"name": "schedule"}}]
     for s in spans:
+        args = {k: v for k, v in s.args.items() if k != "batchType"}  # the parser maps batchType to batch_type
+        if "batchType" in s.args:
+            args["batch_type"] = ("Prefill", "Decode")[s.args["batchType"]]
         ev.append({"name": s.name, "ph": "X", "ts": _us(s.start), "dur": _us(s.end) - _us(s.start), "pid": s.pid,
-                   "tid": f"{s.domain}({s.tid})", "args": {**s.args, "start_datetime": _dt(s.start)}})
+                   "tid": f"{s.domain}({s.tid})", "args": {**args, "start_datetime": _dt(s.start)}})
     for d in dev:
         ev.append({"name": d.api, "ph": "X", "ts": d.api_start // 1000, "dur": d.api_end // 1000 - d.api_start // 1000,
                    "pid": EXEC_PID, "tid": "Api", "args": {}})

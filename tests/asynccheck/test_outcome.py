@@ -28,9 +28,9 @@ def test_request_csv_gives_latency_percentiles_and_throughput(tmp_path: Path, ol
     assert out.request_latency_p99_ms == pytest.approx(198.01)
     # starts every 100 ms, the last (99) ends 199 ms after its start: 9.9 s + 0.199 s
     assert out.output_tokens_per_s == pytest.approx(100 * 100 / 10.099)
-    # the writer's steps are 10 ms apart (device start to device start)
+    # the writer's steps are 10 ms apart (device start to device start); step 0 is a prefill
     assert out.step_interval_p50_ms == pytest.approx(10.0, abs=0.01)
-    assert out.step_intervals == 11
+    assert (out.step_intervals, out.decode_steps_only) == (10, True)
 
 
 def test_compare_shows_outcome_and_writes_curves(tmp_path: Path) -> None:
@@ -76,6 +76,8 @@ def test_batch_size_per_step_comes_from_the_schedule_spans(tmp_path: Path, files
     con = connect()
     load_run(con, [folder / f for f in files], "r")
     assert con.execute("SELECT count(*), min(batch_size), max(batch_size) FROM async_steps").fetchone() == (12, 4, 4)
+    types = con.execute("SELECT batch_type, count(*) FROM async_steps GROUP BY ALL ORDER BY 1").fetchall()
+    assert types == [("Decode", 11), ("Prefill", 1)]
 
 
 @pytest.mark.browser
