@@ -22,9 +22,12 @@ from .msprof_writer import MS, T0_NS, mindie_async, write_csvs, write_parse_fold
 REAL_MINDIE = Path("/work/shared/data/msprof/real_mindie_2024/chrome_tracing.json")
 
 
+@pytest.mark.parametrize("raw", [False, True], ids=["parse-folder", "with-raw-dbs"])
 @pytest.mark.parametrize("older", [False, True], ids=["current-parser", "parser-2025-12"])
-def test_mindie_async_parse_folder_with_raw_dbs_is_effective_once(tmp_path: Path, older: bool) -> None:
-    folder = write_parse_folder(tmp_path / "out", older=older)
+def test_mindie_async_parse_folder_with_raw_dbs_is_effective_once(tmp_path: Path, older: bool, raw: bool) -> None:
+    """The normal parse output (chrome_tracing.json, batch.csv, forward.csv, profiler.db), with or without
+    the raw DBs: was "not effective" (forward.csv's host launches read as device-synchronised forwards)."""
+    folder = write_parse_folder(tmp_path / "out", older=older, raw=raw)
     result = check([folder])
     assert result.verdict == EFFECTIVE, result.reasons
     assert result.metrics.steps == 12  # raw + profiler.db + chrome + CSVs: each step once
