@@ -22,6 +22,7 @@ import duckdb
 import orjson
 
 from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck.outcome import OutcomeMetrics, compute_outcome
 from otel_kvtrace.asynccheck.tables import connect, load_run
 
 EFFECTIVE_OVERLAP = 0.5
@@ -35,6 +36,9 @@ COMM_EXPOSED_NOTE = 0.3
 EFFECTIVE = "effective"
 NOT_EFFECTIVE = "not effective"
 CANNOT_TELL = "cannot tell"
+UNREADABLE_WARNINGS = frozenset({"unsupported_file", "unsupported_db", "unsupported_csv"})
+LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME, m.WARN_NPU_SYNC_HOOKS})
+"""Capture warnings under which the measured overlap is only a lower bound: a low value proves nothing."""
 
 _PAIRS_SQL = """
 WITH s AS (
@@ -109,6 +113,7 @@ class CheckResult:
     warnings: list[dict[str, str]] = field(default_factory=list)
     import_errors: int = 0
     import_error_samples: list[dict[str, Any]] = field(default_factory=list)
+    outcome: OutcomeMetrics = field(default_factory=OutcomeMetrics)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -170,13 +175,12 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
     reasons: list[str] = []
     has_markers = any(markers.values())
     marker_text = ", ".join(f"{k} x{v}" for k, v in sorted(markers.items()) if v) or "none"
-    if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
-        return CANNOT_TELL, ["the capture used hooks that synchronize the NPU: overlap cannot be judged"]
     if mt.pairs < MIN_PAIRS or mt.overlap_ratio is None:
         if mt.steps_with_schedule == 0:
             hint = (" (the domain filter dropped 'Schedule')" if m.WARN_SCHEDULE_DOMAIN_MISSING in warning_kinds
                     else "; forward.csv alone has none: add batch.csv" if m.WARN_SCHEDULE_MISSING in warning_kinds
-                    else "")
+                    else "; some files could not be read (see warnings and import errors)"
+                    if warning_kinds & UNREADABLE_WARNINGS else "")
             reasons.append(f"no schedule spans in the capture{hint}")
         if mt.steps_with_done == 0:
             reasons.append("no output-ready (device completion) times: host launch spans alone cannot show overlap "
@@ -191,10 +195,20 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
     pct = f"{mt.overlap_ratio:.0%}"
     if mt.overlap_ratio >= EFFECTIVE_OVERLAP:
         reasons.append(f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs")
+        if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
+            reasons.append("measured although the capture's hooks synchronize the NPU (they can only shrink overlap)")
         if mt.gap_p50_ms is not None:
             reasons.append(f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms")
         reasons.append(f"async markers: {marker_text}")
         verdict_ = EFFECTIVE
+    elif warning_kinds & LOWER_BOUND_WARNINGS:
+        why = ("the capture used hooks that synchronize the NPU, which serialise host and device"
+               if m.WARN_NPU_SYNC_HOOKS in warning_kinds else "the output-ready times are only a lower bound")
+        return CANNOT_TELL, [
+            f"schedule(n+1) overlaps execute(n) for only {pct} of its time over {mt.pairs} step pairs, but {why} "
+            "(see warnings): a low overlap does not show async was off",
+            f"async markers: {marker_text}",
+        ]
     else:
         verdict_ = NOT_EFFECTIVE
         reasons.append(f"schedule(n+1) overlaps execute(n) for only {pct} of its time over {mt.pairs} step pairs")
@@ -236,6 +250,7 @@ def _check_loaded(con: duckdb.DuckDBPyConnection, run: str, paths: Sequence[str 
         warnings=warnings,
         import_errors=len(result.issues),
         import_error_samples=[{"file": i.file, "line": i.line, "reason": i.reason} for i in result.issues[:20]],
+        outcome=compute_outcome(con, run),
     )
 
 

@@ -21,6 +21,18 @@ ORIGIN_PRIORITY: dict[str, int] = {
     "modelRunnerExec": 2,
     "forward(async)": 3,
 }
+SOURCE_PRIORITY: dict[str, int] = {
+    "raw_db": 0,
+    "mspti_db": 0,
+    "profiler_db": 1,
+    "chrome": 2,
+    "batch_csv": 3,
+    "forward_csv": 4,
+}
+"""One parse output holds the same spans several times (raw DB, profiler.db, chrome_tracing.json, CSVs):
+each raw span name is taken from the best file kind that has it. ``forward.csv`` comes last: its fixed
+column list drops MindIE's ``async`` attribute, so its forwards cannot tell a host launch from a
+device-synchronised forward."""
 VLLM_PATCHER_SPANS = frozenset({"batchFrameworkProcessing", "modelExec", "modelRunnerExec"})
 MINDIE_PD_MESSAGES = frozenset(
     {"receiveReq", "sendReqToD", "sendReqToDSucc", "prefillRes", "decodeRes", "decodeReq", "releaseKvcacheRes"}
@@ -44,7 +56,7 @@ def canonical(name: str, args: dict[str, Any], track: str = "") -> tuple[str | N
     if track == "Kernel":
         return (m.COMMUNICATION if COMM_KERNEL_RE.search(name) else m.COMPUTE), name
     if track == "Api":
-        return None, name
+        return m.LAUNCH_API, name
     if name in ("BatchSchedule", "batchFrameworkProcessing"):
         return m.BATCH_SCHEDULE, name
     if name in ("modelExec", "Execute", "modelRunnerExec"):

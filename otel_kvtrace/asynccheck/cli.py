@@ -49,17 +49,24 @@ def _parse_compare(items: Sequence[str]) -> dict[str, list[str]]:
     metavar="LABEL=PATH",
     help="A labelled run (repeat; same label twice = more files of that run). Rows keep this order.",
 )
-def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: tuple[str, ...]) -> None:
+@click.option("--png-dir", type=click.Path(file_okay=False), help="Write the curves (step interval, request latency, "
+              "overlap timeline) as PNG files here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML page here.")
+def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: tuple[str, ...],
+                  png_dir: str | None, html_path: str | None) -> None:
     """Decide from timelines whether schedule(n+1) overlaps execute(n).
 
     PATHS are files or directories of one capture: our traces (./kvtrace-data/async/*.jsonl) and/or
     msServiceProfiler outputs (chrome_tracing.json, forward.csv, batch.csv, profiler.db,
-    ms_service_*.db, ascend_service_profiler_*.db, service_profiling_symbols*.yaml). Verdict:
-    effective / not effective / cannot tell, with reasons.
+    ms_service_*.db, ascend_service_profiler_*.db, request.csv, service_profiling_symbols*.yaml), of
+    either parser generation. Verdict: effective / not effective / cannot tell, with reasons, and the
+    outcome (step interval, request latency, throughput). PATHS holding several runs get one verdict
+    per run.
 
     \b
     Example:
       kvtrace async check ./kvtrace-data/async
+      kvtrace async check ./msprof_out/ --png-dir plots/ --html async.html
       kvtrace async check --compare baseline=run0/ --compare +TASK_QUEUE_ENABLE=2=run1/ \\
                           --compare +--async-scheduling=run2/ --json ladder.json
     """
@@ -70,11 +77,37 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
         raise click.UsageError("give capture PATHS or --compare LABEL=PATH")
     from otel_kvtrace.asynccheck.render import render_check, render_compare
 
-    if compare_runs:
-        results = compare(_parse_compare(compare_runs), json_path=json_path)
-        render_compare(results, console)
-    else:
-        render_check(check(list(paths), json_path=json_path), console)
+    from otel_kvtrace.asynccheck.runs import NothingToCheckError, SeveralRunsError
+
+    from otel_kvtrace.asynccheck.tables import connect
+
+    con = connect()
+    try:
+        if compare_runs:
+            results = compare(_parse_compare(compare_runs), json_path=json_path, con=con)
+            render_compare(results, console)
+        else:
+            try:
+                results = [check(list(paths), json_path=json_path, con=con)]
+                render_check(results[0], console)
+            except SeveralRunsError as exc:
+                if exc.runs is None:
+                    raise
+                console.print(f"[bold]{exc}[/] (use --compare LABEL=PATH to choose labels and order)")
+                con = connect()
+                results = compare(exc.runs, json_path=json_path, con=con)
+                render_compare(results, console)
+    except (NothingToCheckError, SeveralRunsError) as exc:
+        raise InputError(str(exc)) from None
+    if png_dir or html_path:
+        from otel_kvtrace.asynccheck.curves import curve_pngs, write_html, write_pngs
+
+        pngs = curve_pngs(con, results)
+        if png_dir:
+            for path in write_pngs(pngs, png_dir):
+                console.print(f"wrote {path}")
+        if html_path:
+            console.print(f"wrote {write_html(pngs, results, html_path)}")
 
 
 @async_group.command("replica")

@@ -20,6 +20,11 @@ COMPUTE = "compute"
 FORWARD = "forward"
 """A device-synchronised forward window (MindIE sync mode, msServiceProfiler's vLLM hooks)."""
 
+LAUNCH_API = "launch_api"
+"""An MSPTI ``Api`` row (the host call that queued a kernel; joined to it by ``correlationId``)."""
+FORWARD_UNKNOWN = "forward_unknown_kind"
+"""Done precision of a ``forward.csv`` forward: device-synchronised (MindIE sync) or a host launch (async)."""
+
 STEP_CHILD_SPANS: tuple[str, ...] = (
     BATCH_SCHEDULE,
     MODEL_EXECUTE,
@@ -48,6 +53,8 @@ DONE_ENGINE_OBSERVED = "engine_observed"
 """Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
 DONE_SYNCED_FORWARD = "synced_forward"
 DONE_KERNELS = "kernels"
+DONE_FUTURE_CALLBACK = "future_done_callback"
+"""msServiceProfiler's current vLLM hooks end ``modelExec`` in the Future's done-callback (output ready)."""
 
 # ---- markers of the async path ----------------------------------------------------------------------
 MARKER_BATCH_QUEUE = "vllm_batch_queue_step"
@@ -67,6 +74,9 @@ WARN_COMM_DOMAIN_NOT_HCCL = "communication_domain_not_hccl"
 WARN_UNIT_GUESS = "unit_convention"
 WARN_MULTI_PROCESS = "multi_process"
 WARN_DROPPED = "recorder_dropped"
+WARN_FORWARD_KIND_UNKNOWN = "forward_kind_unknown"
+WARN_KERNELS_BY_TIME = "kernels_by_time"
+WARN_SPAN_START_LOST = "span_start_lost"
 
 
 @dataclass(slots=True)
@@ -102,6 +112,24 @@ class StepRow:
     done_precision: str | None = None
     batch_queue: bool | None = None
     queue_depth: int | None = None
+    batch_size: int | None = None
+    batch_type: str | None = None
+    """``Prefill``/``Decode``/``Mixed``/... from the schedule span (``batch_type``, or MindIE's ``batchType``)."""
+    """Requests in the step's batch (msServiceProfiler ``batch_size`` / ``rid`` list of the schedule span)."""
+
+
+@dataclass(slots=True)
+class RequestRow:
+    """One served request from msServiceProfiler's ``request.csv`` (table ``async_requests``)."""
+
+    run: str
+    file: str
+    rid: str
+    start_ns: int | None
+    latency_ms: float | None
+    ttft_ms: float | None
+    queue_ms: float | None
+    out_tokens: int | None
 
 
 @dataclass(slots=True)
@@ -144,9 +172,11 @@ class ImportResult:
     markers: list[Marker] = field(default_factory=list)
     seen: set[str] = field(default_factory=set)
     """Raw span names and ``domain:<d>`` seen (for capture warnings)."""
+    requests: list[RequestRow] = field(default_factory=list)
 
     def extend(self, other: ImportResult) -> None:
         self.spans.extend(other.spans)
+        self.requests.extend(other.requests)
         self.issues.extend(other.issues)
         self.warnings.extend(other.warnings)
         self.markers.extend(other.markers)

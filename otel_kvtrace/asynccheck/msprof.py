@@ -1,43 +1,104 @@
-"""Importers for msServiceProfiler outputs (formats: research §1; units: ``units.FORMAT_UNITS``).
+"""Importers for msServiceProfiler outputs; each schema is taken from the writer's code (docs/async_check.md
+"Where each schema comes from" names the repository and path for every file).
 
-- ``chrome_tracing.json``: a bare JSON array; ``ts``/``dur`` µs (floats or numeric strings).
-- ``profiler.db`` and raw ``ms_service_<host>-<pid>.db``: table ``slice`` (``timestamp``/``duration`` ns,
-  ``cat`` = domain, ``args`` = JSON); pid from ``slice.pid`` or ``thread`` via ``track_id``.
-- MSPTI ``ascend_service_profiler_<host>-<pid>.db``: tables ``Communication`` and ``Kernel`` (ns).
-- ``forward.csv`` (epoch ms) and ``batch.csv`` (labelled ms, epoch µs in practice).
+- ``chrome_tracing.json``: a bare JSON array (a ``{"traceEvents": [...]}`` object in 2024 outputs); ``ts``/
+  ``dur`` µs (floats or numeric strings); ``pid`` int; ``tid`` ``"<domain>(<os tid>)"`` or ``Api``/``Kernel``.
+- ``profiler.db``: table ``slice`` (``timestamp``/``duration`` ns) joined to ``thread`` (``pid`` TEXT).
+- raw ``ms_service_<host>-<pid>.db``: ``slice`` with ``pid``/``tid`` columns (current) or ``Mstx``
+  (``message, flag, markId, timestamp, endTimestamp, pid, tid``; older generations).
+- MSPTI ``ascend_service_profiler_<host>-<pid>.db`` (older: ``..._<pid>.db``): ``Api``, ``Kernel``,
+  ``Communication`` (ns, ``correlationId``).
+- ``forward.csv``/``batch.csv``: ``start_time(ms)``/``end_time(ms)`` numbers (current parser), or ``start_time``/
+  ``end_time`` as Asia/Shanghai ``%Y-%m-%d %H:%M:%S:%f`` strings (parser up to 2025-12).
 - A vLLM symbols file (``service_profiling_symbols*.yaml``): checked for NPU-synchronising hooks.
 
+This module holds the shared sink, chrome_tracing.json and the symbols file; ``msprof_db`` the SQLite
+files, ``msprof_csv`` the CSVs. Every span carries ``pid`` (an int wherever the format allows), ``source`` (the file kind, so the same span
+read from several files of one capture is kept once: ``steps.dedup_sources``) and ``raw`` (its own name).
 Malformed rows are skipped and reported with file and line (JSON: the line the event starts on;
-SQLite: the row id).
+SQLite: the row id; CSV: the line).
 """
 
 from __future__ import annotations
 
-import csv
 import json
 import re
-import sqlite3
-from decimal import Decimal
 from collections import Counter
 from collections.abc import Iterator
+from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.classify import SYNC_HOOK_HANDLERS, canonical, markers_of
-from otel_kvtrace.asynccheck.units import FORMAT_UNITS, epoch_unit, parse_number, to_ns
+from otel_kvtrace.asynccheck.units import FORMAT_UNITS, parse_number, time_problem, to_ns
 
 CAPTURE_LANE = "capture"
+_TRAILING_PID = re.compile(r"-(\d+)$")
+MSPTI_PID = re.compile(r"^ascend_service_profiler_(?:.*-)?(\d+)\.db$")
 
 
-class _Sink:
+def norm_pid(value: Any) -> int | str | None:
+    """One pid form across files: int in chrome/raw DBs, text in profiler.db, ``ms_service_<host>-<pid>`` in CSVs."""
+    if value is None or isinstance(value, bool):
+        return None
+    if isinstance(value, int) and -(2**63) <= value < 2**63:
+        return value
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**63:
+        return int(value)
+    text = str(value).strip()[:200]
+    match = _TRAILING_PID.search(text) or re.fullmatch(r"(\d+)", text)
+    if match and len(match.group(1)) <= 18:
+        return int(match.group(1))
+    return text or None
+
+
+BATCH_TYPES = {0: "Prefill", 1: "Decode", 2: "Extend", 3: "Mixed", 5: "Dummy"}
+"""MindIE ``batchType`` values as the parser maps them (``plugins/plugin_trace.py`` ``fix_batch_type``)."""
+
+
+def batch_of(args: dict[str, Any]) -> dict[str, Any]:
+    """``batch_size`` (MindIE attr / parser arg, else the ``rid`` list) and ``batch_type`` of a schedule span."""
+    out: dict[str, Any] = {}
+    size = args.get("batch_size")
+    if isinstance(size, (int, float)) and not isinstance(size, bool) and 0 <= size < 10**7:
+        out["batch_size"] = int(size)
+    elif isinstance(args.get("rid"), list):
+        out["batch_size"] = len(args["rid"])
+    kind = args.get("batch_type")
+    if isinstance(kind, str) and kind:
+        out["batch_type"] = kind[:40]
+    elif isinstance(args.get("batchType"), int) and not isinstance(args.get("batchType"), bool):
+        out["batch_type"] = BATCH_TYPES.get(args["batchType"], "Other")
+    return out
+
+
+def source_kind(path: Path) -> str:
+    """Which file of a capture ``path`` is (see ``classify.SOURCE_PRIORITY``)."""
+    name = path.name
+    if name.startswith("ascend_service_profiler_"):
+        return "mspti_db"
+    if name.startswith("ms_service_") and name.endswith(".db"):
+        return "raw_db"
+    if name.endswith(".db"):
+        return "profiler_db"
+    if name.endswith(".json"):
+        return "chrome"
+    if name.startswith(("batch", "forward")) and name.endswith(".csv"):
+        return f"{name.split('.')[0].split('_')[0]}_csv"
+    return "other"
+
+
+class Sink:
     """Accumulates one file's rows."""
 
-    def __init__(self, run: str, file: Path) -> None:
+    def __init__(self, run: str, file: Path, source: str | None = None) -> None:
         self.run = run
         self.file = str(file)
+        self.source = source or source_kind(file)
         self.result = m.ImportResult()
         self.marker_counts: Counter[str] = Counter()
+        self.lost_starts: dict[str, int] = {}
 
     def issue(self, line: int, reason: str) -> None:
         self.result.issues.append(m.ImportIssue(self.run, self.file, line, reason))
@@ -45,7 +106,18 @@ class _Sink:
     def warn(self, kind: str, message: str) -> None:
         self.result.warnings.append(m.CaptureWarning(self.run, self.file, kind, message))
 
-    def span(self, name: str, args: dict[str, Any], start_ns: int, end_ns: int, pid: Any, track: str = "") -> None:
+    def span(self, name: str, args: dict[str, Any], start_ns: int, end_ns: int, pid: Any, track: str = "",
+             line: int = 0, extra: dict[str, Any] | None = None) -> None:
+        problem = time_problem(start_ns, end_ns)
+        if problem is not None and start_ns == 0 and time_problem(end_ns, end_ns) is None:
+            # msServiceProfiler keeps span starts in a thread_local cache: a span ended on another thread
+            # (current vLLM hooks end modelExec in a Future done-callback) is written with start 0
+            self.lost_starts[name] = self.lost_starts.get(name, 0) + 1
+            self.issue(line, f"{name!r}: start 0 (ended on another thread than it started)")
+            return
+        if problem is not None:
+            self.issue(line, f"{name!r}: {problem}")
+            return
         for marker in markers_of(name, args):
             self.marker_counts[marker] += 1
         domain = track.split("(")[0]
@@ -54,11 +126,19 @@ class _Sink:
             self.result.seen.add(f"domain:{domain}")
         canon, origin = canonical(name, args, track)
         if canon is not None:
+            attrs = {"pid": norm_pid(pid), "source": self.source, "raw": name, **(extra or {})}
+            if canon == m.BATCH_SCHEDULE:
+                attrs.update(batch_of(args))
             self.result.spans.append(
-                m.SpanRow(self.run, self.file, CAPTURE_LANE, None, canon, origin, start_ns, end_ns, {"pid": pid})
+                m.SpanRow(self.run, self.file, CAPTURE_LANE, None, canon, origin, start_ns, end_ns, attrs)
             )
 
     def finish(self) -> m.ImportResult:
+        for name, count in sorted(self.lost_starts.items()):
+            self.result.seen.add(f"start_lost:{name}")
+            self.warn(m.WARN_SPAN_START_LOST, f"{count} {name!r} spans have start 0: msServiceProfiler reads a span's "
+                      "start from the ending thread's cache, and these ended on another thread (a Future "
+                      "done-callback); the launch is taken from modelRunnerExec instead")
         self.result.markers += [m.Marker(self.run, self.file, k, v) for k, v in sorted(self.marker_counts.items())]
         return self.result
 
@@ -91,20 +171,23 @@ def _iter_json_array(text: str) -> Iterator[tuple[int, Any]]:
             obj, end = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as exc:
             raise _JsonSyntaxError(exc.lineno, f"JSON syntax error: {exc.msg}; the rest of the file is skipped") from exc
+        except RecursionError as exc:
+            raise _JsonSyntaxError(line, "JSON nested too deeply; the rest of the file is skipped") from exc
         yield line, obj
         line += text.count("\n", pos, end)
         pos = end
 
 
 def import_chrome_tracing(path: Path, run: str) -> m.ImportResult:
-    sink = _Sink(run, path)
+    sink = Sink(run, path, "chrome")
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):
         doc = json.loads(text, parse_float=Decimal)
-        if not isinstance(doc.get("traceEvents"), list):
+        events_list = doc.get("traceEvents") if isinstance(doc, dict) else None
+        if not isinstance(events_list, list):
             sink.warn("unsupported_file", f"{path.name}: a JSON object without traceEvents; nothing imported")
             return sink.finish()
-        events: Iterator[tuple[int, Any]] = iter(enumerate(doc["traceEvents"], 1))
+        events: Iterator[tuple[int, Any]] = iter(enumerate(events_list, 1))
     else:
         events = _iter_json_array(text)
     try:
@@ -115,7 +198,7 @@ def import_chrome_tracing(path: Path, run: str) -> m.ImportResult:
     return sink.finish()
 
 
-def _chrome_event(sink: _Sink, line: int, ev: Any) -> None:
+def _chrome_event(sink: Sink, line: int, ev: Any) -> None:
     if not isinstance(ev, dict):
         sink.issue(line, "event is not a JSON object")
         return
@@ -129,135 +212,20 @@ def _chrome_event(sink: _Sink, line: int, ev: Any) -> None:
     try:
         start = to_ns(parse_number(ev.get("ts")), FORMAT_UNITS["chrome_tracing"])
         dur = to_ns(parse_number(ev.get("dur", 0)), FORMAT_UNITS["chrome_tracing"])
-    except (TypeError, ValueError):
-        sink.issue(line, f"event {name!r}: ts/dur not numeric ({ev.get('ts')!r}, {ev.get('dur')!r})")
+    except (TypeError, ValueError, ArithmeticError):
+        sink.issue(line, f"event {name!r}: ts/dur not numeric ({str(ev.get('ts'))[:40]!r}, {str(ev.get('dur'))[:40]!r})")
         return
     if dur < 0:
         sink.issue(line, f"event {name!r}: negative dur")
         return
     args = ev.get("args") if isinstance(ev.get("args"), dict) else {}
-    sink.span(name, args, start, start + dur, ev.get("pid"), str(ev.get("tid", "")))
-
-
-# ---- SQLite: slice tables and MSPTI ----------------------------------------------------------------------
-def import_sqlite(path: Path, run: str) -> m.ImportResult:
-    sink = _Sink(run, path)
-    con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-    try:
-        tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type IN ('table','view')")}
-        if "slice" in tables:
-            _import_slice(con, sink, tables)
-        if "Communication" in tables:
-            _import_mspti(con, sink, "Communication", "communication")
-        if "Kernel" in tables:
-            _import_mspti(con, sink, "Kernel", "Kernel")
-        if not tables & {"slice", "Communication", "Kernel"}:
-            kind = "legacy Mstx table" if "Mstx" in tables else "no slice/Communication/Kernel table"
-            sink.warn("unsupported_db", f"{path.name}: {kind}; nothing imported")
-    finally:
-        con.close()
-    return sink.finish()
-
-
-def _columns(con: sqlite3.Connection, table: str) -> set[str]:
-    return {r[1] for r in con.execute(f"PRAGMA table_info({table})")}
-
-
-def _import_slice(con: sqlite3.Connection, sink: _Sink, tables: set[str]) -> None:
-    cols = _columns(con, "slice")
-    pid_expr = "s.pid" if "pid" in cols else ("t.pid" if "thread" in tables else "NULL")
-    tid_expr = "t.thread_name" if "thread" in tables else ("s.tid" if "tid" in cols else "''")
-    join = "LEFT JOIN thread t ON t.track_id = s.track_id" if "thread" in tables else ""
-    rows = con.execute(
-        f"SELECT s.id, s.timestamp, s.duration, s.name, s.cat, s.args, {pid_expr}, {tid_expr} "
-        f"FROM slice s {join} ORDER BY s.id"
-    )
-    for row_id, ts, dur, name, cat, args_text, pid, thread_name in rows:
-        if not isinstance(ts, int) or not isinstance(dur or 0, int) or (dur or 0) < 0:
-            sink.issue(row_id, f"slice {name!r}: timestamp/duration not non-negative integers ({ts!r}, {dur!r})")
-            continue
-        try:
-            args = json.loads(args_text) if args_text else {}
-        except json.JSONDecodeError:
-            sink.issue(row_id, f"slice {name!r}: args is not JSON")
-            continue
-        if not isinstance(name, str) or not name:
-            sink.issue(row_id, "slice has no name")
-            continue
-        track = str(thread_name or cat or "")
-        if cat and not track.startswith(str(cat)):
-            track = f"{cat}({thread_name})"
-        sink.span(name, args if isinstance(args, dict) else {}, ts, ts + (dur or 0), pid, track)
-
-
-def _import_mspti(con: sqlite3.Connection, sink: _Sink, table: str, track: str) -> None:
-    match = re.search(r"-(\d+)\.db$", sink.file)
-    pid = int(match.group(1)) if match else None
-    for row_id, name, start, end in con.execute(f"SELECT rowid, name, start, \"end\" FROM {table} ORDER BY rowid"):
-        if not isinstance(start, int) or not isinstance(end, int) or end < start:
-            sink.issue(row_id, f"{table} {name!r}: start/end not integers with end >= start ({start!r}, {end!r})")
-            continue
-        name = str(name or table)
-        if table == "Communication":
-            sink.result.spans.append(
-                m.SpanRow(sink.run, sink.file, CAPTURE_LANE, None, m.COMMUNICATION, name, start, end, {"pid": pid})
-            )
-        else:
-            sink.span(name, {}, start, end, pid, track)
-
-
-# ---- CSV ------------------------------------------------------------------------------------------------
-def import_csv(path: Path, run: str) -> m.ImportResult:
-    sink = _Sink(run, path)
-    with path.open(newline="", encoding="utf-8") as fh:
-        reader = csv.DictReader(fh)
-        header = reader.fieldnames or []
-        if "forward_iter" in header or path.name.startswith("forward"):
-            fmt = "forward_csv"
-        elif "res_list" in header or path.name.startswith("batch"):
-            fmt = "batch_csv"
-        else:
-            sink.warn("unsupported_csv", f"{path.name}: neither forward.csv nor batch.csv columns; nothing imported")
-            return sink.finish()
-        missing = {"name", "start_time(ms)", "end_time(ms)"} - set(header)
-        if missing:
-            sink.issue(1, f"missing columns: {', '.join(sorted(missing))}")
-            return sink.finish()
-        sink.result.seen.add(f"format:{fmt}")
-        corrected: dict[str, int] = {}
-        for row in reader:
-            _csv_row(sink, fmt, reader.line_num, row, corrected)
-    for unit, count in corrected.items():
-        sink.warn(
-            m.WARN_UNIT_GUESS,
-            f"{path.name}: start_time(ms)/end_time(ms) read as {unit}, not ms, in {count} rows "
-            f"(epoch magnitude, else the {fmt} convention {FORMAT_UNITS[fmt]})",
-        )
-    return sink.finish()
-
-
-def _csv_row(sink: _Sink, fmt: str, line: int, row: dict[str, Any], corrected: dict[str, int]) -> None:
-    name = (row.get("name") or "").strip()
-    try:
-        start_v, end_v = parse_number(row["start_time(ms)"]), parse_number(row["end_time(ms)"])
-    except (TypeError, ValueError, KeyError):
-        sink.issue(line, f"{name or 'row'}: start_time(ms)/end_time(ms) not numeric")
-        return
-    unit = epoch_unit(start_v) or FORMAT_UNITS[fmt]
-    if unit != "ms":
-        corrected[unit] = corrected.get(unit, 0) + 1
-    start, end = to_ns(start_v, unit), to_ns(end_v, unit)
-    if not name or end < start:
-        sink.issue(line, f"{name or 'row'}: empty name or end before start")
-        return
-    args = {"async": row.get("async")} if row.get("async") else {}
-    sink.span(name, args, start, end, row.get("prof_id") or None)
+    sink.span(name, args, start, start + dur, ev.get("pid"), str(ev.get("tid", "")), line)
 
 
 # ---- vLLM symbols file ---------------------------------------------------------------------------------
 def import_symbols_yaml(path: Path, run: str) -> m.ImportResult:
     """Warn when the msServiceProfiler vLLM symbol file enables the NPU-synchronising handlers."""
-    sink = _Sink(run, path)
+    sink = Sink(run, path)
     text = path.read_text(encoding="utf-8")
     active = [h for h in SYNC_HOOK_HANDLERS if re.search(rf"^(?!\s*#).*\b{h}\b", text, re.MULTILINE)]
     if active:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rich import box
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from otel_kvtrace.asynccheck.analysis import EFFECTIVE, NOT_EFFECTIVE, CheckResult
 from otel_kvtrace.asynccheck.doctor import DoctorReport
+from otel_kvtrace.asynccheck.outcome import outcome_line
 
 _VERDICT_STYLE = {EFFECTIVE: "bold green", NOT_EFFECTIVE: "bold red"}
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
@@ -46,6 +49,9 @@ def render_check(result: CheckResult, console: Console) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    outcome = outcome_line(result.outcome)
+    if outcome:
+        console.print(f"outcome: {outcome}")
     if result.markers:
         console.print("async markers: " + ", ".join(f"{k} x{v}" for k, v in sorted(result.markers.items())))
     for w in result.warnings:
@@ -57,27 +63,36 @@ def render_check(result: CheckResult, console: Console) -> None:
 
 
 def render_compare(results: Sequence[CheckResult], console: Console) -> None:
-    table = Table(title="async scheduling, step by step", show_header=True)
-    for col in ("step", "verdict", "overlap", "gap p50 ms", "gap p95 ms", "Δ gap p50", "comm exposed",
-                "waiting launches", "max in flight", "markers"):
-        table.add_column(col, justify="left" if col in ("step", "verdict", "markers") else "right")
+    """The ladder, readable at 80 columns: labels fold, the verdict never truncates; details follow per run."""
+    table = Table(title="async scheduling, step by step", show_header=True, box=box.SIMPLE_HEAD, padding=(0, 1))
+    table.add_column("run", overflow="fold", ratio=1)
+    table.add_column("verdict", no_wrap=True, min_width=13)
+    for col in ("overlap", "gap p50", "Δ p50", "comm exp", "waited"):
+        table.add_column(col, justify="right", no_wrap=True)
     previous: float | None = None
     for r in results:
         mt = r.metrics
-        delta = "-" if previous is None or mt.gap_p50_ms is None else f"{mt.gap_p50_ms - previous:+.3f}"
+        delta = "-" if previous is None or mt.gap_p50_ms is None else f"{mt.gap_p50_ms - previous:+.2f}"
         style = _VERDICT_STYLE.get(r.verdict, "yellow")
         table.add_row(
-            r.run, f"[{style}]{r.verdict}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms), _num(mt.gap_p95_ms),
-            delta, _pct(mt.comm_exposed_share), _pct(mt.blocking_launch_share), _num(mt.max_queue_depth, "{}"),
-            ", ".join(sorted(k for k, v in r.markers.items() if v)) or "-",
+            escape(r.run), f"[{style}]{r.verdict}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms, "{:.2f}"), delta,
+            _pct(mt.comm_exposed_share), _pct(mt.blocking_launch_share),
         )
         previous = mt.gap_p50_ms if mt.gap_p50_ms is not None else previous
     console.print(table)
+    console.print("gap p50 in ms; waited = launches that waited for the device; comm exp = communication exposed")
     for r in results:
+        mt = r.metrics
+        markers = ", ".join(sorted(k for k, v in r.markers.items() if v)) or "none"
+        console.print(f"[bold]{escape(r.run)}[/]: gap p95 {_num(mt.gap_p95_ms, '{:.2f}')} ms, max in flight "
+                      f"{_num(mt.max_queue_depth, '{}')}, markers {escape(markers)}")
+        outcome = outcome_line(r.outcome)
+        if outcome:
+            console.print(f"  outcome: {outcome}")
         for reason in r.reasons:
-            console.print(f"[bold]{r.run}[/]: {reason}")
+            console.print(f"  - {escape(reason)}")
         for w in r.warnings:
-            console.print(f"[bold]{r.run}[/]: [yellow]warning[/] {w['kind']}: {w['message']}")
+            console.print(f"  [yellow]warning[/] {w['kind']}: {escape(w['message'])}")
 
 
 def render_doctor(report: DoctorReport, console: Console) -> None:

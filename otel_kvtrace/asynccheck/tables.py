@@ -17,8 +17,9 @@ import orjson
 import pyarrow as pa
 
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck.importers import import_paths
-from otel_kvtrace.asynccheck.steps import build_steps, run_warnings
+from otel_kvtrace.asynccheck.importers import capture_files, import_paths
+from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed
+from otel_kvtrace.asynccheck.steps import build_steps, dedup_markers, dedup_sources, run_warnings
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS async_spans(
@@ -28,15 +29,18 @@ CREATE TABLE IF NOT EXISTS async_steps(
     run VARCHAR, lane VARCHAR, step BIGINT,
     schedule_start BIGINT, schedule_end BIGINT, launch_start BIGINT, launch_end BIGINT,
     device_start BIGINT, done BIGINT, update_start BIGINT, update_end BIGINT,
-    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER);
+    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR);
 CREATE TABLE IF NOT EXISTS async_markers(run VARCHAR, file VARCHAR, marker VARCHAR, count BIGINT);
 CREATE TABLE IF NOT EXISTS async_warnings(run VARCHAR, file VARCHAR, kind VARCHAR, message VARCHAR);
+CREATE TABLE IF NOT EXISTS async_requests(
+    run VARCHAR, file VARCHAR, rid VARCHAR, start_ns BIGINT, latency_ms DOUBLE, ttft_ms DOUBLE, queue_ms DOUBLE,
+    out_tokens BIGINT);
 CREATE TABLE IF NOT EXISTS async_import_errors(run VARCHAR, file VARCHAR, line BIGINT, reason VARCHAR);
 """
 
 _STEP_TYPES: dict[str, pa.DataType] = {
     "run": pa.string(), "lane": pa.string(), "step": pa.int64(), "done_precision": pa.string(),
-    "batch_queue": pa.bool_(), "queue_depth": pa.int32(),
+    "batch_queue": pa.bool_(), "queue_depth": pa.int32(), "batch_size": pa.int32(), "batch_type": pa.string(),
 }
 
 
@@ -67,9 +71,19 @@ def _records(con: duckdb.DuckDBPyConnection, table: str, rows: Iterable[Any], ty
 
 
 def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: str) -> m.ImportResult:
-    """Import ``paths`` as run ``run`` into ``con``; returns what was imported (for reporting)."""
+    """Import ``paths`` as run ``run`` into ``con``; returns what was imported (for reporting).
+
+    Raises ``runs.NothingToCheckError`` for an input without async spans it can name (empty, KV traces)
+    and ``runs.SeveralRunsError`` when ``paths`` hold several runs (never one merged verdict).
+    """
+    paths = list(paths)
     result = import_paths(paths, run)
-    steps, step_warnings = build_steps(result.spans, run)
+    refuse_empty(paths, capture_files(paths), result)
+    refuse_mixed(result)
+    result.spans = dedup_sources(result.spans)
+    result.markers = dedup_markers(result.markers)
+    lost = [x.split(":", 1)[1] for x in result.seen if x.startswith("start_lost:")]
+    steps, step_warnings = build_steps(result.spans, run, lost)
     result.warnings += step_warnings + run_warnings(result.spans, result.seen, run)
     s = result.spans
     _insert(
@@ -89,4 +103,7 @@ def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: s
     _records(con, "async_markers", result.markers, text)
     _records(con, "async_warnings", result.warnings, text)
     _records(con, "async_import_errors", result.issues, text)
+    _records(con, "async_requests", result.requests,
+             {**text, "rid": pa.string(), "latency_ms": pa.float64(), "ttft_ms": pa.float64(),
+              "queue_ms": pa.float64()})
     return result

@@ -60,3 +60,22 @@ def parse_number(value: object) -> Decimal:
     if not number.is_finite():
         raise ValueError(f"not a finite number: {value!r}")
     return number
+
+
+MIN_EPOCH_NS = 946_684_800 * NS_PER["s"]
+"""2000-01-01: msServiceProfiler times are epoch clock readings, never earlier."""
+MAX_EPOCH_NS = 4_102_444_800 * NS_PER["s"]
+"""2100-01-01: later is an impossible reading (and keeps every time inside int64)."""
+MAX_SPAN_NS = 86_400 * NS_PER["s"]
+"""A span longer than a day is a corrupt end time, not an engine phase."""
+
+
+def time_problem(start_ns: int, end_ns: int) -> str | None:
+    """Why ``[start_ns, end_ns]`` cannot be an msServiceProfiler span, or None when it can."""
+    if not MIN_EPOCH_NS <= start_ns <= MAX_EPOCH_NS:
+        return f"start {start_ns} ns is not an epoch time between 2000 and 2100"
+    if end_ns < start_ns:
+        return "ends before it starts"
+    if end_ns - start_ns > MAX_SPAN_NS:
+        return "lasts more than a day: corrupt end time"
+    return None

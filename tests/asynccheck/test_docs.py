@@ -36,7 +36,7 @@ def test_every_table_column_is_documented() -> None:
         "SELECT table_name, column_name FROM information_schema.columns WHERE table_name LIKE 'async_%'"
     ).fetchall()
     assert {t for t, _ in rows} == {"async_spans", "async_steps", "async_markers", "async_warnings",
-                                    "async_import_errors"}
+                                    "async_import_errors", "async_requests"}
     for table, column in rows:
         line = next(ln for ln in DOC.splitlines() if ln.startswith(f"| `{table}` |"))
         assert column in line, f"{table}.{column} not documented"

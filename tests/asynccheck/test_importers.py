@@ -39,10 +39,11 @@ def test_chrome_tracing_mindie_async_capture_is_effective(tmp_path: Path) -> Non
     path = copy_fixture("mindie_async_chrome_tracing.json", tmp_path / "chrome_tracing.json")
     result = check([path])
     assert result.verdict == EFFECTIVE
-    # schedule(n+1) = [10000, 11500] µs vs execute(n) = [1500, 11000] (kernel end): 1000 of 1500 µs
-    assert result.metrics.overlap_ratio == pytest.approx(2 / 3)
-    # next kernel starts 1 ms after this step's last kernel ends
-    assert result.metrics.gap_p50_ms == pytest.approx(1.0)
+    # schedule(n+1) = [10000, 11500] µs vs execute(n) = [1500, 11100] (end of its last kernel, the
+    # all-reduce): 1100 of 1500 µs
+    assert result.metrics.overlap_ratio == pytest.approx(1100 / 1500)
+    # next step's first kernel starts 0.9 ms after this step's all-reduce ends
+    assert result.metrics.gap_p50_ms == pytest.approx(0.9)
     # all-reduce [10900, 11100] µs, compute ends at 11000: half of it exposed
     assert result.metrics.comm_exposed_share == pytest.approx(0.5)
     assert result.import_errors == 2
@@ -63,14 +64,15 @@ def test_forward_and_batch_csv_unit_conventions(tmp_path: Path) -> None:
     assert lines == [("batch.csv", 4), ("forward.csv", 5)]
 
 
-def test_mindie_sync_csv_capture_is_not_effective(tmp_path: Path) -> None:
+def test_csv_capture_with_low_overlap_cannot_tell(tmp_path: Path) -> None:
+    """forward.csv drops MindIE's ``async`` attribute: a low overlap may be a host launch, not async off."""
     fwd = copy_fixture("forward.csv", tmp_path / "forward.csv")
     batch = copy_fixture("batch.csv", tmp_path / "batch.csv")
     result = check([fwd, batch])
-    assert result.verdict == NOT_EFFECTIVE
+    assert result.verdict == CANNOT_TELL
     assert result.metrics.overlap_ratio == 0.0
     assert result.metrics.gap_p50_ms == pytest.approx(2.0)  # forward(n+1) start - forward(n) end
-    assert any("no async markers" in r for r in result.reasons)
+    assert m.WARN_FORWARD_KIND_UNKNOWN in {w["kind"] for w in result.warnings}
 
 
 def test_profiler_db_with_vllm_sync_hooks_cannot_tell(tmp_path: Path) -> None:
@@ -125,7 +127,7 @@ def test_symbols_file_with_synchronising_hooks(tmp_path: Path, name: str, warned
 
 def test_syntax_error_in_chrome_array_is_reported_with_line(tmp_path: Path) -> None:
     path = tmp_path / "chrome_tracing.json"
-    path.write_text('[\n{"name": "BatchSchedule", "ph": "X", "ts": 1, "dur": 1, "pid": 1, "tid": "Schedule(1)"},\n{"name": oops}\n]\n')
+    path.write_text('[\n{"name": "BatchSchedule", "ph": "X", "ts": 1767225600000000, "dur": 1, "pid": 1, "tid": "Schedule(1)"},\n{"name": oops}\n]\n')
     result = import_paths([path], "r")
     assert len(result.spans) == 1
     assert [i.line for i in result.issues] == [3]
