@@ -34,6 +34,8 @@ class SessionStats:
     dropped: int  # records lost because the exporter fell behind (or a batch failed)
     disabled_reason: str | None  # set when an instrumentation error turned tracing off
     untraced: int = 0  # tasks that were already queued when tracing started (ran untraced)
+    delivered: int = 0  # acknowledged by the sink's destination (file written, OTLP receiver answered)
+    spooled: int = 0  # on disk in the OTLP delivery spool, not yet acknowledged (`kvtrace resend`)
 
 
 class TracingSession:
@@ -99,7 +101,12 @@ class TracingSession:
 
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
-        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        export_stats = getattr(self.exporter, "stats", None)
+        if export_stats is None:  # no exporter (tests drain the recorder themselves)
+            return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        e = export_stats()
+        return SessionStats(self.recorder.submitted, e.dropped, self.recorder.disabled_reason, untraced,
+                            e.delivered, e.spooled)
 
     def __enter__(self) -> TracingSession:
         return self

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("otel_kvtrace.doctor", "doctor_command", "Check every patch point against the installed vLLM-Ascend (or --source DIR)."),
     "demo": ("otel_kvtrace.demo", "demo_command", "Run the CPU replica (HOL and FIFO-optimal scenarios), traced, and summarise it."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
+    "resend": ("otel_kvtrace.export.resend", "resend_command", "Deliver an OTLP delivery spool left on disk when the endpoint was unreachable."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
     "report": ("otel_kvtrace.report.cli", "report", "HOL blocking from traces: stage and HOL tables, --json, --png-dir, --html."),
     "sweep": ("otel_kvtrace.whatif.cli", "sweep_command", "Coverage matrix on the replica, >= 3 seeds per cell, verdict per cell (resumable)."),
