@@ -127,12 +127,14 @@ def start_tracing(
     capacity: int = DEFAULT_CAPACITY,
     run_id: str | None = None,
     exporter: Any = "auto",
+    meter_provider: Any = None,
 ) -> TracingSession:
     """Instrument ``targets`` and start exporting.
 
     Export goes to OTLP when ``endpoint`` (or ``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT``) is set, otherwise
     to OTLP JSON lines under ``out_dir`` (default ``./kvtrace-data``). Pass ``exporter=None`` to record
-    without exporting (records stay in ``session.recorder``; tests drain them).
+    without exporting (records stay in ``session.recorder``; tests drain them). ``meter_provider``
+    receives the exporter's counters (default: the global one).
     """
     targets = Targets.coerce(targets)
     recorder = Recorder(capacity=capacity, clock=clock if clock is not None else time.perf_counter_ns)
@@ -162,7 +164,8 @@ def start_tracing(
             from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK
 
             export_worker = create_exporter(
-                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol,
+                meter_provider=meter_provider,
             )
         else:
             export_worker = exporter

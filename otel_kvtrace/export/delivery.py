@@ -35,7 +35,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from otel_kvtrace import config
 from otel_kvtrace.export.encode import line_to_request, resource_text, texts_to_json_line
 from otel_kvtrace.export.otlp_json import request_to_json_line
-from otel_kvtrace.export.sinks import OK, REJECTED, TOO_LARGE, Attempt
+from otel_kvtrace.export.sinks import OK, REJECTED, RETRY, TOO_LARGE, Attempt
 from otel_kvtrace.export.spool import Spool, SpoolEntry
 
 logger = logging.getLogger("otel_kvtrace")
@@ -190,16 +190,57 @@ class Sender:
 
     # ---- one batch ------------------------------------------------------------------------------
     def step(self, deadline: float | None) -> bool:
-        """Try the oldest batch once (with splitting). False when the spool had nothing to send."""
-        entry = self.spool.claim()
-        if entry is None:
+        """Deliver the oldest batch (with the small ones after it in the same request, when they fit),
+        retrying until it is acknowledged, refused, or the deadline / a stop comes. False when the spool
+        had nothing to send."""
+        group = self.spool.claim(self.max_request_bytes)
+        if not group:
             return False
-        try:
-            request = line_to_request(entry.path.read_bytes())
-        except (OSError, ValueError) as exc:  # unreadable: keep it for a human, do not loop on it
-            logger.warning("otel-kvtrace: spooled batch %s unreadable (%s); left on disk", entry.path, exc)
-            self._reject(entry)
-            return True
+        requests = []
+        for entry in group:
+            try:
+                requests.append(line_to_request(entry.path.read_bytes()))
+            except (OSError, ValueError) as exc:  # unreadable: keep it for a human, do not loop on it
+                logger.warning("otel-kvtrace: spooled batch %s unreadable (%s); left on disk", entry.path, exc)
+                for other in group:
+                    if other is entry:
+                        self._reject(entry)
+                    else:
+                        self.spool.release(other)
+                return True
+        if len(group) > 1:
+            merged = ExportTraceServiceRequest()
+            for req in requests:
+                merged.resource_spans.extend(req.resource_spans)
+            if merged.ByteSize() <= self.max_request_bytes and self._send_group(group, merged, deadline):
+                return True
+            for other in group[1:]:
+                self.spool.release(other)
+            if self._stop.is_set() or (deadline is not None and time.monotonic() >= deadline):
+                self.spool.release(group[0])
+                return True
+        return self._send_one(group[0], requests[0], deadline)
+
+    def _send_group(self, group: list[SpoolEntry], request: ExportTraceServiceRequest, deadline: float | None) -> bool:
+        """Send several whole batches as one request. False: not settled, go on one batch at a time."""
+        while True:
+            result = self.transport.attempt(request, self.abort)
+            if result.outcome == OK:
+                self._recovered()
+                with self.lock:
+                    if self._closed:
+                        return True
+                    for entry in group:
+                        self.spool.done(entry)
+                        self.delivered += entry.tasks
+                return True
+            if result.outcome != RETRY:
+                return False  # too large or refused: the batches are tried one by one
+            self._failed(result)
+            if self._stop.is_set() or not self._back_off(result, deadline):
+                return False
+
+    def _send_one(self, entry: SpoolEntry, request: ExportTraceServiceRequest, deadline: float | None) -> bool:
         parts = self._fit(request)
         sent = 0
         while sent < len(parts):

@@ -64,7 +64,7 @@ class Spool:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._entries: OrderedDict[int, SpoolEntry] = OrderedDict()
-        self._claimed: int | None = None
+        self._claimed: set[int] = set()
         self._skipped: set[int] = set()  # rejected by the receiver: kept on disk, not retried here
         self.bytes = 0
         self.evicted_tasks = 0
@@ -120,7 +120,7 @@ class Spool:
         for seq in list(self._entries):
             if self.bytes + size <= self.max_bytes:
                 break
-            if seq == self._claimed:
+            if seq in self._claimed:
                 continue
             entry = self._entries.pop(seq)
             self._skipped.discard(seq)
@@ -131,28 +131,34 @@ class Spool:
         return self.bytes + size <= self.max_bytes
 
     # ---- sender ---------------------------------------------------------------------------------
-    def claim(self) -> SpoolEntry | None:
-        """The oldest batch not yet rejected, reserved for the sender (None when there is none)."""
+    def claim(self, max_bytes: int = 0) -> list[SpoolEntry]:
+        """The oldest batches not yet rejected, reserved for the sender: the first one, plus the next
+        ones while their total size stays within ``max_bytes`` (one request for several small batches)."""
+        out: list[SpoolEntry] = []
+        total = 0
+        max_bytes = min(max_bytes, self.max_bytes // 4)  # claimed batches cannot be evicted: keep it small
         with self._lock:
             for seq, entry in self._entries.items():
-                if seq not in self._skipped:
-                    self._claimed = seq
-                    return entry
-            return None
+                if seq in self._skipped or seq in self._claimed:
+                    continue
+                if out and total + entry.size > max_bytes:
+                    break
+                out.append(entry)
+                total += entry.size
+            self._claimed.update(e.seq for e in out)
+        return out
 
     def release(self, entry: SpoolEntry, *, rejected: bool = False) -> None:
         """Give a claimed batch back (still undelivered); ``rejected`` stops the sender retrying it."""
         with self._lock:
-            if self._claimed == entry.seq:
-                self._claimed = None
+            self._claimed.discard(entry.seq)
             if rejected and entry.seq in self._entries:
                 self._skipped.add(entry.seq)
 
     def done(self, entry: SpoolEntry) -> None:
         """The receiver acknowledged the whole batch: delete it."""
         with self._lock:
-            if self._claimed == entry.seq:
-                self._claimed = None
+            self._claimed.discard(entry.seq)
             if self._entries.pop(entry.seq, None) is not None:
                 self.bytes -= entry.size
         self._unlink(entry.path)
