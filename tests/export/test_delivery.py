@@ -171,3 +171,32 @@ def test_full_spool_drops_oldest_and_counts_them(monkeypatch: pytest.MonkeyPatch
     assert seqs[0] == 0  # claimed by the sender, never evicted under it
     assert seqs[1:] == list(range(seqs[1], sink.spool._next_seq))  # the newest, contiguous
     assert stats.spooled * 5_000 < 1.5 * 2**20
+
+
+def test_a_forked_child_delivers_through_its_own_spool() -> None:
+    """After fork the child builds its own spool (its pid in the name) and sender; the parent's is untouched."""
+    import os
+
+    from otel_kvtrace.export import SpanBuilder, create_sink
+    from otel_kvtrace.record.model import TaskRecord
+
+    receiver = HttpReceiver()
+    try:
+        sink = create_sink(RESOURCE, endpoint=receiver.endpoint, protocol="http/protobuf")
+        assert isinstance(sink, DeliveringSink)
+        parent_dir = sink.spool.directory
+        text = SpanBuilder(Recorder().anchor).build_json(fill_record(TaskRecord(), seq=7, step=1))
+        pid = os.fork()
+        if pid == 0:  # child: report through the exit code only
+            ok = sink.export([text], 0)
+            sink.shutdown(10)
+            s = sink.stats()
+            os._exit(0 if ok and s.delivered == 1 and sink.spool.directory != parent_dir
+                     and not sink.spool.directory.exists() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(receiver.acked.roots) == 1
+        assert sink.spool.directory == parent_dir and parent_dir.is_dir() and sink.stats().accepted == 0
+        sink.shutdown(1)
+    finally:
+        receiver.stop()
