@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from otel_kvtrace.instrument import wrappers
-from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, wrapped_points
+from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, class_path, wrapped_points
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.targets import Targets
 
@@ -18,14 +18,6 @@ PATCH_POINTS: tuple[PatchPoint, ...] = wrapped_points()
 """The rows this module installs (a view of ``points.PATCH_POINTS``)."""
 
 _INHERITED = object()
-
-
-def class_path(cls: type) -> str:
-    """``key`` for the key-based recv/send thread classes, ``gva`` otherwise (upstream class naming)."""
-    override = getattr(cls, "kvtrace_path", None)
-    if override in ("gva", "key"):
-        return override
-    return "key" if "Key" in cls.__name__ else "gva"
 
 
 def classes_for(role: str, targets: Targets) -> tuple[type, ...]:

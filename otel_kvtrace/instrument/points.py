@@ -98,6 +98,15 @@ TARGET_ROLES: dict[str, str] = {
 }
 
 
+def class_path(cls: type) -> str:
+    """``key`` for the key-based recv/send thread classes, ``gva`` otherwise (upstream class naming;
+    a class attribute ``kvtrace_path`` overrides it)."""
+    override = getattr(cls, "kvtrace_path", None)
+    if override in ("gva", "key"):
+        return override
+    return "key" if "Key" in cls.__name__ else "gva"
+
+
 def wrapped_points() -> tuple[PatchPoint, ...]:
     """The rows the patcher installs, in table order."""
     return tuple(p for p in PATCH_POINTS if p.wrapper)

@@ -23,6 +23,16 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from otel_kvtrace.record.model import RECV_ROOT_SPAN
 
 
+def answer_ok(handler: BaseHTTPRequestHandler) -> None:
+    """The OTLP/HTTP success answer: 200 with an empty protobuf ``ExportTraceServiceResponse``."""
+    payload = ExportTraceServiceResponse().SerializeToString()
+    handler.send_response(200)
+    handler.send_header("Content-Type", "application/x-protobuf")
+    handler.send_header("Content-Length", str(len(payload)))
+    handler.end_headers()
+    handler.wfile.write(payload)
+
+
 class Acked:
     """Spans of every request the receiver answered with success."""
 
@@ -122,12 +132,7 @@ class HttpReceiver:
                     self.end_headers()
                     return
                 receiver.acked.add(ExportTraceServiceRequest.FromString(body))
-                payload = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+                answer_ok(self)
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from export_records import fill_record
+from fault_receivers import answer_ok
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -83,12 +84,7 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
                 self.end_headers()
                 return
             received.add(ExportTraceServiceRequest.FromString(body), self.path)
-            payload = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+            answer_ok(self)
 
         def log_message(self, *args: Any) -> None:
             pass
