@@ -36,7 +36,7 @@ from otel_kvtrace import config
 from otel_kvtrace.export.encode import line_to_request, resource_text, texts_to_json_line
 from otel_kvtrace.export.otlp_json import request_to_json_line
 from otel_kvtrace.export.sinks import OK, REJECTED, RETRY, TOO_LARGE, Attempt
-from otel_kvtrace.export.spool import Spool, SpoolEntry
+from otel_kvtrace.export.spool import Spool, SpoolEntry, is_spool_dir
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -382,10 +382,21 @@ class DeliveringSink:
         name = trace_file_path(".", self.run_id, pid).stem.removeprefix("kvtrace-")
         meta = {"endpoint": str(getattr(self.transport, "endpoint_url", None) or self.endpoint),
                 "protocol": self.protocol, "pid": pid, "run_id": self.run_id}
-        self.spool = Spool(self.spool_root / name, self.max_bytes, meta)
-        self.accepted = self.spool.tasks  # batches adopted from an earlier process of the same name
+        self.spool = Spool(self._fresh_directory(name), self.max_bytes, meta)
         self.sender = Sender(self.spool, self.transport, max_request_bytes=self.max_request_bytes)
         self.sender.start()
+
+    def _fresh_directory(self, name: str) -> Path:
+        """``spool_root/name``, or ``name.1``, ``name.2``... when an earlier process (same run id and pid,
+        e.g. a restarted container) left a spool there: that one is kept for ``kvtrace resend``, never
+        mixed into this process's counts."""
+        directory, n = self.spool_root / name, 0
+        while is_spool_dir(directory):
+            logger.warning("otel-kvtrace: an earlier process left undelivered batches in %s; resend with: "
+                           "kvtrace resend %s", directory, shlex.quote(str(directory)))
+            n += 1
+            directory = self.spool_root / f"{name}.{n}"
+        return directory
 
     def update_resource(self, attributes: Mapping[str, Any]) -> None:
         """Add attributes to the resource of later batches."""

@@ -200,3 +200,25 @@ def test_a_forked_child_delivers_through_its_own_spool() -> None:
         sink.shutdown(1)
     finally:
         receiver.stop()
+
+
+def test_a_spool_left_by_an_earlier_process_is_kept_apart(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Same run id and pid (a restarted container): the old spool is not adopted into the new counts."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    hole = BlackHole()
+    try:
+        first = _run(hole.endpoint, "http/protobuf", shutdown_s=1.5)
+        old_dir = first.sink.spool.directory  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="otel_kvtrace"):
+            second = _run(hole.endpoint, "http/protobuf", shutdown_s=1.5)
+    finally:
+        hole.stop()
+    new_dir = second.sink.spool.directory  # type: ignore[attr-defined]
+    assert new_dir == old_dir.with_name(old_dir.name + ".1")
+    old = first.stats()
+    assert old.balanced and old.spooled > 0, old
+    assert sum(int(p.name.split("-t")[1].split(".")[0]) for p in old_dir.glob("*.jsonl")) == old.spooled
+    stats = second.stats()
+    assert stats.balanced and stats.recorded == TASKS and stats.delivered == 0, stats
+    assert any(f"kvtrace resend {old_dir}" in r.getMessage() for r in caplog.records)
