@@ -35,6 +35,8 @@ logger = logging.getLogger("otel_kvtrace")
 
 THREAD_NAME = "kvtrace-exporter"
 DROPPED_METRIC = "kvtrace.exporter.dropped_records"
+DELIVERED_METRIC = "kvtrace.exporter.delivered_records"
+SPOOLED_METRIC = "kvtrace.exporter.spooled_records"
 DEFAULT_SERVICE_NAME = "kvtrace"
 
 
@@ -129,6 +131,13 @@ class BackgroundExporter:
         self._drop_counter = meter.create_counter(
             DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
         )
+        stats_ref = weakref.WeakMethod(self.stats)
+        meter.create_observable_counter(
+            DELIVERED_METRIC, [_observe(stats_ref, "delivered")], unit="{record}",
+            description="Task records acknowledged by the destination (receiver or file)")
+        meter.create_observable_up_down_counter(
+            SPOOLED_METRIC, [_observe(stats_ref, "spooled")], unit="{record}",
+            description="Task records in the delivery spool on disk, not yet acknowledged")
         self._atexit = _weak_callback(self, "_shutdown_at_exit")
         atexit.register(self._atexit)
         if hasattr(os, "register_at_fork"):
@@ -338,6 +347,21 @@ class BackgroundExporter:
                 self.sink.shutdown(timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("otel-kvtrace: sink shutdown failed: %r", exc)
+
+
+def _observe(stats_ref: Any, field: str) -> Any:
+    """An observable-instrument callback reading one ``ExportStats`` field (nothing once the exporter is gone)."""
+
+    def callback(options: Any) -> list[metrics.Observation]:
+        stats = stats_ref()
+        if stats is None:
+            return []
+        try:
+            return [metrics.Observation(getattr(stats(), field))]
+        except Exception:  # noqa: BLE001 - a metrics read must never raise into the SDK's reader
+            return []
+
+    return callback
 
 
 def _weak_callback(obj: Any, method: str) -> Any:

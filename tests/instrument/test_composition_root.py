@@ -50,9 +50,12 @@ def test_tracer_and_meter_providers_are_used_not_fatal(tmp_path: Path) -> None:
     resource = _resource_of_first_line(tmp_path)
     assert resource["service.name"] == "my-server" and resource["deployment"] == "d1"
     assert resource["kvtrace.source"] == "replica" and resource["kvtrace.run_id"] == "root"
-    points = [p.value for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics
-              for m in sm.metrics if m.name == "kvtrace.exporter.dropped_records" for p in m.data.data_points]
-    assert points == [3]
+    values = {m.name: [p.value for p in m.data.data_points] for rm in reader.get_metrics_data().resource_metrics
+              for sm in rm.scope_metrics for m in sm.metrics}
+    assert values["kvtrace.exporter.dropped_records"] == [3]
+    delivered = session.exporter.stats().delivered
+    assert delivered > 0 and values["kvtrace.exporter.delivered_records"] == [delivered]
+    assert values["kvtrace.exporter.spooled_records"] == [0]
 
 
 def test_a_wrong_keyword_raises_and_leaves_the_instrumentor_usable(tmp_path: Path) -> None:
