@@ -34,6 +34,8 @@ class SessionStats:
     dropped: int  # records lost because the exporter fell behind (or a batch failed)
     disabled_reason: str | None  # set when an instrumentation error turned tracing off
     untraced: int = 0  # tasks that were already queued when tracing started (ran untraced)
+    delivered: int = 0  # acknowledged by the sink's destination (file written, OTLP receiver answered)
+    spooled: int = 0  # on disk in the OTLP delivery spool, not yet acknowledged (`kvtrace resend`)
 
 
 class TracingSession:
@@ -99,7 +101,12 @@ class TracingSession:
 
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
-        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        export_stats = getattr(self.exporter, "stats", None)
+        if export_stats is None:  # no exporter (tests drain the recorder themselves)
+            return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        e = export_stats()
+        return SessionStats(self.recorder.submitted, e.dropped, self.recorder.disabled_reason, untraced,
+                            e.delivered, e.spooled)
 
     def __enter__(self) -> TracingSession:
         return self
@@ -120,12 +127,14 @@ def start_tracing(
     capacity: int = DEFAULT_CAPACITY,
     run_id: str | None = None,
     exporter: Any = "auto",
+    meter_provider: Any = None,
 ) -> TracingSession:
     """Instrument ``targets`` and start exporting.
 
     Export goes to OTLP when ``endpoint`` (or ``OTEL_EXPORTER_OTLP[_TRACES]_ENDPOINT``) is set, otherwise
     to OTLP JSON lines under ``out_dir`` (default ``./kvtrace-data``). Pass ``exporter=None`` to record
-    without exporting (records stay in ``session.recorder``; tests drain them).
+    without exporting (records stay in ``session.recorder``; tests drain them). ``meter_provider``
+    receives the exporter's counters (default: the global one).
     """
     targets = Targets.coerce(targets)
     recorder = Recorder(capacity=capacity, clock=clock if clock is not None else time.perf_counter_ns)
@@ -155,7 +164,8 @@ def start_tracing(
             from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK
 
             export_worker = create_exporter(
-                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol,
+                meter_provider=meter_provider,
             )
         else:
             export_worker = exporter

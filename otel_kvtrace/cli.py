@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "doctor": ("otel_kvtrace.doctor", "doctor_command", "Check every patch point against the installed vLLM-Ascend (or --source DIR)."),
     "demo": ("otel_kvtrace.demo", "demo_command", "Run the CPU replica (HOL and FIFO-optimal scenarios), traced, and summarise it."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
+    "resend": ("otel_kvtrace.export.resend", "resend_command", "Deliver an OTLP delivery spool left on disk when the endpoint was unreachable."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
     "experiment": ("otel_kvtrace.experiment.cli", "experiment_command", "Coverage matrix on a real server (or serve-replica), >= 3 runs per cell; --report."),
     "load": ("otel_kvtrace.loadgen.cli", "load_command", "Streaming load on an OpenAI-compatible server: TTFT, TPOT, ITL, throughput; vLLM bench import."),

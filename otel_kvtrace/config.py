@@ -51,11 +51,27 @@ OTEL_KVTRACE_EXPORT_TIMEOUT_MS = "OTEL_KVTRACE_EXPORT_TIMEOUT_MS"
 OTEL_KVTRACE_DROP_LOG_INTERVAL_S = "OTEL_KVTRACE_DROP_LOG_INTERVAL_S"
 """Minimum seconds between two "records dropped" warnings. Default: 10."""
 
+OTEL_KVTRACE_SPOOL_DIR = "OTEL_KVTRACE_SPOOL_DIR"
+"""Directory of the OTLP delivery spool: every batch for an OTLP endpoint is written here before it is
+sent and removed once the receiver acknowledged it; each process uses ``{dir}/{run_id}-{pid}/``.
+Default: ``{OTEL_KVTRACE_DATA_DIR}/spool``."""
+
+OTEL_KVTRACE_SPOOL_MAX_MB = "OTEL_KVTRACE_SPOOL_MAX_MB"
+"""Cap of one process's spool in MiB; when full, the oldest batches are dropped (and counted).
+``0`` turns the spool off: batches are sent directly and a failed one is dropped. Default: 512."""
+
+OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES = "OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES"
+"""Largest OTLP request sent, in bytes (serialized, before compression); bigger batches are split by
+trace. A receiver that still answers "too large" halves it. Default: 4194304 (gRPC's receive limit)."""
+
 DEFAULT_DATA_DIR = "./kvtrace-data"
 DEFAULT_EXPORT_INTERVAL_MS = 200
 DEFAULT_EXPORT_BATCH_SIZE = 256
 DEFAULT_EXPORT_TIMEOUT_MS = 10_000
 DEFAULT_DROP_LOG_INTERVAL_S = 10.0
+DEFAULT_SPOOL_SUBDIR = "spool"
+DEFAULT_SPOOL_MAX_MB = 512
+DEFAULT_EXPORT_MAX_REQUEST_BYTES = 4 * 2**20
 
 # Standard OpenTelemetry variables the exporter honours.
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"
@@ -155,3 +171,9 @@ def run_id(environ: Mapping[str, str] | None = None) -> str:
     """``OTEL_KVTRACE_RUN_ID`` or ``{host}-{pid}-{start_epoch_s}`` (see docs/schema.md)."""
     env = os.environ if environ is None else environ
     return env.get(OTEL_KVTRACE_RUN_ID, "").strip() or f"{socket.gethostname()}-{os.getpid()}-{_PROCESS_START_S}"
+
+
+def spool_dir(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_KVTRACE_SPOOL_DIR`` or ``{data_dir}/spool``: the root of every process's delivery spool."""
+    env = os.environ if environ is None else environ
+    return env.get(OTEL_KVTRACE_SPOOL_DIR, "").strip() or os.path.join(data_dir(env), DEFAULT_SPOOL_SUBDIR)

@@ -141,7 +141,32 @@ def spans_to_request(
     ss.scope.name = SCOPE_NAME
     ss.scope.version = SCOPE_VERSION
     _fill_attributes(ss.scope.attributes, [int_attr(DROPPED_SCOPE_ATTRIBUTE, dropped)])
-    out = ss.spans
+    _fill_spans(ss.spans, spans)
+    return req
+
+
+def line_to_request(line: bytes | str) -> ExportTraceServiceRequest:
+    """One of our own OTLP/JSON lines (file sink, delivery spool) -> the protobuf request, the fast way.
+
+    Same converter as ``spans_to_request``, for every resource and scope of the line; the generic
+    ``otlp_json.json_line_to_request`` (``json_format``) reads any Collector line but costs several times more.
+    """
+    doc = orjson.loads(line)
+    req = ExportTraceServiceRequest()
+    for rs_doc in doc.get("resourceSpans", ()):
+        rs = req.resource_spans.add()
+        _fill_attributes(rs.resource.attributes, rs_doc.get("resource", {}).get("attributes", ()))
+        for ss_doc in rs_doc.get("scopeSpans", ()):
+            ss = rs.scope_spans.add()
+            scope = ss_doc.get("scope", {})
+            ss.scope.name = scope.get("name", "")
+            ss.scope.version = scope.get("version", "")
+            _fill_attributes(ss.scope.attributes, scope.get("attributes", ()))
+            _fill_spans(ss.spans, ss_doc.get("spans", ()))
+    return req
+
+
+def _fill_spans(out: Any, spans: Sequence[JsonSpan]) -> None:
     fromhex = bytes.fromhex
     for doc in spans:
         span = out.add()
@@ -171,7 +196,6 @@ def spans_to_request(
             pe.time_unix_nano = int(event["timeUnixNano"])
             pe.name = event["name"]
             _fill_attributes(pe.attributes, event.get("attributes", ()))
-    return req
 
 
 # ---- OTel SDK ReadableSpan (the reference candidate in bench/export.py) ---------------------------

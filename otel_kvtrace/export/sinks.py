@@ -13,7 +13,11 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import IO, Any, Protocol
 from urllib.parse import urlparse
@@ -44,8 +48,9 @@ class SpanSink(Protocol):
         lost records. Returns False when the batch was lost."""
         ...
 
-    def shutdown(self) -> None:
-        """Release resources; abort any retry in progress. Idempotent."""
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Release resources; a sink that holds undelivered batches may keep sending up to ``timeout_s``.
+        Idempotent."""
         ...
 
 
@@ -95,7 +100,7 @@ class JsonLinesFileSink:
         self._file = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
         self._pid = pid
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
         if self._file is not None and self._pid == os.getpid():
             self._file.close()
         self._file = None
@@ -107,7 +112,59 @@ class NullSink:
     def export(self, span_texts: Sequence[str], dropped: int) -> bool:
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        return None
+
+
+# ---- one delivery attempt (the policy around it: export/delivery.py) -----------------------------
+OK = "ok"
+RETRY = "retry"  # transient: back off and send the same request again
+TOO_LARGE = "too_large"  # the receiver's message limit: split and send the halves
+REJECTED = "rejected"  # permanent: the receiver refuses this request (kept on disk, not retried)
+
+
+@dataclass(slots=True, frozen=True)
+class Attempt:
+    """The outcome of sending one request once; ``delay`` is the receiver's own retry hint, if any."""
+
+    outcome: str
+    detail: str = ""
+    delay: float | None = None
+
+
+#: gRPC codes worth retrying (OTLP spec), plus RESOURCE_EXHAUSTED: a Collector's memory limiter sends it.
+GRPC_RETRYABLE = frozenset(
+    {"CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "ABORTED", "OUT_OF_RANGE", "UNAVAILABLE", "DATA_LOSS"}
+)
+HTTP_RETRYABLE = frozenset({429, 502, 503, 504})
+
+
+def retry_after_seconds(value: str | None) -> float | None:
+    """An HTTP ``Retry-After`` value (seconds or an HTTP date, RFC 9110) as seconds from now."""
+    if not value:
+        return None
+    value = value.strip()
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
+
+
+def _grpc_retry_delay(error: Any) -> float | None:
+    """The server's ``google.rpc.RetryInfo`` delay (the trailer the SDK exporter reads), if sent."""
+    try:
+        raw = dict(error.trailing_metadata() or ()).get("google.rpc.retryinfo-bin")
+        if raw is None:
+            return None
+        from google.rpc.error_details_pb2 import RetryInfo
+
+        info = RetryInfo.FromString(raw)
+        return info.retry_delay.seconds + info.retry_delay.nanos / 1e9
+    except Exception:  # noqa: BLE001 - a malformed hint: use our own back-off
         return None
 
 
@@ -134,6 +191,8 @@ class _SdkExporterSink:
     """Holds one SDK exporter per process: after a fork the child builds its own (gRPC channels and
     HTTP connection pools must not be shared across a fork)."""
 
+    protocol = ""
+
     def __init__(self, resource: Mapping[str, Any], endpoint: str | None) -> None:
         self._endpoint_arg = endpoint
         self._resource_attrs = dict(resource)
@@ -157,7 +216,15 @@ class _SdkExporterSink:
             self._exporter = self._make_exporter()
         return self._exporter
 
-    def shutdown(self) -> None:
+    @property
+    def endpoint_url(self) -> str:
+        """The endpoint as a URL another process can be pointed at (``kvtrace resend --endpoint``)."""
+        if self.protocol == "grpc":
+            insecure = getattr(self._exporter, "_insecure", True)
+            return f"{'http' if insecure else 'https'}://{self.endpoint}"
+        return str(self.endpoint)
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
         if os.getpid() == self._pid and not getattr(self._exporter, "_shutdown", False):
             self._exporter.shutdown()
 
@@ -174,6 +241,36 @@ class OtlpGrpcSink(_SdkExporterSink):
         exporter = self._current()
         request = spans_to_request(texts_to_spans(span_texts), self._resource, dropped)
         return exporter.export(request) == SpanExportResult.SUCCESS
+
+    def attempt(self, request: ExportTraceServiceRequest, abort: threading.Event) -> Attempt:
+        """Send once (no SDK retry loop), through the SDK exporter's channel, headers and timeout."""
+        import grpc
+
+        exporter = self._current()
+        client = getattr(exporter, "_client", None)
+        if client is None:  # an SDK without the stub: its own export (with its own retries)
+            return Attempt(OK) if exporter.export(request) == SpanExportResult.SUCCESS else Attempt(RETRY, "failed")
+        call = client.Export.future(request, metadata=exporter._headers, timeout=exporter._timeout)
+        done = threading.Event()
+        call.add_done_callback(lambda _call: done.set())
+        while not done.wait(0.05):
+            if abort.is_set():
+                call.cancel()
+                return Attempt(RETRY, "aborted at shutdown")
+        try:
+            call.result()
+            return Attempt(OK)
+        except grpc.RpcError as error:
+            code = error.code()
+            name = getattr(code, "name", str(code))
+            detail = f"{name}: {error.details()}"
+            if name == "UNAVAILABLE":
+                exporter._initialize_channel_and_stub()  # reconnect now, not after gRPC's own back-off
+            if name == "RESOURCE_EXHAUSTED" and "larger than max" in (error.details() or "").lower():
+                return Attempt(TOO_LARGE, detail)
+            if name in GRPC_RETRYABLE:
+                return Attempt(RETRY, detail, _grpc_retry_delay(error))
+            return Attempt(REJECTED, detail)
 
 
 def http_traces_url(endpoint: str) -> str:
@@ -214,3 +311,31 @@ class OtlpHttpSink(_SdkExporterSink):
 
         readable = spans_to_readable_spans(spans, Resource(self._resource_attrs), dropped)
         return exporter.export(readable) == SpanExportResult.SUCCESS
+
+    def attempt(self, request: ExportTraceServiceRequest, abort: threading.Event) -> Attempt:
+        """POST once (no SDK retry loop) with the SDK client's URL, headers, compression and timeout."""
+        exporter = self._current()
+        client = getattr(exporter, "_client", None)
+        data = request.SerializeToString()
+        submit = getattr(client, "_submit", None)
+        compress = getattr(client, "_compress", None)
+        if submit is None or compress is None:  # another SDK: its own export (with its own retries)
+            export = getattr(client, "export", None)
+            ok = bool(export(data).success) if export is not None else False
+            return Attempt(OK) if ok else Attempt(RETRY, "failed")
+        result = submit(compress(data), client._timeout)
+        status = result.status_code
+        if result.error is None and status is not None and 200 <= status < 300:
+            return Attempt(OK)
+        if status is None:  # refused, reset, timed out: the endpoint is not answering
+            return Attempt(RETRY, f"{type(result.error).__name__}: {result.error}")
+        detail = f"HTTP {status}"
+        if status == 413:
+            return Attempt(TOO_LARGE, detail)
+        if status in HTTP_RETRYABLE:
+            try:
+                hint = retry_after_seconds(result.headers().get("retry-after"))
+            except Exception:  # noqa: BLE001
+                hint = None
+            return Attempt(RETRY, detail, hint)
+        return Attempt(REJECTED, detail)

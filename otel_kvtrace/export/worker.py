@@ -17,6 +17,7 @@ import threading
 import time
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from opentelemetry import metrics
 from opentelemetry.instrumentation.utils import suppress_instrumentation
 
 from otel_kvtrace import config
+from otel_kvtrace.export.delivery import DeliveringSink
 from otel_kvtrace.export.sinks import JsonLinesFileSink, NullSink, OtlpGrpcSink, OtlpHttpSink, SpanSink
 from otel_kvtrace.export.spans import SpanBuilder
 from otel_kvtrace.record.model import TaskRecord
@@ -33,7 +35,32 @@ logger = logging.getLogger("otel_kvtrace")
 
 THREAD_NAME = "kvtrace-exporter"
 DROPPED_METRIC = "kvtrace.exporter.dropped_records"
+DELIVERED_METRIC = "kvtrace.exporter.delivered_records"
+SPOOLED_METRIC = "kvtrace.exporter.spooled_records"
 DEFAULT_SERVICE_NAME = "kvtrace"
+
+
+@dataclass(slots=True, frozen=True)
+class ExportStats:
+    """Where every recorded task is: ``recorded == delivered + spooled + dropped + pending``, always.
+
+    ``pending`` is what the recorder and the exporter still hold (0 once ``shutdown`` returned);
+    ``spooled`` is on disk, waiting for the OTLP endpoint (``kvtrace resend`` sends it later).
+    """
+
+    recorded: int
+    delivered: int
+    spooled: int
+    dropped: int
+    pending: int
+
+    @property
+    def balanced(self) -> bool:
+        return self.recorded == self.delivered + self.spooled + self.dropped + self.pending
+
+    def line(self) -> str:
+        return (f"recorded={self.recorded} delivered={self.delivered} spooled={self.spooled} "
+                f"dropped={self.dropped} pending={self.pending}")
 
 
 class BackgroundExporter:
@@ -91,8 +118,11 @@ class BackgroundExporter:
         self._broken = False  # span building failed once: tracing is disabled, records are discarded
         self._thread: threading.Thread | None = None
         self._deadline: float | None = None
-        self.exported_tasks = 0
+        self.exported_tasks = 0  # accepted by the sink (delivered, or spooled by a DeliveringSink)
         self.failed_batches = 0
+        self._counted_here = 0  # drops this exporter counted on the recorder (the rest: hand-off full)
+        self._in_batch = 0  # records taken from the recorder and not yet settled
+        self._abandoned = False  # shutdown counted what a stuck worker still held
         self._dropped_reported = 0  # pushed to the metric counter
         self._dropped_logged = 0
         self._last_drop_log = float("-inf")
@@ -101,6 +131,13 @@ class BackgroundExporter:
         self._drop_counter = meter.create_counter(
             DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
         )
+        stats_ref = weakref.WeakMethod(self.stats)
+        meter.create_observable_counter(
+            DELIVERED_METRIC, [_observe(stats_ref, "delivered")], unit="{record}",
+            description="Task records acknowledged by the destination (receiver or file)")
+        meter.create_observable_up_down_counter(
+            SPOOLED_METRIC, [_observe(stats_ref, "spooled")], unit="{record}",
+            description="Task records in the delivery spool on disk, not yet acknowledged")
         self._atexit = _weak_callback(self, "_shutdown_at_exit")
         atexit.register(self._atexit)
         if hasattr(os, "register_at_fork"):
@@ -121,6 +158,22 @@ class BackgroundExporter:
         update = getattr(self.sink, "update_resource", None)
         if update is not None:
             update(dict(attributes))
+
+    def stats(self) -> ExportStats:
+        """Counts of recorded tasks by where they are now (see ``ExportStats``)."""
+        recorder = self.recorder
+        lost_here = recorder.dropped  # hand-off overflow + what this exporter counted
+        pending = recorder.pending + self._in_batch
+        delivered, spooled, sink_dropped = self.exported_tasks, 0, 0
+        sink_stats = getattr(self.sink, "stats", None)
+        if sink_stats is not None:
+            s = sink_stats()
+            delivered, spooled, sink_dropped = s.delivered, s.spooled, s.dropped
+        handoff = lost_here - self._counted_here
+        recorded = recorder.submitted + handoff
+        if self._abandoned:
+            pending = 0  # already counted as dropped
+        return ExportStats(recorded, delivered, spooled, lost_here + sink_dropped, pending)
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export what is pending now, on the caller's thread. True if nothing was left behind."""
@@ -155,17 +208,27 @@ class BackgroundExporter:
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout)
             if thread.is_alive():
-                self._safe_sink_shutdown()  # aborts retry back-off of the OTLP exporters
+                self._safe_sink_shutdown(0.0)  # aborts retry back-off of a sink sending inline
                 thread.join(1.0)
         else:  # never started (or called from the worker): drain here
             with self._export_lock:
                 self._export_pending(self._deadline)
         left = self.recorder.pending
-        if left and (thread is None or not thread.is_alive()):
+        if thread is not None and thread.is_alive():
+            # The worker is stuck inside a sink: what it and the recorder hold is lost; count it once.
+            self._abandoned = True
+            left += self._in_batch
+            self.recorder.count_drop(left)
+            self._counted_here += left
+        elif left:
             self._discard(self.recorder.drain(left), count=True)
-        self._safe_sink_shutdown()
+        self._safe_sink_shutdown(max(0.0, self._deadline - time.monotonic()))
         self._report_drops(final=True)
-        return left == 0 and self.failed_batches == failed_before and not self._broken
+        stats = self.stats()
+        log = logger.info if stats.dropped == 0 and stats.spooled == 0 else logger.warning
+        log("otel-kvtrace: export summary: %s (%s)", stats.line(),
+            "balanced" if stats.balanced else "UNBALANCED: please report")
+        return left == 0 and self.failed_batches == failed_before and not self._broken and stats.spooled == 0
 
     def _shutdown_at_exit(self) -> None:
         self.shutdown()
@@ -207,10 +270,17 @@ class BackgroundExporter:
             if not batch:
                 break
             taken += len(batch)
-            self._export_batch(batch)
+            self._in_batch = len(batch)
+            try:
+                self._export_batch(batch)
+            finally:
+                self._in_batch = 0
         self._report_drops()
 
     def _export_batch(self, records: list[TaskRecord]) -> None:
+        if self._abandoned:  # shutdown already counted these
+            self.recorder.recycle(records)
+            return
         if self._broken:
             self._discard(records, count=True)
             return
@@ -232,7 +302,9 @@ class BackgroundExporter:
                 ok = bool(self.sink.export(texts, self.recorder.dropped))
         except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
             logger.debug("otel-kvtrace: export failed: %r", exc)
-        if ok:
+        if self._abandoned:
+            self.recorder.recycle(records)
+        elif ok:
             self.exported_tasks += len(records)
             self.recorder.recycle(records)
         else:
@@ -242,6 +314,7 @@ class BackgroundExporter:
     def _discard(self, records: list[TaskRecord], *, count: bool) -> None:
         if count and records:
             self.recorder.count_drop(len(records))
+            self._counted_here += len(records)
         self.recorder.recycle(records)
 
     def _fail_internal(self, reason: str) -> None:
@@ -250,7 +323,8 @@ class BackgroundExporter:
 
     def _report_drops(self, *, final: bool = False) -> None:
         """Push new drops to the metric counter; warn at most once per ``drop_log_interval_s``."""
-        total = self.recorder.dropped
+        sink_stats = getattr(self.sink, "stats", None)
+        total = self.recorder.dropped + (sink_stats().dropped if sink_stats is not None else 0)
         delta = total - self._dropped_reported
         if delta > 0:
             with contextlib.suppress(Exception):  # a broken MeterProvider must not stop exporting
@@ -259,20 +333,35 @@ class BackgroundExporter:
         now = time.monotonic()
         if total > self._dropped_logged and (final or now - self._last_drop_log >= self.drop_log_interval_s):
             logger.warning(
-                "otel-kvtrace: %d task records dropped (%d since last report): exporter behind or endpoint "
-                "unreachable; recording threads were not blocked",
+                "otel-kvtrace: %d task records dropped (%d since last report): exporter behind, or the "
+                "delivery spool full while the endpoint is unreachable; recording threads were not blocked",
                 total,
                 total - self._dropped_logged,
             )
             self._dropped_logged = total
             self._last_drop_log = now
 
-    def _safe_sink_shutdown(self) -> None:
+    def _safe_sink_shutdown(self, timeout_s: float | None = None) -> None:
         try:
             with suppress_instrumentation():
-                self.sink.shutdown()
+                self.sink.shutdown(timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("otel-kvtrace: sink shutdown failed: %r", exc)
+
+
+def _observe(stats_ref: Any, field: str) -> Any:
+    """An observable-instrument callback reading one ``ExportStats`` field (nothing once the exporter is gone)."""
+
+    def callback(options: Any) -> list[metrics.Observation]:
+        stats = stats_ref()
+        if stats is None:
+            return []
+        try:
+            return [metrics.Observation(getattr(stats(), field))]
+        except Exception:  # noqa: BLE001 - a metrics read must never raise into the SDK's reader
+            return []
+
+    return callback
 
 
 def _weak_callback(obj: Any, method: str) -> Any:
@@ -310,20 +399,41 @@ def create_sink(
     out_dir: str | os.PathLike[str] | None = None,
     endpoint: str | None = None,
     protocol: str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
 ) -> SpanSink:
-    """The sink the arguments and the standard OTel environment select (see ``create_exporter``)."""
+    """The sink the arguments and the standard OTel environment select (see ``create_exporter``).
+
+    An OTLP endpoint gets a ``DeliveringSink`` (spool under ``spool_dir`` or ``OTEL_KVTRACE_SPOOL_DIR``,
+    retry, split), unless ``OTEL_KVTRACE_SPOOL_MAX_MB=0`` asks for direct sending.
+    """
     if protocol is not None and protocol not in config.PROTOCOLS:
         raise ValueError(f"protocol must be one of {', '.join(config.PROTOCOLS)}, got {protocol!r}")
     if config.sdk_disabled():
         return NullSink()
     env_endpoint = config.otlp_endpoint()
+    run_id = str(resource.get("kvtrace.run_id") or config.run_id())
     if endpoint or env_endpoint:
         chosen = protocol or config.otlp_protocol()
         sink_class = OtlpGrpcSink if chosen == config.PROTOCOL_GRPC else OtlpHttpSink
-        # With only an environment endpoint, let the SDK resolve it (it knows the per-signal rules).
-        return sink_class(resource, endpoint or None)
+
+        def make_transport() -> Any:
+            # With only an environment endpoint, let the SDK resolve it (it knows the per-signal rules).
+            return sink_class(resource, endpoint or None)
+
+        max_mb = config.env_int(config.OTEL_KVTRACE_SPOOL_MAX_MB, config.DEFAULT_SPOOL_MAX_MB, minimum=0)
+        if max_mb == 0:
+            return make_transport()
+        return DeliveringSink(
+            make_transport,
+            resource,
+            spool_root=spool_dir if spool_dir is not None else config.spool_dir(),
+            run_id=run_id,
+            max_bytes=max_mb * 2**20,
+            max_request_bytes=config.env_int(
+                config.OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES, config.DEFAULT_EXPORT_MAX_REQUEST_BYTES
+            ),
+        )
     directory = Path(out_dir) if out_dir is not None else Path(config.data_dir())
-    run_id = str(resource.get("kvtrace.run_id") or config.run_id())
     return JsonLinesFileSink(directory, run_id, resource)
 
 
@@ -334,12 +444,15 @@ def create_exporter(
     out_dir: str | os.PathLike[str] | None = None,
     endpoint: str | None = None,
     protocol: str | None = None,
+    spool_dir: str | os.PathLike[str] | None = None,
+    meter_provider: metrics.MeterProvider | None = None,
 ) -> BackgroundExporter:
     """A started ``BackgroundExporter`` for ``recorder``, its sink chosen like any OTel SDK would.
 
     - ``endpoint`` (or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_ENDPOINT``) set:
       OTLP with ``protocol`` (or ``OTEL_EXPORTER_OTLP_TRACES_PROTOCOL`` / ``OTEL_EXPORTER_OTLP_PROTOCOL``),
-      ``grpc`` or ``http/protobuf`` (default).
+      ``grpc`` or ``http/protobuf`` (default); every batch is spooled to disk first and retried until
+      the receiver acknowledges it (``DeliveringSink``, docs/export.md "Delivery").
     - no endpoint: OTLP/JSON lines in ``{out_dir}/traces/kvtrace-{run_id}-{pid}.jsonl``, ``out_dir``
       defaulting to ``OTEL_KVTRACE_DATA_DIR`` or ``./kvtrace-data``.
     - ``OTEL_SDK_DISABLED=true``: records are drained and discarded.
@@ -349,5 +462,5 @@ def create_exporter(
         exporter = create_exporter(recorder, {"kvtrace.source": "replica", "kvtrace.run_id": "r1"})
     """
     full_resource = build_resource(resource)
-    sink = create_sink(full_resource, out_dir=out_dir, endpoint=endpoint, protocol=protocol)
-    return BackgroundExporter(recorder, sink)
+    sink = create_sink(full_resource, out_dir=out_dir, endpoint=endpoint, protocol=protocol, spool_dir=spool_dir)
+    return BackgroundExporter(recorder, sink, meter_provider=meter_provider)

@@ -13,6 +13,7 @@ from threading import get_ident
 from typing import Any
 
 from otel_kvtrace.instrument.npu_timing import NpuTiming
+from otel_kvtrace.instrument.points import class_path
 from otel_kvtrace.instrument.proxies import (
     TracedBuilder,
     TracedKeyStore,
@@ -33,9 +34,7 @@ WORKER_ATTR = "_kvtrace_worker"
 def thread_path(thread: Any) -> str:
     """``key`` for the key-based recv/send threads, ``gva`` otherwise (upstream class naming)."""
     override = getattr(thread, "kvtrace_path", None)
-    if override in ("gva", "key"):
-        return override
-    return "key" if "Key" in type(thread).__name__ else "gva"
+    return override if override in ("gva", "key") else class_path(type(thread))
 
 
 def is_send_thread(thread: Any) -> bool:

@@ -1,28 +1,62 @@
-"""``KVTraceInstrumentor``: the OpenTelemetry ``BaseInstrumentor`` face of otel-kvtrace.
+"""``KVTraceInstrumentor``: the one composition root of otel-kvtrace in a process.
 
-``opentelemetry-instrument`` finds it through the ``opentelemetry_instrumentor`` entry point and calls
-``instrument()`` with no arguments; that must do the same as a plain call, so both follow
-``OTEL_KVTRACE_ENABLED`` (off by default). Pass ``enabled=True`` to force it on, or ``targets=`` to
-instrument specific classes (the replica's, or a :class:`~.upstream.UpstreamBinding`'s). The session is
-the one :mod:`.plugin` keeps per process, so the vLLM plugin and this instrumentor never double-patch.
+Every way of switching tracing on ends here: ``opentelemetry-instrument`` (the
+``opentelemetry_instrumentor`` entry point calls ``instrument()`` with no arguments), the vLLM plugin
+(:mod:`.plugin`, ``vllm.general_plugins``), and a direct call. It resolves the targets (the installed
+vLLM-Ascend by default), starts the session (:func:`otel_kvtrace.api.start_tracing`) and wires the
+per-worker resource update. Idempotence is ``BaseInstrumentor``'s: the instrumentor is a per-process
+singleton, and ``instrument()`` after a first call is a no-op until ``uninstrument()``.
+
+A call that cannot work raises (an unknown keyword, a bad value); a process that cannot be traced
+(vLLM-Ascend missing or lacking a required patch point, ``OTEL_SDK_DISABLED``) logs one warning, stays
+untouched, and says why in ``off_reason``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import inspect
+import logging
+import os
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from opentelemetry.instrumentation.instrumentor import BaseInstrumentor  # type: ignore[attr-defined]
 
-from otel_kvtrace.instrument import plugin
+from otel_kvtrace import config
 from otel_kvtrace.instrument.targets import Targets
+
+logger = logging.getLogger("otel_kvtrace")
 
 _INSTRUMENTS: tuple[str, ...] = ()
 """No pip-level requirement: the binding checks the actual classes (see ``kvtrace doctor``)."""
 
 
+def _start_tracing_options() -> frozenset[str]:
+    from otel_kvtrace.api import start_tracing
+
+    return frozenset(p for p in inspect.signature(start_tracing).parameters if p != "targets")
+
+
+def upstream_resource(targets: Targets) -> dict[str, Any]:
+    """Per-process resource attributes known before any worker exists (ranks come per queue)."""
+    return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown"}
+
+
+def provider_resource(tracer_provider: Any) -> dict[str, Any]:
+    """The application's resource from its SDK ``TracerProvider`` (empty for the API's no-op/proxy)."""
+    resource = getattr(tracer_provider, "resource", None)
+    attributes = getattr(resource, "attributes", None)
+    return dict(attributes) if isinstance(attributes, Mapping) else {}
+
+
 class KVTraceInstrumentor(BaseInstrumentor):  # type: ignore[misc]
     """Instrument vLLM-Ascend's layerwise KV recv pipeline (or given target classes).
+
+    Keywords: ``enabled`` (True forces tracing on, False off; default ``OTEL_KVTRACE_ENABLED``, or on
+    when ``targets`` are given), ``targets`` (``Targets``, a class mapping, or an ``UpstreamBinding``),
+    ``tracer_provider`` (its resource joins the spans' resource; spans are exported by kvtrace's own
+    exporter, configured by the ``OTEL_EXPORTER_OTLP_*`` variables), ``meter_provider`` (for the
+    exporter's counters), and every keyword of :func:`otel_kvtrace.api.start_tracing`.
 
     Example::
 
@@ -32,23 +66,87 @@ class KVTraceInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         KVTraceInstrumentor().uninstrument()
     """
 
+    _session: Any = None
+    off_reason: str | None = None
+
     def instrumentation_dependencies(self) -> Collection[str]:
         return _INSTRUMENTS
 
     def _instrument(self, **kwargs: Any) -> None:
         targets = kwargs.pop("targets", None)
         force = kwargs.pop("enabled", None)
-        if force is False or (force is None and targets is None and not plugin.enabled()):
+        tracer_provider = kwargs.pop("tracer_provider", None)
+        unknown = set(kwargs) - _start_tracing_options()
+        if unknown:  # raised, so BaseInstrumentor does not mark the process instrumented
+            raise TypeError(f"KVTraceInstrumentor.instrument() got unknown keyword(s): {', '.join(sorted(unknown))}")
+        self._session, self.off_reason = None, None
+        if force is False or (force is None and targets is None and not config.tracing_enabled()):
+            self.off_reason = f"{config.OTEL_KVTRACE_ENABLED} is not set" if force is None else "enabled=False"
             return
-        if targets is not None and not isinstance(targets, Targets):
-            to_targets = getattr(targets, "to_targets", None)  # an UpstreamBinding
-            targets = to_targets() if to_targets is not None else Targets.coerce(targets)
-        plugin.ensure_started(targets, **kwargs)
+        if config.sdk_disabled():
+            self.off_reason = "OTEL_SDK_DISABLED=true"
+            logger.info("otel-kvtrace: OTEL_SDK_DISABLED=true, tracing stays off (nothing patched)")
+            return
+        try:
+            targets = self._resolve(targets)
+            if targets is None:
+                return
+            self._session = self._start(targets, tracer_provider, kwargs)
+        except (TypeError, ValueError):
+            raise  # a wrong call, not a property of this process
+        except Exception as exc:  # never break the host process
+            self.off_reason = f"{type(exc).__name__}: {exc}"
+            logger.warning("otel-kvtrace: tracing off, could not instrument: %s", self.off_reason)
+
+    def _resolve(self, targets: Any) -> Targets | None:
+        if targets is None:
+            from otel_kvtrace.instrument.upstream import resolve_installed
+
+            binding = resolve_installed()
+            if not binding.ok:
+                missing = ", ".join(f"{p.point.id} ({p.where})" for p in binding.missing_required())
+                self.off_reason = f"vLLM-Ascend {binding.version} lacks required patch points: {missing}"
+                logger.warning("otel-kvtrace: tracing off, %s (run `kvtrace doctor`)", self.off_reason)
+                return None
+            return binding.to_targets()
+        if isinstance(targets, Targets):
+            return targets
+        to_targets = getattr(targets, "to_targets", None)  # an UpstreamBinding
+        return to_targets() if to_targets is not None else Targets.coerce(targets)
+
+    def _start(self, targets: Targets, tracer_provider: Any, options: dict[str, Any]) -> Any:
+        from otel_kvtrace.api import start_tracing
+
+        resource = provider_resource(tracer_provider)
+        resource.update(upstream_resource(targets))
+        resource.update(options.pop("resource", None) or {})
+        session = start_tracing(targets, resource=resource, **options)
+        session.runtime.on_worker_attached.append(_worker_resource_updater(session, targets))
+        logger.info("otel-kvtrace: tracing %s %s (pid %d)", targets.source, targets.version or "", os.getpid())
+        return session
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        plugin.stop()
+        session, self._session, self.off_reason = self._session, None, None
+        if session is not None:
+            try:
+                session.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("otel-kvtrace: shutdown failed: %s: %s", type(exc).__name__, exc)
 
     @property
     def session(self) -> Any:
-        """The active tracing session (None when off or when binding failed)."""
-        return plugin.current_session()
+        """The active tracing session (None when off; ``off_reason`` says why)."""
+        return self._session
+
+
+def _worker_resource_updater(session: Any, targets: Targets) -> Any:
+    """Once a worker starts its transfer threads, its ranks and layerwise config join the resource."""
+    from otel_kvtrace.instrument.upstream import worker_resource_attributes
+
+    layout = str(targets.flags.get("layout", "") or "")
+
+    def update(worker: Any) -> None:
+        if session.exporter is not None and hasattr(session.exporter, "update_resource"):
+            session.exporter.update_resource(worker_resource_attributes(worker, layout))
+
+    return update

@@ -1,8 +1,7 @@
-"""The patch table: one list drives both instrument and uninstrument.
+"""Install and uninstall the class-level wrappers of the patch-point table (``instrument/points.py``).
 
-Each ``PatchPoint`` names a role (which class of ``Targets``), a method, the wrapper factory and whether
-the point is required for a useful trace. ``kvtrace doctor`` reads the same table to report what a given
-vLLM-Ascend version offers.
+The table is the one ``kvtrace doctor`` checks: every row with a ``wrapper`` is wrapped here on the
+target classes of its role; ``core`` and ``required`` are enforced as the table's docstring says.
 """
 
 from __future__ import annotations
@@ -11,48 +10,30 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from otel_kvtrace.instrument import wrappers
+from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, class_path, wrapped_points
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.targets import Targets
 
-
-@dataclass(slots=True, frozen=True)
-class PatchPoint:
-    role: str  # "recv" | "send" | "gate" | "worker"
-    attr: str
-    make_wrapper: Callable[[Callable, Runtime], Callable]
-    required: bool
-    meaning: str
-
-
-PATCH_POINTS: tuple[PatchPoint, ...] = (
-    PatchPoint("recv", "add_request", wrappers.wrap_add_request, True, "enqueue time, queue depth"),
-    PatchPoint("recv", "_handle_request", wrappers.wrap_handle_request, True, "dequeue, completion, current task"),
-    PatchPoint("recv", "_stagger_h2d_submit", wrappers.wrap_stagger, False, "h2d_stagger busy wait (GVA)"),
-    PatchPoint("recv", "_batch_copy_with_limits", wrappers.wrap_batch_copy, False, "backend_submit (GVA batch_copy)"),
-    PatchPoint("send", "add_request", wrappers.wrap_add_request, False, "save task enqueue"),
-    PatchPoint("send", "_handle_request", wrappers.wrap_handle_request, False, "save task run"),
-    PatchPoint("send", "_batch_copy_with_limits", wrappers.wrap_batch_copy, False, "save copy (GVA L2G)"),
-    PatchPoint("gate", "record", wrappers.wrap_gate_record, False, "gate record time (first wins)"),
-    PatchPoint("gate", "wait", wrappers.wrap_gate_wait, False, "gate_cond_wait + gate_npu_sync"),
-    PatchPoint("worker", "start_load_kv", wrappers.wrap_start_load_kv, False, "step counter"),
-    PatchPoint("worker", "wait_for_layer_load", wrappers.wrap_wait_for_layer_load, False, "consumer_wait, gate ids"),
-    PatchPoint("worker", "save_kv_layer", wrappers.wrap_save_kv_layer, False, "save task layer"),
-    PatchPoint("worker", "_start_kv_transfer_threads", wrappers.wrap_start_threads, False, "per-instance attach"),
-)
+PATCH_POINTS: tuple[PatchPoint, ...] = wrapped_points()
+"""The rows this module installs (a view of ``points.PATCH_POINTS``)."""
 
 _INHERITED = object()
 
 
 def classes_for(role: str, targets: Targets) -> tuple[type, ...]:
-    if role == "recv":
-        return tuple(targets.recv_thread_classes)
-    if role == "send":
-        return tuple(targets.send_thread_classes)
-    if role == "gate":
-        return (targets.gate_class,) if targets.gate_class is not None else ()
-    if role == "worker":
-        return (targets.worker_class,) if targets.worker_class is not None else ()
-    raise ValueError(f"unknown role {role!r}")
+    """The target classes playing ``role`` (a table role: ``recv_gva``, ``gate``, ...)."""
+    field_name = TARGET_ROLES.get(role)
+    if field_name is None:
+        raise ValueError(f"role {role!r} is not wrapped at class level")
+    value = getattr(targets, field_name)
+    if field_name in ("recv_thread_classes", "send_thread_classes"):
+        path = role.rsplit("_", 1)[1]
+        return tuple(c for c in value if class_path(c) == path)
+    return (value,) if value is not None else ()
+
+
+def _wrapper(point: PatchPoint) -> Callable[[Callable, Runtime], Callable]:
+    return getattr(wrappers, point.wrapper)
 
 
 @dataclass(slots=True)
@@ -64,27 +45,32 @@ class InstalledPatch:
 
 
 def install(targets: Targets, rt: Runtime) -> list[InstalledPatch]:
-    """Wrap every patch point present on the target classes. Raises if a required one is missing."""
+    """Wrap every patch point present on the target classes. Raises ``LookupError`` (and rolls back) when
+    there is no recv class, or a class lacks a point it must have (``core``; ``required`` for upstream)."""
+    if not targets.recv_thread_classes:
+        raise LookupError("no class for required role 'recv'")
+    strict = targets.source == "upstream"
     installed: list[InstalledPatch] = []
     try:
         for point in PATCH_POINTS:
+            must = point.core or (strict and point.required)
             owners = classes_for(point.role, targets)
-            if point.required and not owners:
-                raise LookupError(f"no class for required role {point.role!r}")
+            if must and strict and not owners:
+                raise LookupError(f"{point.id}: no class for required role {point.role!r}")
             for owner in owners:
-                current = getattr(owner, point.attr, None)
+                current = getattr(owner, point.member, None)
                 if current is None:
-                    if point.required:
-                        raise LookupError(f"{owner.__qualname__}.{point.attr} not found")
+                    if must:
+                        raise LookupError(f"{point.id}: {owner.__qualname__}.{point.member} not found")
                     continue
                 if getattr(current, "__kvtrace_wrapped__", None) is not None:
                     # Already instrumented: a second install, or the method is inherited from another
                     # target class we just wrapped (wrapping it again would record every task twice).
                     continue
-                original = owner.__dict__.get(point.attr, _INHERITED)
-                wrapper = point.make_wrapper(current, rt)
-                setattr(owner, point.attr, wrapper)
-                installed.append(InstalledPatch(owner, point.attr, original, wrapper))
+                original = owner.__dict__.get(point.member, _INHERITED)
+                wrapper = _wrapper(point)(current, rt)
+                setattr(owner, point.member, wrapper)
+                installed.append(InstalledPatch(owner, point.member, original, wrapper))
     except BaseException:
         uninstall(installed)
         raise

@@ -1,10 +1,10 @@
 """Auto-enable in every vLLM process: the ``vllm.general_plugins`` entry point.
 
 vLLM calls every general plugin in each process it starts (engine core, every worker), sometimes more
-than once. ``register`` therefore does nothing unless ``OTEL_KVTRACE_ENABLED=1``, binds at most once per
-process, and never lets an exception reach vLLM: a failure to bind logs one warning and leaves the host
-untouched. The ``opentelemetry_instrumentor`` entry point (:mod:`.instrumentor`) shares the same
-per-process session, so enabling both does not instrument twice.
+than once. ``register`` therefore does nothing unless ``OTEL_KVTRACE_ENABLED=1`` and never lets an
+exception reach vLLM. It only decides *when* to bind; *what* binding means is
+:class:`~.instrumentor.KVTraceInstrumentor`'s (the one composition root), whose per-process
+idempotence also covers the ``opentelemetry_instrumentor`` entry point: enabling both instruments once.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
-import os
 import sys
-import threading
 import types
 from collections.abc import Mapping
 from typing import Any
@@ -27,19 +25,17 @@ logger = logging.getLogger("otel_kvtrace")
 
 ENV_ENABLED = config.OTEL_KVTRACE_ENABLED
 
-_lock = threading.Lock()
-_session: Any = None  # the process's TracingSession, once started
-_attempted = False  # a failed attempt is not retried on every plugin call
+
+def _instrumentor() -> Any:
+    """The process's ``KVTraceInstrumentor`` (imported on first use: a disabled plugin imports nothing)."""
+    from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
+
+    return KVTraceInstrumentor()
 
 
 def enabled() -> bool:
     """True when ``OTEL_KVTRACE_ENABLED`` is set to a true value (``1``, ``true``, ``yes``, ``on``)."""
     return config.tracing_enabled()
-
-
-def upstream_resource(targets: Targets) -> dict[str, Any]:
-    """Per-process resource attributes known before any worker exists (ranks come per queue)."""
-    return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown"}
 
 
 def ensure_started(
@@ -48,71 +44,26 @@ def ensure_started(
     resource: Mapping[str, Any] | None = None,
     **start_kwargs: Any,
 ) -> Any:
-    """Start this process's tracing session once; later calls return it. Returns None on failure.
+    """Instrument this process once (``KVTraceInstrumentor``); later calls return the same session.
 
-    Without ``targets`` the installed vLLM-Ascend is bound (:func:`.upstream.resolve_installed`); tracing
-    stays off, with a warning, when a required patch point is missing.
+    Returns None when tracing is off (``KVTraceInstrumentor().off_reason`` says why).
     """
-    global _session, _attempted
-    with _lock:
-        if _session is not None or _attempted:
-            return _session
-        _attempted = True
-        try:
-            if config.sdk_disabled():
-                logger.info("otel-kvtrace: OTEL_SDK_DISABLED=true, tracing stays off (nothing patched)")
-                return None
-            if targets is None:
-                from otel_kvtrace.instrument.upstream import resolve_installed
-
-                binding = resolve_installed()
-                if not binding.ok:
-                    missing = ", ".join(f"{p.point.id} ({p.where})" for p in binding.missing_required())
-                    logger.warning("otel-kvtrace: tracing off, vLLM-Ascend %s lacks required patch points: %s "
-                                   "(run `kvtrace doctor`)", binding.version, missing)
-                    return None
-                targets = binding.to_targets()
-            from otel_kvtrace.api import start_tracing
-
-            attrs = upstream_resource(targets)
-            attrs.update(resource or {})
-            _session = start_tracing(targets, resource=attrs, **start_kwargs)
-            _session.runtime.on_worker_attached.append(_worker_resource_updater(_session, targets))
-            logger.info("otel-kvtrace: tracing vLLM-Ascend %s (pid %d)", targets.version, os.getpid())
-        except Exception as exc:  # never break the host process
-            logger.warning("otel-kvtrace: tracing off, could not instrument: %s: %s", type(exc).__name__, exc)
-            _session = None
-        return _session
-
-
-def _worker_resource_updater(session: Any, targets: Targets) -> Any:
-    """Once a worker starts its transfer threads, its ranks and layerwise config join the resource."""
-    from otel_kvtrace.instrument.upstream import worker_resource_attributes
-
-    layout = str(targets.flags.get("layout", "") or "")
-
-    def update(worker: Any) -> None:
-        if session.exporter is not None and hasattr(session.exporter, "update_resource"):
-            session.exporter.update_resource(worker_resource_attributes(worker, layout))
-
-    return update
+    instrumentor = _instrumentor()
+    if not instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.instrument(enabled=True, targets=targets, resource=resource, **start_kwargs)
+    return instrumentor.session
 
 
 def stop() -> None:
     """Shut the process's session down (uninstrument + flush) and allow a new start."""
-    global _session, _attempted
     _remove_hook()
-    with _lock:
-        session, _session, _attempted = _session, None, False
-    if session is not None:
-        try:
-            session.shutdown()
-        except Exception as exc:
-            logger.warning("otel-kvtrace: shutdown failed: %s: %s", type(exc).__name__, exc)
+    instrumentor = _instrumentor()
+    if instrumentor.is_instrumented_by_opentelemetry:
+        instrumentor.uninstrument()
 
 
 def current_session() -> Any:
-    return _session
+    return _instrumentor().session
 
 
 #: Importing this module means the process is a KV-pool worker: the moment to bind.
@@ -198,7 +149,7 @@ def register() -> None:
         from otel_kvtrace.asynccheck.instrument import install_from_env
 
         install_from_env()  # idempotent, never raises, no-op without vllm
-        if _session is not None or _attempted:
+        if _instrumentor().is_instrumented_by_opentelemetry:
             return
         if WATCHED_MODULE in sys.modules:
             ensure_started()

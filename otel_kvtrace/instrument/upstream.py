@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
+from otel_kvtrace.instrument import points
 from otel_kvtrace.instrument.targets import Targets
 
 ASCEND_STORE = "vllm_ascend.distributed.kv_transfer.kv_pool.ascend_store"
@@ -62,58 +63,11 @@ CLASS_ROLES: dict[str, tuple[str, str]] = {
 }
 
 
-@dataclass(slots=True, frozen=True)
-class PatchPoint:
-    """One place the instrumentation hooks into, and what it needs to find there.
+# The one patch-point table (instrument/points.py): ``kvtrace doctor`` checks every row, the patcher
+# (instrument/patches.py) wraps the rows that name a wrapper.
+PATCH_POINTS = points.PATCH_POINTS
+PatchPoint = points.PatchPoint
 
-    ``member`` is a method name, or ``__init__`` when the point is a constructor argument the per-instance
-    wrappers read (``params`` then lists the argument names). A missing required point makes tracing
-    impossible; a missing optional point only removes one stage.
-    """
-
-    id: str
-    role: str
-    member: str
-    params: tuple[str, ...]
-    required: bool
-    what: str
-
-
-#: The research note's P1-P13 (docs/compatibility.md lists what each version has).
-PATCH_POINTS: tuple[PatchPoint, ...] = (
-    PatchPoint("P0", "worker", "_start_kv_transfer_threads", ("self",), True,
-               "post-hook: per-instance wraps once the transfer threads exist"),
-    PatchPoint("P1", "worker", "start_load_kv", ("self", "metadata"), True, "step counter"),
-    PatchPoint("P2", "worker", "wait_for_layer_load", ("self",), True, "forward context + consumer wait"),
-    PatchPoint("P3", "recv_gva", "add_request", ("self",), True, "GVA enqueue"),
-    PatchPoint("P3k", "recv_key", "add_request", ("self",), True, "key-path enqueue"),
-    PatchPoint("P4", "recv_gva", "_handle_request", ("self", "data"), True, "GVA dequeue / completion"),
-    PatchPoint("P4k", "recv_key", "_handle_request", ("self", "data"), True, "key-path dequeue / completion"),
-    PatchPoint("P5", "recv_gva", "__init__", ("layer_load_finished_events", "layer_save_finished_events"), True,
-               "load/save event lists (proxied in place)"),
-    PatchPoint("P5k", "recv_key", "__init__", ("layer_load_finished_events", "layer_save_finished_events"), True,
-               "key-path load/save event lists"),
-    PatchPoint("P6", "recv_gva", "__init__", ("sync_save_events",), False,
-               "save NPU events synchronized by the recv thread (main only)"),
-    PatchPoint("P7", "gate", "record", ("self", "stream"), True, "gate open time (first record)"),
-    PatchPoint("P7w", "gate", "wait", ("self", "timeout"), True, "gate condition wait + NPU sync"),
-    PatchPoint("P8", "builder", "build_addrs", ("self", "shared", "layer_id"), True, "address build"),
-    PatchPoint("P8b", "builder", "build", ("self", "task", "is_save"), False, "full build (no shared data)"),
-    PatchPoint("P9", "recv_gva", "_stagger_h2d_submit", ("self", "layer_id"), False, "H2D stagger busy wait"),
-    PatchPoint("P10", "recv_gva", "__init__", ("external_slot_release_waiter",), False,
-               "external slot release waiter (main only)"),
-    PatchPoint("P11", "recv_gva", "_batch_copy_with_limits",
-               ("self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"), True,
-               "backend submit (batch_copy)"),
-    PatchPoint("P12", "backend", "batch_remove_lease", ("self", "keys"), False, "lease release on the final layer"),
-    PatchPoint("P12k", "backend", "get", ("self", "keys", "addrs", "sizes"), False, "key-path synchronous get"),
-    PatchPoint("P13", "worker", "save_kv_layer", ("self", "connector_metadata"), False, "save point (forward)"),
-    PatchPoint("P13s", "send_gva", "_handle_request", ("self",), False, "GVA save task on the send thread"),
-    PatchPoint("P13k", "send_key", "_handle_request", ("self",), False, "key-path save task on the send thread"),
-    PatchPoint("F1", "thread_base", "raise_if_failed", ("self",), False,
-               "fatal-error propagation (main: the thread dies and callers poll it)"),
-    PatchPoint("F2", "recv_gva", "__init__", ("save_failure_checker",), False, "send-failure checker (main only)"),
-)
 
 FOUND = "found"
 MISSING = "missing"

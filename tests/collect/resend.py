@@ -58,6 +58,9 @@ def main() -> int:
                             failed += 1
     for sink in sinks.values():
         sink.shutdown()
+        stats = getattr(sink, "stats", None)  # a DeliveringSink: spooled = not acknowledged by the receiver
+        if stats is not None and stats().spooled:
+            failed += 1
     return 1 if failed else 0
 
 

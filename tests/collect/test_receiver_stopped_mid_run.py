@@ -1,5 +1,6 @@
 """The receiver dies mid-run: the project's exporter keeps the instrumented replica threads unblocked and
-counts every task it could not deliver (submitted = delivered + dropped, delivered = what the files hold)."""
+accounts for every task (recorded = delivered + spooled + dropped, delivered = what the files hold); the
+spool, resent to a new receiver, delivers the rest."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from otel_kvtrace.api import start_tracing
 from otel_kvtrace.demo import scenario_configs
+from otel_kvtrace.export.resend import resend
 from otel_kvtrace.replica.threaded import replica_targets, run_threaded
 from tests.collect.helpers import CollectProcess
 
@@ -77,7 +79,14 @@ def test_replica_runs_to_the_end_and_drops_are_counted_when_the_receiver_stops(
     # The instrumented threads never waited for the dead receiver: the run completed normally.
     assert result.error is None and result.steps_done == STEPS and result.clean_shutdown
     assert all(n == 0 for n in result.unfinished_tasks.values())
-    # Every task is accounted for: delivered before the stop, or dropped and counted.
-    assert stats.dropped > 0 and exporter.exported_tasks > 0
-    assert exporter.exported_tasks + stats.dropped == tasks_in_a_complete_run
-    assert _root_spans(out) == exporter.exported_tasks
+    # Every task is accounted for: delivered before the stop, spooled on disk, or dropped and counted.
+    assert stats.delivered > 0 and stats.spooled > 0
+    assert stats.delivered + stats.spooled + stats.dropped == tasks_in_a_complete_run
+    assert _root_spans(out) == stats.delivered
+    # A new receiver: the spool left on disk is resent, and then everything not dropped has arrived.
+    revived = CollectProcess(tmp_path / "revived")
+    port = revived.grpc_port if protocol == "grpc" else revived.http_port
+    result = resend(exporter.sink.spool.directory, endpoint=f"http://127.0.0.1:{port}", timeout_s=60)
+    code, _ = revived.terminate(signal.SIGTERM)
+    assert code == 0 and result.left == 0 and result.delivered == stats.spooled
+    assert _root_spans(out) + _root_spans(tmp_path / "revived") == tasks_in_a_complete_run - stats.dropped

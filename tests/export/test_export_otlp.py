@@ -13,6 +13,7 @@ from typing import Any
 import grpc
 import pytest
 from export_records import fill_record
+from fault_receivers import answer_ok
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
@@ -83,12 +84,7 @@ def http_receiver() -> Iterator[tuple[str, Received]]:
                 self.end_headers()
                 return
             received.add(ExportTraceServiceRequest.FromString(body), self.path)
-            payload = ExportTraceServiceResponse().SerializeToString()
-            self.send_response(200)
-            self.send_header("Content-Type", "application/x-protobuf")
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+            answer_ok(self)
 
         def log_message(self, *args: Any) -> None:
             pass
@@ -146,11 +142,12 @@ def test_export_over_real_otlp(
     endpoint, received = grpc_receiver if protocol == "grpc" else http_receiver
     recorder = Recorder()
     exporter = create_exporter(recorder, RESOURCE, endpoint=endpoint, protocol=protocol)
-    assert isinstance(exporter.sink, OtlpGrpcSink if protocol == "grpc" else OtlpHttpSink)
+    assert isinstance(exporter.sink.transport, OtlpGrpcSink if protocol == "grpc" else OtlpHttpSink)
     exporter.batch_size = 7  # several requests
     submitted = _record_tasks(recorder, 40)
     assert exporter.shutdown(timeout_s=20)
-    assert len(received.requests) >= 6
+    # one resource block per batch of 7; the sender may carry several spooled batches in one request
+    assert sum(len(r.resource_spans) for r in received.requests) >= 6
     _check_received(received, recorder, submitted)
     assert recorder.dropped == 0
 
@@ -173,7 +170,7 @@ def test_endpoint_and_protocol_from_environment(
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
     recorder = Recorder()
     exporter = create_exporter(recorder, RESOURCE)
-    assert isinstance(exporter.sink, OtlpHttpSink)
+    assert isinstance(exporter.sink.transport, OtlpHttpSink)
     submitted = _record_tasks(recorder, 5)
     exporter.shutdown(timeout_s=20)
     assert http_received.paths == ["/v1/traces"]
@@ -193,10 +190,10 @@ def test_http_compression_from_environment(
     assert len(received.spans()) == 12
 
 
-def test_refusing_endpoint_counts_failed_batch(
+def test_refusing_endpoint_keeps_the_batch_in_the_spool(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A dead endpoint: the batch fails after the SDK's bounded retries, and is counted as dropped."""
+    """A dead endpoint: nothing is lost or silently dropped; the batch waits on disk, counted as spooled."""
     import socket
 
     with socket.socket() as s:  # a port nobody listens on
@@ -207,11 +204,31 @@ def test_refusing_endpoint_counts_failed_batch(
     exporter = create_exporter(recorder, RESOURCE, endpoint=f"http://127.0.0.1:{port}", protocol="http/protobuf")
     _record_tasks(recorder, 10)
     with caplog.at_level("WARNING", logger="otel_kvtrace"):
-        assert exporter.shutdown(timeout_s=10) is False  # the batch was lost
-    assert exporter.failed_batches == 1
-    assert recorder.dropped == 10
-    drop_lines = [r for r in caplog.records if r.name == "otel_kvtrace" and "dropped" in r.getMessage()]
-    assert len(drop_lines) == 1
+        assert exporter.shutdown(timeout_s=1) is False  # not delivered
+    stats = exporter.stats()
+    assert (stats.recorded, stats.delivered, stats.spooled, stats.dropped) == (10, 0, 10, 0)
+    assert recorder.dropped == 0
+    assert len(list(exporter.sink.spool.directory.glob("*-t10.jsonl"))) == 1
+    assert sum("Resend with: kvtrace resend" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_spool_off_sends_directly_and_counts_a_failed_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``OTEL_KVTRACE_SPOOL_MAX_MB=0``: the old direct path; a lost batch is still counted."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    monkeypatch.setenv("OTEL_KVTRACE_SPOOL_MAX_MB", "0")
+    recorder = Recorder()
+    exporter = create_exporter(recorder, RESOURCE, endpoint=f"http://127.0.0.1:{port}", protocol="http/protobuf")
+    assert isinstance(exporter.sink, OtlpHttpSink)
+    _record_tasks(recorder, 10)
+    assert exporter.shutdown(timeout_s=10) is False
+    assert exporter.failed_batches == 1 and recorder.dropped == 10
+    stats = exporter.stats()
+    assert stats.balanced and stats.dropped == 10, stats
 
 
 def test_sdk_readable_span_path_sends_the_same_spans(http_receiver: tuple[str, Received]) -> None:

@@ -119,7 +119,10 @@ def test_stalled_export_never_blocks_recording(tmp_path: Path, caplog: pytest.Lo
     assert _scope_dropped(requests[-1]) == attempts - capacity
     # one warning line for the whole episode (interval 1 h), naming the count
     warnings = [r.getMessage() for r in caplog.records if r.name == "otel_kvtrace" and r.levelno == logging.WARNING]
+    summary = [w for w in warnings if "export summary" in w]
+    warnings = [w for w in warnings if w not in summary]
     assert len(warnings) == 1 and str(attempts - capacity) in warnings[0]
+    assert len(summary) == 1 and f"dropped={attempts - capacity} " in summary[0] and "(balanced)" in summary[0]
     # the metric counter saw the same number
     points = [
         p.value
@@ -259,12 +262,12 @@ def test_sink_selection_from_environment(monkeypatch: pytest.MonkeyPatch, tmp_pa
     assert sink.path.parent == tmp_path / "data" / "traces"
 
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "http://127.0.0.1:1/v1/traces")
-    assert isinstance(create_sink(RESOURCE), OtlpHttpSink)  # http/protobuf is the default
+    assert isinstance(create_sink(RESOURCE).transport, OtlpHttpSink)  # http/protobuf is the default
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "grpc")
-    assert isinstance(create_sink(RESOURCE), OtlpGrpcSink)
+    assert isinstance(create_sink(RESOURCE).transport, OtlpGrpcSink)
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")  # traces-specific wins
-    assert isinstance(create_sink(RESOURCE), OtlpHttpSink)
-    assert isinstance(create_sink(RESOURCE, protocol="grpc"), OtlpGrpcSink)  # argument wins
+    assert isinstance(create_sink(RESOURCE).transport, OtlpHttpSink)
+    assert isinstance(create_sink(RESOURCE, protocol="grpc").transport, OtlpGrpcSink)  # argument wins
 
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert isinstance(create_sink(RESOURCE), NullSink)
@@ -278,7 +281,7 @@ def test_bad_values_are_logged_and_defaulted(monkeypatch: pytest.MonkeyPatch, ca
     with caplog.at_level(logging.WARNING, logger="otel_kvtrace"):
         exporter = create_exporter(Recorder(), RESOURCE)
     exporter.shutdown(timeout_s=1)
-    assert isinstance(exporter.sink, OtlpHttpSink)
+    assert isinstance(exporter.sink.transport, OtlpHttpSink)
     assert exporter.batch_size == 256 and exporter.interval_s == 0.2
     text = caplog.text
     for name in ("OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_KVTRACE_EXPORT_BATCH_SIZE", "OTEL_KVTRACE_EXPORT_INTERVAL_MS"):

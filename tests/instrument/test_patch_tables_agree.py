@@ -1,37 +1,62 @@
-"""The install table (instrument/patches.py) and the doctor's table of upstream points
-(instrument/upstream.py) describe the same class-level methods: doctor never reports a method we do not
-wrap, and we never wrap a method doctor does not check."""
+"""One patch-point table (instrument/points.py) drives both the patcher and `kvtrace doctor`: the same rows,
+the same `required` column, and the patcher enforces it the way doctor reports it."""
 
 from __future__ import annotations
 
-from otel_kvtrace.instrument import patches, upstream
+import pytest
 
-# doctor's roles -> the install table's roles; builder/backend are per-instance proxies, thread_base and
-# __init__ points are attributes read at attach time, not wrapped class methods.
-ROLE = {"recv_gva": "recv", "recv_key": "recv", "send_gva": "send", "send_key": "send", "gate": "gate",
-        "worker": "worker"}
-
-
-def _doctor_methods() -> set[tuple[str, str]]:
-    return {(ROLE[p.role], p.member) for p in upstream.PATCH_POINTS
-            if p.role in ROLE and p.member != "__init__"}
+from otel_kvtrace.instrument import patches, points, upstream, wrappers
+from otel_kvtrace.instrument.runtime import Runtime
+from otel_kvtrace.instrument.targets import Targets
+from otel_kvtrace.record.recorder import Recorder
+from otel_kvtrace.replica import replica_targets
 
 
-def test_every_wrapped_method_is_checked_by_doctor() -> None:
-    wrapped = {(p.role, p.attr) for p in patches.PATCH_POINTS}
-    # the send threads' add_request / copy wrappers ride on the same classes doctor resolves for P13
-    unchecked = wrapped - _doctor_methods() - {("send", "add_request"), ("send", "_batch_copy_with_limits")}
-    assert unchecked == set(), f"wrapped but never checked by `kvtrace doctor`: {sorted(unchecked)}"
+def test_doctor_and_patcher_read_the_same_rows() -> None:
+    assert upstream.PATCH_POINTS is points.PATCH_POINTS
+    assert set(patches.PATCH_POINTS) <= set(points.PATCH_POINTS)
+    assert [p for p in points.PATCH_POINTS if p.wrapper] == list(patches.PATCH_POINTS)
+    for p in points.PATCH_POINTS:
+        assert p.role in upstream.CLASS_ROLES, p
+        assert not p.core or p.required, f"{p.id}: a core point is required for doctor too"
+        if p.wrapper:
+            assert callable(getattr(wrappers, p.wrapper, None)), f"{p.id}: no wrapper {p.wrapper}"
+            assert p.role in points.TARGET_ROLES and p.member != "__init__", p
+    ids = [p.id for p in points.PATCH_POINTS]
+    assert len(ids) == len(set(ids))
 
 
-def test_every_checked_method_is_wrapped() -> None:
-    wrapped = {(p.role, p.attr) for p in patches.PATCH_POINTS}
-    missing = _doctor_methods() - wrapped
-    assert missing == set(), f"`kvtrace doctor` checks methods nothing wraps: {sorted(missing)}"
+def _targets(source: str, **replace: object) -> Targets:
+    t = Targets.coerce(replica_targets("main"))
+    t.source = source
+    for key, value in replace.items():
+        setattr(t, key, value)
+    return t
 
 
-def test_required_install_points_are_required_for_doctor_too() -> None:
-    required_doctor = {(ROLE[p.role], p.member) for p in upstream.PATCH_POINTS if p.required and p.role in ROLE}
-    for point in patches.PATCH_POINTS:
-        if point.required:
-            assert (point.role, point.attr) in required_doctor, point
+def test_a_missing_required_point_stops_upstream_targets_only() -> None:
+    base = Targets.coerce(replica_targets("main")).gate_class
+
+    class GateWithoutRecord(base):  # type: ignore[misc, valid-type]
+        record = None  # as if vLLM-Ascend had renamed it: P7 (required, not core)
+
+    rt = Runtime(recorder=Recorder(), run_id="t")
+    with pytest.raises(LookupError, match="P7"):
+        patches.install(_targets("upstream", gate_class=GateWithoutRecord), rt)
+    installed = patches.install(_targets("replica", gate_class=GateWithoutRecord), rt)  # stage absent, fine
+    try:
+        assert {(p.owner, p.attr) for p in installed} >= {(GateWithoutRecord, "wait")}
+    finally:
+        patches.uninstall(installed)
+
+
+def test_every_required_wrapped_point_is_installed_on_complete_targets() -> None:
+    rt = Runtime(recorder=Recorder(), run_id="t")
+    installed = patches.install(_targets("upstream"), rt)
+    try:
+        wrapped_members = {p.attr for p in installed}
+        for p in patches.PATCH_POINTS:
+            if p.required:
+                assert p.member in wrapped_members, p
+    finally:
+        patches.uninstall(installed)

@@ -1,0 +1,224 @@
+"""Delivery through misbehaving real receivers on loopback: every recorded task is delivered, spooled or
+counted as dropped (``recorded == delivered + spooled + dropped``), and once the receiver works again
+everything arrives (distinct trace and span ids counted at the receiver)."""
+
+from __future__ import annotations
+
+import logging
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from export_records import fill_record
+from fault_receivers import BlackHole, GrpcReceiver, HttpReceiver
+
+from otel_kvtrace.export import create_exporter
+from otel_kvtrace.export.delivery import DeliveringSink
+from otel_kvtrace.export.worker import BackgroundExporter
+from otel_kvtrace.record.recorder import Recorder
+
+TASKS = 2400
+SPANS_PER_TASK = 12
+RESOURCE = {"kvtrace.source": "replica", "kvtrace.run_id": "delivery-test"}
+
+
+def _run(endpoint: str, protocol: str, *, shutdown_s: float, during: object = None,
+         batch_size: int = 256) -> BackgroundExporter:
+    """Record TASKS tasks (half, ``during()``, the other half) and shut the exporter down."""
+    recorder = Recorder()
+    exporter = create_exporter(recorder, RESOURCE, endpoint=endpoint, protocol=protocol)
+    exporter.batch_size = batch_size
+    exporter.interval_s = 0.05
+    for i in range(TASKS):
+        rec = recorder.new_record()
+        fill_record(rec, seq=i, step=i // 8, layer_id=i % 8, t0=recorder.clock())
+        recorder.submit(rec)
+        if i == TASKS // 2 and callable(during):
+            during()
+    exporter.shutdown(timeout_s=shutdown_s)
+    return exporter
+
+
+def _assert_all_arrived(exporter: BackgroundExporter, acked: object) -> None:
+    stats = exporter.stats()
+    assert stats.balanced, stats
+    assert (stats.recorded, stats.delivered, stats.spooled, stats.dropped, stats.pending) == (TASKS, TASKS, 0, 0, 0)
+    assert len(acked.roots) == TASKS  # type: ignore[attr-defined]
+    assert len(acked.ids) == TASKS * SPANS_PER_TASK  # type: ignore[attr-defined]
+
+
+def test_slow_grpc_receiver_gets_everything() -> None:
+    receiver = GrpcReceiver(sleep_s=0.15)
+    try:
+        exporter = _run(receiver.endpoint, "grpc", shutdown_s=30)
+    finally:
+        receiver.stop()
+    _assert_all_arrived(exporter, receiver.acked)
+
+
+def test_resource_exhausted_with_retry_info_is_retried() -> None:
+    receiver = GrpcReceiver(refuse=4, code=grpc.StatusCode.RESOURCE_EXHAUSTED, retry_delay_s=0.2)
+    try:
+        exporter = _run(receiver.endpoint, "grpc", shutdown_s=30)
+    finally:
+        receiver.stop()
+    assert receiver.acked.refused == 4
+    assert exporter.sink.stats().retries == 4  # type: ignore[attr-defined]
+    _assert_all_arrived(exporter, receiver.acked)
+
+
+def test_http_503_with_retry_after_is_retried() -> None:
+    receiver = HttpReceiver(refuse=3, status=503, retry_after="1")
+    started = time.monotonic()
+    try:
+        exporter = _run(receiver.endpoint, "http/protobuf", shutdown_s=30)
+    finally:
+        receiver.stop()
+    assert receiver.acked.refused == 3
+    assert time.monotonic() - started >= 3  # three Retry-After: 1 waits were honoured
+    _assert_all_arrived(exporter, receiver.acked)
+
+
+def test_grpc_receiver_killed_mid_run_and_revived() -> None:
+    receiver = GrpcReceiver()
+    revive = threading.Timer(1.5, receiver.start)
+
+    def kill_and_revive_later() -> None:
+        time.sleep(0.3)  # the first half is delivered
+        receiver.stop()  # the second half is recorded and spooled while it is down
+        revive.start()
+
+    try:
+        exporter = _run(receiver.endpoint, "grpc", shutdown_s=30, during=kill_and_revive_later, batch_size=64)
+    finally:
+        revive.join()
+        receiver.stop()
+    assert exporter.sink.stats().retries >= 1  # type: ignore[attr-defined]
+    _assert_all_arrived(exporter, receiver.acked)
+
+
+def test_request_above_the_receiver_limit_is_split() -> None:
+    receiver = GrpcReceiver(max_receive_bytes=256 * 1024)  # a 256-task batch is ~1 MB
+    try:
+        exporter = _run(receiver.endpoint, "grpc", shutdown_s=30)
+    finally:
+        receiver.stop()
+    assert exporter.sink.stats().splits >= 2  # type: ignore[attr-defined]
+    _assert_all_arrived(exporter, receiver.acked)
+
+
+@pytest.mark.parametrize("protocol", ["http/protobuf", "grpc"])
+def test_black_hole_keeps_everything_on_disk_then_resend_delivers(
+    protocol: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    """An endpoint that accepts TCP and never answers: nothing is lost, the shutdown log names the resend
+    command, and that command (a real `kvtrace` process) delivers all of it to a working receiver."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    hole = BlackHole()
+    with caplog.at_level(logging.INFO, logger="otel_kvtrace"):
+        try:
+            exporter = _run(hole.endpoint, protocol, shutdown_s=2)
+        finally:
+            hole.stop()
+    stats = exporter.stats()
+    assert stats.balanced, stats
+    assert (stats.recorded, stats.delivered, stats.spooled, stats.dropped) == (TASKS, 0, TASKS, 0)
+    summary = [r.getMessage() for r in caplog.records if "export summary" in r.getMessage()]
+    assert summary == [f"otel-kvtrace: export summary: recorded={TASKS} delivered=0 spooled={TASKS} dropped=0 "
+                       "pending=0 (balanced)"]
+    command = next(m.group(1) for r in caplog.records if (m := re.search(r"Resend with: (.*)$", r.getMessage())))
+    spool_dir = Path(command.split()[2])
+    assert spool_dir == exporter.sink.spool.directory  # type: ignore[attr-defined]
+    assert f"--endpoint {hole.endpoint}" in command
+
+    receiver = GrpcReceiver() if protocol == "grpc" else HttpReceiver()
+    try:
+        args = command.split()[1:3] + ["--endpoint", receiver.endpoint, "--timeout", "60"]
+        done = subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", *args],
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        receiver.stop()
+    assert done.returncode == 0, done.stderr
+    assert f"resend: {TASKS} tasks delivered from 1 spool(s), 0 left" in done.stderr
+    assert len(receiver.acked.roots) == TASKS
+    assert len(receiver.acked.ids) == TASKS * SPANS_PER_TASK
+    assert not spool_dir.exists()  # delivered batches are deleted; an empty spool is removed
+
+
+def test_full_spool_drops_oldest_and_counts_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_KVTRACE_SPOOL_MAX_MB", "1")  # ~200 tasks of ~5 KB
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    hole = BlackHole()
+    try:
+        exporter = _run(hole.endpoint, "http/protobuf", shutdown_s=1, batch_size=16)
+    finally:
+        hole.stop()
+    stats = exporter.stats()
+    assert stats.balanced, stats
+    assert stats.recorded == TASKS and stats.delivered == 0
+    assert stats.dropped > 0 and stats.spooled > 0
+    sink = exporter.sink
+    assert isinstance(sink, DeliveringSink)
+    files = sorted(p.name for p in sink.spool.directory.glob("*.jsonl"))
+    assert sum(int(name.split("-t")[1].split(".")[0]) for name in files) == stats.spooled
+    # oldest first: what is left is the newest batches, plus the one the sender held when the cap was hit
+    seqs = [int(name.split("-")[0]) for name in files]
+    assert seqs[0] == 0  # claimed by the sender, never evicted under it
+    assert seqs[1:] == list(range(seqs[1], sink.spool._next_seq))  # the newest, contiguous
+    assert stats.spooled * 5_000 < 1.5 * 2**20
+
+
+def test_a_forked_child_delivers_through_its_own_spool() -> None:
+    """After fork the child builds its own spool (its pid in the name) and sender; the parent's is untouched."""
+    import os
+
+    from otel_kvtrace.export import SpanBuilder, create_sink
+    from otel_kvtrace.record.model import TaskRecord
+
+    receiver = HttpReceiver()
+    try:
+        sink = create_sink(RESOURCE, endpoint=receiver.endpoint, protocol="http/protobuf")
+        assert isinstance(sink, DeliveringSink)
+        parent_dir = sink.spool.directory
+        text = SpanBuilder(Recorder().anchor).build_json(fill_record(TaskRecord(), seq=7, step=1))
+        pid = os.fork()
+        if pid == 0:  # child: report through the exit code only
+            ok = sink.export([text], 0)
+            sink.shutdown(10)
+            s = sink.stats()
+            os._exit(0 if ok and s.delivered == 1 and sink.spool.directory != parent_dir
+                     and not sink.spool.directory.exists() else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert len(receiver.acked.roots) == 1
+        assert sink.spool.directory == parent_dir and parent_dir.is_dir() and sink.stats().accepted == 0
+        sink.shutdown(1)
+    finally:
+        receiver.stop()
+
+
+def test_a_spool_left_by_an_earlier_process_is_kept_apart(monkeypatch: pytest.MonkeyPatch,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Same run id and pid (a restarted container): the old spool is not adopted into the new counts."""
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT", "1")
+    hole = BlackHole()
+    try:
+        first = _run(hole.endpoint, "http/protobuf", shutdown_s=1.5)
+        old_dir = first.sink.spool.directory  # type: ignore[attr-defined]
+        with caplog.at_level(logging.WARNING, logger="otel_kvtrace"):
+            second = _run(hole.endpoint, "http/protobuf", shutdown_s=1.5)
+    finally:
+        hole.stop()
+    new_dir = second.sink.spool.directory  # type: ignore[attr-defined]
+    assert new_dir == old_dir.with_name(old_dir.name + ".1")
+    old = first.stats()
+    assert old.balanced and old.spooled > 0, old
+    assert sum(int(p.name.split("-t")[1].split(".")[0]) for p in old_dir.glob("*.jsonl")) == old.spooled
+    stats = second.stats()
+    assert stats.balanced and stats.recorded == TASKS and stats.delivered == 0, stats
+    assert any(f"kvtrace resend {old_dir}" in r.getMessage() for r in caplog.records)
