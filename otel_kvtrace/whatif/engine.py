@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from otel_kvtrace.schedule import rules
 from otel_kvtrace.whatif.columns import NONE, QueueArrays
 from otel_kvtrace.whatif.policy import INF, Policy
 
@@ -130,7 +131,7 @@ class QueueState:
     def determinable(self, i: int) -> bool:
         """Every load the forward must pass before ``i``'s save/gate dependency has completed."""
         q = self.q
-        return q.need[i] < self.prog[q.step[i]]
+        return not rules.chain_blocks(q.need[i], self.prog[q.step[i]])
 
     # ---- engine side ----------------------------------------------------------------------------
     def _effective(self, i: int) -> None:
@@ -322,7 +323,7 @@ class QueueState:
         if self.index and self.blocked[s]:
             still = []
             for j in self.blocked[s]:
-                if q.need[j] < p:
+                if not rules.chain_blocks(q.need[j], p):
                     heapq.heappush(self.waiting, (self._progress_time(j), j))
                 else:
                     still.append(j)
