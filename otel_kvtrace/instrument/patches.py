@@ -63,11 +63,12 @@ class InstalledPatch:
     wrapper: Callable
 
 
-def install(targets: Targets, rt: Runtime) -> list[InstalledPatch]:
-    """Wrap every patch point present on the target classes. Raises if a required one is missing."""
+def install(targets: Targets, rt: Runtime, points: tuple[PatchPoint, ...] = PATCH_POINTS) -> list[InstalledPatch]:
+    """Wrap every patch point present on the target classes. Raises if a required one is missing.
+    ``points``: another table (the scheduler's, ``otel_kvtrace.schedule.install``) through the same mechanism."""
     installed: list[InstalledPatch] = []
     try:
-        for point in PATCH_POINTS:
+        for point in points:
             owners = classes_for(point.role, targets)
             if point.required and not owners:
                 raise LookupError(f"no class for required role {point.role!r}")
