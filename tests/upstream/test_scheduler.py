@@ -84,14 +84,17 @@ def test_gate_not_reached_is_never_bypassed(upstream: Upstream, policy: str) -> 
         time.sleep(0.03)
         assert not env.load_done[3].is_set()  # gate not recorded
         gate.record()
+        env.thread.add_request(upstream.gva_task(4, [upstream.request("r1", 1)]))
         time.sleep(0.02)
-        assert not env.load_done[3].is_set()  # recorded, device not there yet: not synchronized, not passed
+        assert not env.load_done[3].is_set()  # recorded, device not there yet: not passed ...
+        # ... and not synchronized either: the thread stays free for a task that is ready
+        assert env.load_done[4].is_set() == (policy == "ready_queue")
         ran = wait_until(lambda: env.load_done[3].is_set(), timeout=0.3)
         assert ran == (policy == "ready_queue")
     finally:
         upstream.torch.npu.Event.device_lag_s = 0.0
         env.save_done[0].set()
-    assert wait_until(lambda: env.load_done[2].is_set() and env.load_done[3].is_set())
+    assert wait_until(lambda: all(env.load_done[k].is_set() for k in (2, 3, 4)))
 
 
 def test_failed_copy_in_a_bypassing_task_follows_the_version_semantics(upstream: Upstream, policy: str) -> None:
