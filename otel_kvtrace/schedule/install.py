@@ -125,3 +125,28 @@ def install_from_env(targets: Targets | Mapping[str, Any], environ: Mapping[str,
         logger.warning("otel-kvtrace: scheduler not installed, recv thread stays fifo: %s: %s",
                        type(exc).__name__, exc)
         return "fifo"
+
+
+def requested(environ: Mapping[str, str] | None = None) -> bool:
+    """True when ``OTEL_KVTRACE_SCHEDULER`` asks for anything (even a bad name: it gets its warning)."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(config.OTEL_KVTRACE_SCHEDULER, "").strip())
+
+
+def bind_installed() -> str:
+    """The vLLM plugin's call once vLLM-Ascend's KV-pool worker is imported: the installed recv classes
+    under ``OTEL_KVTRACE_SCHEDULER`` (tracing on or off). Never raises; the policy in force."""
+    if not requested():
+        return _active
+    try:
+        from otel_kvtrace.instrument.upstream import resolve_installed
+
+        targets = resolve_installed().to_targets()
+    except Exception as exc:
+        logger.warning("otel-kvtrace: scheduler not installed, recv thread stays fifo: %s: %s",
+                       type(exc).__name__, exc)
+        return "fifo"
+    name = install_from_env(targets)
+    if name != "fifo":
+        logger.info("otel-kvtrace: recv scheduler %s (%s=%s)", name, config.OTEL_KVTRACE_SCHEDULER, name)
+    return name

@@ -131,3 +131,44 @@ def test_runtime_switch_back_to_fifo_drains(upstream: Upstream) -> None:
     env.save_done[0].set()
     assert wait_until(lambda: env.load_done[3].is_set())
     assert type(upstream.gva_thread(N, FakeBackend()).thread.request_queue) is queue.Queue  # patch removed
+
+
+@pytest.mark.usefixtures("no_plugin_session_leak")
+@pytest.mark.parametrize("tracing_on", [False, True], ids=["tracing-off", "tracing-on"])
+def test_plugin_honours_the_switch_whether_tracing_is_on_or_off(upstream: Upstream, monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Any, tracing_on: bool) -> None:
+    import sys
+
+    from otel_kvtrace.instrument import plugin
+
+    assert plugin.WATCHED_MODULE in sys.modules  # the harness imported the worker module, as vLLM does
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("OTEL_KVTRACE_SCHEDULER", "ready_queue")
+    if tracing_on:
+        monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+        monkeypatch.setenv("OTEL_KVTRACE_RUN_ID", "sched-plugin")
+    else:
+        monkeypatch.delenv(plugin.ENV_ENABLED, raising=False)
+    try:
+        plugin.register()
+        env = upstream.gva_thread(N, FakeBackend())
+        assert isinstance(env.thread.request_queue, SchedulingQueue)
+        assert (plugin.current_session() is not None) == tracing_on
+        if tracing_on:
+            assert plugin.upstream_resource(upstream.binding.to_targets())["kvtrace.cfg.scheduler"] == "ready_queue"
+    finally:
+        install_scheduler(upstream.binding.to_targets(), "fifo")
+
+
+@pytest.mark.usefixtures("no_plugin_session_leak")
+def test_plugin_with_an_unknown_name_warns_once_and_stays_fifo(upstream: Upstream, monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    from otel_kvtrace.instrument import plugin
+
+    monkeypatch.delenv(plugin.ENV_ENABLED, raising=False)
+    monkeypatch.setenv("OTEL_KVTRACE_SCHEDULER", "ready-queue")
+    plugin.register()
+    env = upstream.gva_thread(N, FakeBackend())
+    assert type(env.thread.request_queue) is queue.Queue
+    warnings = [r for r in caplog.records if "OTEL_KVTRACE_SCHEDULER" in r.getMessage()]
+    assert len(warnings) == 1 and "stays fifo" in warnings[0].getMessage()
