@@ -49,9 +49,10 @@ def _configs(con: Any) -> dict[str, dict[str, Any]]:
         return {}
     label = "cfg_label" if "cfg_label" in cols else "NULL"
     path = "path" if "path" in cols else "NULL"
-    sql = (f"SELECT {label}, {path}, " + ", ".join(f"any_value({c})" for c in present)
-           + " FROM tasks GROUP BY 1, 2")
-    return {config_key(row[0], row[1]): dict(zip(present, row[2:], strict=True))
+    scheduler = "cfg_scheduler" if "cfg_scheduler" in cols else "NULL"
+    sql = (f"SELECT {label}, {path}, {scheduler}, " + ", ".join(f"any_value({c})" for c in present)
+           + " FROM tasks GROUP BY 1, 2, 3")
+    return {config_key(row[0], row[1], row[2]): dict(zip(present, row[3:], strict=True))
             for row in con.execute(sql).fetchall()}
 
 

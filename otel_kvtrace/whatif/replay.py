@@ -196,12 +196,15 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     return RunReplay(run_id, cfg_label, replays, figures, validation, hol)
 
 
-def config_key(cfg_label: str | None, path: str | None) -> str:
+def config_key(cfg_label: str | None, path: str | None, scheduler: str | None = None) -> str:
     """The configuration a task belongs to: its ``cfg_label``, plus ``[path]`` when the label does not
-    name the path already (GVA and key-path queues are always decided separately)."""
+    name the path already (GVA and key-path queues are always decided separately), plus
+    ``[scheduler=X]`` for runs recorded under a policy other than FIFO (never pooled with FIFO runs)."""
     label = cfg_label or "(unlabelled)"
     if path and path not in label.split():
         label += f" [{path}]"
+    if scheduler and scheduler != "fifo":
+        label += f" [scheduler={scheduler}]"
     return label
 
 
@@ -209,7 +212,7 @@ def group_runs(tasks: Iterable[ReplayTask]) -> dict[str, dict[str, list[ReplayTa
     """Tasks per configuration (``config_key``), then per run id (a run is one independent repeat)."""
     out: dict[str, dict[str, list[ReplayTask]]] = {}
     for t in tasks:
-        out.setdefault(config_key(t.cfg_label, t.path), {}).setdefault(t.run_id or "(run)", []).append(t)
+        out.setdefault(config_key(t.cfg_label, t.path, t.scheduler), {}).setdefault(t.run_id or "(run)", []).append(t)
     return out
 
 
