@@ -14,9 +14,13 @@ upstream's own. What changes is only which queued task comes out:
   ``synchronize()``.
 
 Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
-the thread at once; NPU completion and gate records have no host callback, so while a queued task waits
-only on those the thread re-checks with a capped backoff (``POLL_MIN_S`` doubling to ``POLL_MAX_S``);
-a known slot-release time is slept to exactly. With nothing queued it blocks like ``queue.Queue``.
+the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
+no host callback: when the head waits only on those and no other task is ready, the head is handed out
+and blocks in upstream's own wait (FIFO behaviour, no polling); while the head waits on a CPU signal or
+a time and another queued task waits on the device, the thread re-checks with a capped backoff
+(``POLL_MIN_S`` doubling to ``POLL_MAX_S``). With nothing queued it blocks like ``queue.Queue``.
+So an NPU event is synchronized only by the head, the task FIFO would run anyway, and only when no
+other queued task is ready.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from otel_kvtrace.schedule import rules
 logger = logging.getLogger("otel_kvtrace")
 
 POLL_MIN_S = 20e-6
-POLL_MAX_S = 500e-6
+POLL_MAX_S = 200e-6
 
 READY, SIGNAL, POLL, TIME, UNKNOWN = range(5)
 """Probe results: met; waits on a CPU signal that wakes us; waits on an NPU/gate state (re-check);
@@ -192,10 +196,10 @@ class SchedulingQueue(queue.Queue):
         if head.barrier:
             return 0, None
         now = time.perf_counter_ns()
-        state, wake = probe(self.thread, head.item, now)
-        if state in (READY, UNKNOWN):
+        head_state, wake = probe(self.thread, head.item, now)
+        if head_state in (READY, UNKNOWN):
             return 0, None
-        waits = [(state, wake)]
+        waits = [(head_state, wake)]
         first: dict[int, int] = {head.step: head.layer}
         unserved: dict[int, int] = {}
         for e in entries:
@@ -223,6 +227,10 @@ class SchedulingQueue(queue.Queue):
             if state != UNKNOWN:
                 waits.append((state, wake))
             self.blocked_by[rules.DEPENDENCY] += 1
+        if head_state == POLL:
+            # the head waits only on device progress (an NPU event, a gate): nothing else is ready, so
+            # block in it as upstream does rather than poll for it
+            return 0, None
         return -1, _wait_for(waits, now)
 
 

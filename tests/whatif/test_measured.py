@@ -1,0 +1,65 @@
+"""``kvtrace whatif FIFO_RUNS --measured POLICY_RUNS``: real traced replica runs under both policies."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from otel_kvtrace.demo import run_demo
+from otel_kvtrace.whatif.api import whatif
+from otel_kvtrace.whatif.cli import whatif_command
+from otel_kvtrace.whatif.measured import gain_error_pct
+
+
+@pytest.fixture(scope="module")
+def ab(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("ab")
+    for seed in (1, 2, 3):
+        run_demo("hol", seed=seed, steps=6, out=root / "fifo")
+        run_demo("hol", seed=seed, steps=6, scheduler="ready_queue", out=root / "rq")
+    return root / "fifo" / "traces", root / "rq" / "traces"
+
+
+def test_predicted_next_to_measured_with_the_measured_verdict(ab: tuple[Path, Path]) -> None:
+    fifo, rq = ab
+    report = whatif([fifo], measured=[rq], policies=["ready_queue"])
+    (v,) = report.verdicts
+    assert "scheduler" not in v.cfg_label  # the FIFO runs' configuration
+    (c,) = v.extra["measured"]
+    assert c["policy"] == "ready_queue" and len(c["fifo_runs"]) == len(c["policy_runs"]) == 3
+    assert c["predicted"]["ttft_ms_mean"]["mean"] > 0 and c["measured"]["ttft_ms_mean"]["mean"] > 0
+    # FIFO measured (recorded) and FIFO replayed agree: the replay reproduces the recording
+    fifo_replayed = v.policies["fifo"]["ttft_ms_mean"]["mean"]
+    assert abs(c["fifo_measured"]["ttft_ms_mean"]["mean"] - fifo_replayed) <= 0.05 * fifo_replayed
+    assert c["measured_gain_ms"] == pytest.approx(
+        c["fifo_measured"]["ttft_ms_mean"]["mean"] - c["measured"]["ttft_ms_mean"]["mean"])
+    assert c["gain_error_pct"] == pytest.approx(
+        gain_error_pct(c["predicted_gain_ms"], c["measured_gain_ms"], c["noise_ms"]))
+    assert c["verdict"] in ("keep FIFO", "switch to ready_queue") and c["reason"]
+    assert c["layers"]["measured"]["layer"] == list(map(float, range(8)))
+
+
+def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path: Path) -> None:
+    fifo, rq = ab
+    out = tmp_path / "v.json"
+    res = CliRunner().invoke(whatif_command, [str(fifo), "--measured", str(rq), "--policy", "ready_queue",
+                                              "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "predicted vs measured" in res.output and "measured verdict:" in res.output
+    assert "TTFT gain ms" in res.output
+    data = json.loads(out.read_text())
+    assert data["configurations"][0]["extra"]["measured"][0]["policy"] == "ready_queue"
+
+
+def test_fifo_runs_given_as_measured_are_a_clear_error(ab: tuple[Path, Path]) -> None:
+    fifo, _ = ab
+    res = CliRunner().invoke(whatif_command, [str(fifo), "--measured", str(fifo)])
+    assert res.exit_code == 2 and "recorded under fifo" in res.output and "Traceback" not in res.output
+
+
+def test_gain_error_is_relative_to_the_noise_when_the_gain_is_below_it() -> None:
+    assert gain_error_pct(1.0, 0.9, 0.1) == pytest.approx(100 * 0.1 / 0.9)
+    assert gain_error_pct(0.3, 0.1, 0.5) == pytest.approx(40.0)
