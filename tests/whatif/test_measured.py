@@ -34,12 +34,28 @@ def test_predicted_next_to_measured_with_the_measured_verdict(ab: tuple[Path, Pa
     # FIFO measured (recorded) and FIFO replayed agree: the replay reproduces the recording
     fifo_replayed = v.policies["fifo"]["ttft_ms_mean"]["mean"]
     assert abs(c["fifo_measured"]["ttft_ms_mean"]["mean"] - fifo_replayed) <= 0.05 * fifo_replayed
+    fifo_meas = whatif([fifo], measured=[fifo.parent.parent / "rq" / "traces"], policies=["ready_queue"])
+    for rec, rep in zip(_fifo_layers(fifo), v.layers["fifo"]["load_done_ms"], strict=True):
+        assert abs(rec - rep) <= 0.05 * rep + 0.05  # per-layer load completion: recording vs FIFO replay
+    assert fifo_meas.verdicts[0].cfg_label == v.cfg_label
     assert c["measured_gain_ms"] == pytest.approx(
         c["fifo_measured"]["ttft_ms_mean"]["mean"] - c["measured"]["ttft_ms_mean"]["mean"])
     assert c["gain_error_pct"] == pytest.approx(
         gain_error_pct(c["predicted_gain_ms"], c["measured_gain_ms"], c["noise_ms"]))
     assert c["verdict"] in ("keep FIFO", "switch to ready_queue") and c["reason"]
     assert c["layers"]["measured"]["layer"] == list(map(float, range(8)))
+
+
+def _fifo_layers(fifo: Path) -> list[float]:
+    from otel_kvtrace.load import load_traces
+    from otel_kvtrace.whatif.measured import measured_summary
+    from otel_kvtrace.whatif.replay import group_runs
+    from otel_kvtrace.whatif.task import tasks_from_duckdb
+
+    (runs,) = group_runs(tasks_from_duckdb(load_traces([fifo]).con)).values()
+    profiles = [measured_summary(ts, run_id=r, cfg_label="x").layers["measured"]["load_done_ms"]
+                for r, ts in runs.items()]
+    return [sum(col) / len(col) for col in zip(*profiles, strict=True)]
 
 
 def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path: Path) -> None:
