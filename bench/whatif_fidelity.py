@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -26,14 +27,17 @@ from pathlib import Path
 PRESETS = ("hol", "slow-slot", "buckets")
 
 
-def record(preset: str, seeds: int, steps: int, out: Path) -> tuple[Path, Path]:
-    """Traced FIFO and ready_queue runs of ``preset``, alternated per seed."""
+def record(preset: str, seeds: int, steps: int, out: Path, cpu: dict[str, list[float]]) -> tuple[Path, Path]:
+    """Traced FIFO and ready_queue runs of ``preset``, alternated per seed; process CPU ms per step
+    of each run goes to ``cpu[scheduler]`` (the recv thread's idle cost shows up here)."""
     from otel_kvtrace.demo import run_demo
 
     fifo, rq = out / preset / "fifo", out / preset / "ready_queue"
     for seed in range(1, seeds + 1):
         for scheduler, where in (("fifo", fifo), ("ready_queue", rq)):
+            c0 = time.process_time()
             run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=where)
+            cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
     return fifo / "traces", rq / "traces"
 
 
@@ -49,19 +53,21 @@ def main() -> None:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-") as tmp:
         for preset in args.presets:
-            fifo, rq = record(preset, args.seeds, args.steps, Path(tmp))
+            cpu: dict[str, list[float]] = {}
+            fifo, rq = record(preset, args.seeds, args.steps, Path(tmp), cpu)
             report = whatif([fifo], measured=[rq], policies=["ready_queue"])
             for v in report.verdicts:
                 for c in v.extra.get("measured", []):
-                    rows.append((preset, c, v.verdict))
+                    rows.append((preset, c, v.verdict, cpu))
             print(f"# {preset}: done at {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"{'config':10} {'FIFO ms':>8} {'pred gain':>9} {'meas gain':>9} {'noise':>6} {'err %':>7}  "
-          f"predicted verdict / measured verdict")
+    print(f"{'config':10} {'FIFO ms':>8} {'pred gain':>9} {'meas gain':>9} {'noise':>6} {'err %':>7} "
+          f"{'CPU ms/step fifo/rq':>20}  predicted verdict / measured verdict")
     worst = 0.0
-    for preset, c, predicted_verdict in rows:
+    for preset, c, predicted_verdict, cpu in rows:
         worst = max(worst, c["gain_error_pct"])
+        cpu_text = f"{statistics.median(cpu['fifo']):.2f}/{statistics.median(cpu['ready_queue']):.2f}"
         print(f"{preset:10} {c['fifo_measured']['ttft_ms_mean']['mean']:8.3f} {c['predicted_gain_ms']:9.3f} "
-              f"{c['measured_gain_ms']:9.3f} {c['noise_ms']:6.3f} {c['gain_error_pct']:7.1f}  "
+              f"{c['measured_gain_ms']:9.3f} {c['noise_ms']:6.3f} {c['gain_error_pct']:7.1f} {cpu_text:>20}  "
               f"{predicted_verdict} / {c['verdict']}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
 
