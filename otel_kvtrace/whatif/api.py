@@ -13,6 +13,7 @@ from typing import Any
 
 from otel_kvtrace.whatif.engine import FEEDBACKS
 from otel_kvtrace.whatif.measured import compare, measured_summary
+from otel_kvtrace.whatif.saves import saves_from_duckdb
 from otel_kvtrace.whatif.render import (
     VerdictReport,
     write_json,
@@ -113,6 +114,7 @@ def whatif(
     loaded = load_traces(list(paths), progress=say)
     tasks = tasks_from_duckdb(loaded.con, where=where, bound=bound)
     configs = _configs(loaded.con)
+    saves = saves_from_duckdb(loaded.con)
     args = [str(p) for p in paths]
     for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir), ("--html", html_path),
                         ("--tasks-csv", tasks_csv)):
@@ -136,7 +138,7 @@ def whatif(
     replayed = []
     for label, runs in group_runs(tasks).items():
         say(f"replaying {label}: {len(runs)} run(s)")
-        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label)
+        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label, saves=saves)
                 for run_id, ts in runs.items()]
         summaries = [r.summary() for r in done]
         if tasks_csv is not None:

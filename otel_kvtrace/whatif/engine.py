@@ -54,6 +54,7 @@ class QueueState:
         "prog",
         "q",
         "ready",
+        "send_done",
         "served",
         "start",
         "step_left",
@@ -89,6 +90,7 @@ class QueueState:
         self.phase = bytearray(n)
         self.busy_start: list[int] = []
         self.busy_end: list[int] = []
+        self.send_done: list[list[int]] = [[] for _ in q.chain]
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -140,10 +142,31 @@ class QueueState:
         prog = self.prog[s]
         k = q.ks[i]
         if 0 <= k < prog:
-            self.eff_rs[i] = _shifted(q.rs[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+            j = q.send_index[i] if q.send_index is not None else -1
+            if j >= 0:
+                self.eff_rs[i] = self._save_time(s, j, q.rs[i], self.fwd_end[s][k])
+            else:
+                self.eff_rs[i] = _shifted(q.rs[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
         k = q.kg[i]
         if 0 <= k < prog:
             self.eff_rg[i] = _shifted(q.rg[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+
+    def _save_time(self, s: int, j: int, recorded: int, fwd_end: int) -> int:
+        """Save ``j`` of step ``s`` on the send thread (FIFO server, :mod:`otel_kvtrace.whatif.saves`)
+        under the replayed forward; the load sees it with its recorded lag after the save completed."""
+        sends = self.q.send[s]  # type: ignore[index]
+        done = self.send_done[s]
+        prev = done[-1] if done else NONE
+        while len(done) <= j:
+            pos, issue, service, _ = sends[len(done)]
+            at = self.fwd_end[s][pos] + issue if pos >= 0 else issue
+            prev = (at if prev == NONE else max(at, prev)) + service
+            done.append(prev)
+        rec_done = sends[j][3]
+        t = done[j] + (recorded - rec_done if recorded != NONE else 0)
+        if self.delay_only and recorded != NONE:
+            t = max(t, recorded)
+        return max(fwd_end, t)
 
     def admit(self, now: int) -> None:
         arr = self.q.arr
