@@ -15,8 +15,9 @@ upstream's own. What changes is only which queued task comes out:
 
 Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
 the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
-no host callback: when the head waits only on those and no other task is ready, the head is handed out
-and blocks in upstream's own wait (FIFO behaviour, no polling); while the head waits on a CPU signal or
+no host callback: when the head waits only on those and no other task is ready, or when no other queued
+task could pass it at all, the head is handed out and blocks in upstream's own wait (FIFO behaviour, no
+polling, no extra wake-up); while the head waits on a CPU signal or
 a time and another queued task waits on the device, the thread re-checks with a capped backoff
 (``POLL_MIN_S`` doubling to ``POLL_MAX_S``). With nothing queued it blocks like ``queue.Queue``.
 So an NPU event is synchronized only by the head, the task FIFO would run anyway, and only when no
@@ -227,9 +228,10 @@ class SchedulingQueue(queue.Queue):
             if state != UNKNOWN:
                 waits.append((state, wake))
             self.blocked_by[rules.DEPENDENCY] += 1
-        if head_state == POLL:
-            # the head waits only on device progress (an NPU event, a gate): nothing else is ready, so
-            # block in it as upstream does rather than poll for it
+        if head_state == POLL or len(waits) == 1:
+            # nothing else is ready, and either the head waits only on device progress (an NPU event, a
+            # gate) or no other queued task could pass it: block in the head's own wait as upstream does
+            # (no polling, no extra wake-up hop)
             return 0, None
         return -1, _wait_for(waits, now)
 

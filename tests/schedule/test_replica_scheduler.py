@@ -66,13 +66,14 @@ def test_shutdown_while_the_head_waits_ends_the_thread() -> None:
     thread = _bare_recv_thread()
     q = thread.request_queue
     assert isinstance(q, SchedulingQueue)
+    thread.add_request(kv_transfer.LayerLoadTask(1, [], 2, None))  # waits on layer 1's save ...
+    thread.add_request(kv_transfer.LayerLoadTask(0, [], 3, None))  # ... and so does this one (on layer 0's)
     thread.start()
-    task = kv_transfer.LayerLoadTask(1, [], 3, None)  # waits on layer 1's save, which never comes
-    thread.add_request(task)
     time.sleep(0.05)
-    assert thread.is_alive() and q.qsize() == 1
+    assert thread.is_alive() and q.qsize() == 2  # the thread waits in the scheduler, not in a task
     thread.stop()  # the None sentinel queues behind the waiting head ...
-    thread.layer_save_finished_events[1].set()  # ... the head completes, then the sentinel ends run()
+    thread.layer_save_finished_events[1].set()  # ... the tasks complete, then the sentinel ends run()
+    thread.layer_save_finished_events[0].set()
     thread.join(2)
     assert not thread.is_alive()
     assert q.unfinished_tasks == 0
@@ -89,7 +90,7 @@ def _bare_recv_thread() -> kv_transfer.KVCacheStoreLayerRecvingThread:
     from otel_kvtrace.replica.plan import build_plan
     from otel_kvtrace.schedule import attach
 
-    cfg = ReplicaConfig(num_layers=4, steps=1)
+    cfg = ReplicaConfig(num_layers=8, steps=1)
     plan = build_plan(cfg)
     npu = FakeNPU(RealClock())
     set_default_device(npu)

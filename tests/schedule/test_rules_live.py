@@ -33,9 +33,7 @@ def test_ready_independent_task_passes_a_head_waiting_on_its_save() -> None:
     q.put(Task(4))
     assert pick(q) == 4
     assert q.bypassed == 1
-    assert pick(q) is None  # the head still waits: nothing handed out, no blocking
-    th.layer_save_finished_events[1].set()
-    assert pick(q) == 3
+    assert pick(q) == 3  # alone now: handed out to block in its own (upstream) wait, as FIFO would
 
 
 def test_fifo_never_reorders() -> None:
@@ -50,8 +48,8 @@ def test_same_chain_successor_never_goes_first_even_with_a_stale_save_event() ->
     q.put(Task(2, wait_for_save_layer=0))  # head waits on layer 0's save
     q.put(Task(4, wait_for_save_layer=2))  # writes the buffer layer 2 still has to be loaded into
     th.layer_save_finished_events[2].set()  # stale: set, but layer 2 was not loaded this step
-    assert pick(q) is None
-    assert q.blocked_by[rules.BUFFER_CHAIN] >= 1
+    assert pick(q) == 2  # 4 may not pass: the waiting head is handed out (blocks in its own wait)
+    assert q.blocked_by[rules.BUFFER_CHAIN] >= 1 and q.bypassed == 0
 
 
 def test_gate_boundary_not_recorded_or_not_complete_is_not_passed() -> None:
@@ -71,10 +69,8 @@ def test_final_layer_stays_last_of_its_step() -> None:
     q, th = make(FakeThread(num_layers=4))
     q.put(Task(2, wait_for_save_layer=0))
     q.put(Task(3))  # final layer, ready
-    assert pick(q) is None
-    assert q.blocked_by[rules.FINAL_LAST] >= 1
-    th.layer_save_finished_events[0].set()
-    assert [pick(q), pick(q)] == [2, 3]
+    assert [pick(q), pick(q)] == [2, 3]  # never before the rest of its step
+    assert q.blocked_by[rules.FINAL_LAST] >= 1 and q.bypassed == 0
 
 
 def test_npu_event_completing_after_the_cpu_event_is_set() -> None:
@@ -103,7 +99,7 @@ def test_sentinel_is_a_barrier() -> None:
     q.put(Task(3, wait_for_save_layer=1))
     q.put(None)
     q.put(Task(4))
-    assert pick(q) is None
+    assert pick(q) == 3 and q.bypassed == 0
 
 
 def test_earlier_step_sharing_a_request_is_never_passed() -> None:
@@ -113,8 +109,17 @@ def test_earlier_step_sharing_a_request_is_never_passed() -> None:
     tt = type("TT", (), {"block_ranges": [rng], "shared_block_data": None})()
     q.put(Task(6, wait_for_save_layer=1, transfer_tasks=[tt]))
     q.put(Task(0, transfer_tasks=[tt]))  # a new step (layer ids restart), same request
-    assert pick(q) is None
+    assert pick(q) == 6 and q.bypassed == 0
     assert q.blocked_by[rules.SAME_REQUEST] == 1
+
+
+def test_head_waiting_on_the_device_only_is_handed_out_rather_than_polled() -> None:
+    q, th = make()
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(5, wait_for_save_layer=2))
+    th.layer_save_finished_events[1].set()
+    th.sync_save_events[1].done = False  # CPU event set, the D2H still running: only the device is left
+    assert pick(q) == 3  # blocks in upstream's synchronize() as FIFO would; nothing else was ready
 
 
 def test_a_save_set_wakes_a_blocked_get() -> None:
@@ -122,6 +127,7 @@ def test_a_save_set_wakes_a_blocked_get() -> None:
 
     q, th = make()
     q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(5, wait_for_save_layer=2))  # could pass once save 2 is set: the thread waits for a signal
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(q.get().layer_id), daemon=True)
     t.start()
