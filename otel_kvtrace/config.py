@@ -26,6 +26,11 @@ times are exact; otherwise they are exported as bounds. Default: off."""
 OTEL_KVTRACE_ASYNC = "OTEL_KVTRACE_ASYNC"
 """``0`` keeps the async-scheduling engine-loop spans off while KV tracing is on. Default: on."""
 
+OTEL_KVTRACE_SCHEDULER = "OTEL_KVTRACE_SCHEDULER"
+"""Recv-thread scheduling policy: ``fifo`` (upstream as it is, nothing patched), ``ready_queue`` (a task
+whose waits are all met may pass a waiting head, docs/whatif.md "Live scheduler"). Honoured whether
+tracing is on or off. Unset = ``fifo`` (the rollback); an unknown name logs one warning and runs ``fifo``."""
+
 OTEL_KVTRACE_QUERIES_DIR = "OTEL_KVTRACE_QUERIES_DIR"
 """Directory of the analysis SQL (``*.sql``). Default: the repository's ``queries/`` in a source checkout,
 else the copy shipped inside the package (``otel_kvtrace/sql/``)."""

@@ -18,8 +18,10 @@ from typing import Any
 import click
 import orjson
 
+from otel_kvtrace import config
 from otel_kvtrace.replica.config import ReplicaConfig, ReplicaConfigError, SlowInjection
 from otel_kvtrace.replica.threaded import ThreadedResult, replica_targets, run_threaded
+from otel_kvtrace.schedule import LIVE
 
 PRESETS: dict[str, ReplicaConfig] = {
     "hol": ReplicaConfig(
@@ -91,6 +93,7 @@ def scenario_configs(
     seed: int = 0,
     behaviour: str | None = None,
     path: str | None = None,
+    scheduler: str = "fifo",
 ) -> list[tuple[str, ReplicaConfig]]:
     """The preset's scenarios with the given overrides applied (and validated) to each."""
     if preset not in PRESET_CHOICES:
@@ -99,7 +102,7 @@ def scenario_configs(
     out = []
     for name in names:
         cfg = PRESETS[name]
-        changes: dict[str, Any] = {"seed": seed}
+        changes: dict[str, Any] = {"seed": seed, "scheduler": scheduler}
         if behaviour is not None:
             changes["behaviour"] = behaviour
         if path is not None:
@@ -156,6 +159,7 @@ def run_demo(
     seed: int = 0,
     behaviour: str | None = None,
     path: str | None = None,
+    scheduler: str = "fifo",
     out: str | Path = "kvtrace-data",
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoResult:
@@ -165,7 +169,7 @@ def run_demo(
     """
     scenarios = scenario_configs(
         preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
-        requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path,
+        requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path, scheduler=scheduler,
     )
     out_dir = Path(out)
     result = DemoResult(out_dir)
@@ -292,11 +296,13 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 @click.option("--behaviour", type=click.Choice(["main", "v0.23"]),
               help="Upstream behaviour to replicate (default: the preset's, main).")
 @click.option("--path", "path", type=click.Choice(["gva", "key"]), help="Recv path (default: the preset's, gva).")
+@click.option("--scheduler", type=click.Choice(list(LIVE)), default="fifo", show_default=True,
+              envvar=config.OTEL_KVTRACE_SCHEDULER, help="Recv-thread policy the replica runs (env: OTEL_KVTRACE_SCHEDULER).")
 @click.option("--out", type=click.Path(file_okay=False), default="kvtrace-data", show_default=True,
               help="Output directory (traces go to OUT/traces).")
 def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch: int | None,
                  independent: str | None, requests: int | None, steps: int | None, seed: int,
-                 behaviour: str | None, path: str | None, out: str) -> None:
+                 behaviour: str | None, path: str | None, scheduler: str, out: str) -> None:
     """Run the CPU replica of the layerwise KV pipeline, traced, and summarise it.
 
     Runs real threads on a fake NPU, instrumented exactly like vLLM-Ascend, and writes one OTLP/JSON
@@ -315,6 +321,7 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
         kvtrace demo
         kvtrace demo --preset hol --layers 16 --buffers 4 --prefetch 8 --independent 0,8 --steps 100
         kvtrace demo --behaviour v0.23 --out /tmp/kvtrace-v023
+        kvtrace demo --preset hol --scheduler ready_queue --out /tmp/kvtrace-rq
     """
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -323,7 +330,7 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     try:
         configs = scenario_configs(preset, layers=layers, buffers=buffers, prefetch=prefetch,
                                    independent=independent, requests=requests, steps=steps, seed=seed,
-                                   behaviour=behaviour, path=path)
+                                   behaviour=behaviour, path=path, scheduler=scheduler)
     except ReplicaConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -334,6 +341,7 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
             progress.update(bars[name], completed=done)
 
         result = run_demo(preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
-                          requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path, out=out,
+                          requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path,
+                          scheduler=scheduler, out=out,
                           on_progress=on_progress)
     print_demo_summary(result, console)

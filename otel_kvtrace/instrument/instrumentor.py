@@ -39,7 +39,10 @@ def _start_tracing_options() -> frozenset[str]:
 
 def upstream_resource(targets: Targets) -> dict[str, Any]:
     """Per-process resource attributes known before any worker exists (ranks come per queue)."""
-    return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown"}
+    from otel_kvtrace.schedule import active_scheduler
+
+    return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown",
+            "kvtrace.cfg.scheduler": active_scheduler()}
 
 
 def provider_resource(tracer_provider: Any) -> dict[str, Any]:

@@ -33,7 +33,9 @@ def classes_for(role: str, targets: Targets) -> tuple[type, ...]:
 
 
 def _wrapper(point: PatchPoint) -> Callable[[Callable, Runtime], Callable]:
-    return getattr(wrappers, point.wrapper)
+    """The factory a row names: a ``wrappers.*`` name (the tracing table) or a callable (another table
+    going through the same mechanism, e.g. the live scheduler's ``schedule/install.py:POINTS``)."""
+    return point.wrapper if callable(point.wrapper) else getattr(wrappers, point.wrapper)
 
 
 @dataclass(slots=True)
@@ -44,15 +46,17 @@ class InstalledPatch:
     wrapper: Callable
 
 
-def install(targets: Targets, rt: Runtime) -> list[InstalledPatch]:
+def install(targets: Targets, rt: Runtime | None,
+            points: tuple[PatchPoint, ...] = PATCH_POINTS) -> list[InstalledPatch]:
     """Wrap every patch point present on the target classes. Raises ``LookupError`` (and rolls back) when
-    there is no recv class, or a class lacks a point it must have (``core``; ``required`` for upstream)."""
+    there is no recv class, or a class lacks a point it must have (``core``; ``required`` for upstream).
+    ``points``: another table through the same mechanism (the scheduler's, ``otel_kvtrace.schedule.install``)."""
     if not targets.recv_thread_classes:
         raise LookupError("no class for required role 'recv'")
     strict = targets.source == "upstream"
     installed: list[InstalledPatch] = []
     try:
-        for point in PATCH_POINTS:
+        for point in points:
             must = point.core or (strict and point.required)
             owners = classes_for(point.role, targets)
             if must and strict and not owners:

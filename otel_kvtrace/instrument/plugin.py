@@ -102,11 +102,21 @@ class _BindOnImport(importlib.abc.MetaPathFinder):
         _remove_hook()
         spec = importlib.util.find_spec(fullname)
         if spec is not None and spec.loader is not None:
-            spec.loader = _DelegatingLoader(spec.loader, ensure_started)
+            spec.loader = _DelegatingLoader(spec.loader, _bind)
         return spec
 
 
 _hook: _BindOnImport | None = None
+
+
+def _bind() -> None:
+    """The worker module is imported: the recv scheduler (``OTEL_KVTRACE_SCHEDULER``, tracing on or
+    off; never raises), then tracing when it is on."""
+    from otel_kvtrace.schedule.install import bind_installed
+
+    bind_installed()
+    if enabled():
+        ensure_started()
 
 
 def _importable(name: str) -> bool:
@@ -145,6 +155,12 @@ def register() -> None:
     """
     try:
         if not enabled():
+            from otel_kvtrace.schedule.install import requested
+
+            if requested() and WATCHED_MODULE in sys.modules:  # the scheduler alone, tracing off
+                _bind()
+            elif requested():
+                _install_hook()
             return
         from otel_kvtrace.asynccheck.instrument import install_from_env
 
@@ -152,7 +168,7 @@ def register() -> None:
         if _instrumentor().is_instrumented_by_opentelemetry:
             return
         if WATCHED_MODULE in sys.modules:
-            ensure_started()
+            _bind()
         elif not _importable("vllm_ascend"):
             ensure_started()  # logs once why tracing stays off
         else:

@@ -18,6 +18,7 @@ Two levels, one column each, read the same way everywhere:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -27,7 +28,8 @@ class PatchPoint:
 
     ``member`` is a method name, or ``__init__`` when the point is a constructor argument the per-instance
     wrappers read (``params`` then lists the argument names). ``wrapper`` names the factory in
-    ``instrument/wrappers.py`` that wraps the method on the class ("" when nothing is wrapped there).
+    ``instrument/wrappers.py`` that wraps the method on the class ("" when nothing is wrapped there); a
+    table of another concern (the live scheduler's) gives the factory itself.
     """
 
     id: str
@@ -36,7 +38,7 @@ class PatchPoint:
     params: tuple[str, ...]
     required: bool
     what: str
-    wrapper: str = ""
+    wrapper: str | Callable[..., Callable] = ""
     core: bool = False
 
 

@@ -27,6 +27,7 @@ RESOURCE_COLUMNS: dict[str, tuple[str, str]] = {
     "cfg_num_shared_buffers": ("kvtrace.cfg.num_shared_buffers", "BIGINT"),
     "cfg_independent_layers": ("kvtrace.cfg.independent_layers", "VARCHAR"),
     "cfg_buffer_reuse": ("kvtrace.cfg.buffer_reuse", "BOOLEAN"),
+    "cfg_scheduler": ("kvtrace.cfg.scheduler", "VARCHAR"),
     "role": ("kvtrace.role", "VARCHAR"),
     "vllm_ascend_version": ("vllm_ascend.version", "VARCHAR"),
     "rank_tp": ("kvtrace.rank.tp", "BIGINT"),

@@ -73,6 +73,7 @@ CONFIG_COLUMNS: tuple[str, ...] = (
     "cfg_num_shared_buffers",
     "cfg_independent_layers",
     "cfg_buffer_reuse",
+    "cfg_scheduler",
     "run_id",
     "source",
 )

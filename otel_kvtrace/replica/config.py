@@ -85,6 +85,8 @@ class ReplicaConfig:
     tp_size: int = 1
     timing: Timing = field(default_factory=Timing)
     slow: SlowInjection = field(default_factory=SlowInjection)
+    scheduler: str = "fifo"
+    """Recv-thread policy the threaded replica runs (``otel_kvtrace.schedule``; not part of ``label``)."""
 
     # -- resolved values -------------------------------------------------------------------------
     @property
@@ -151,6 +153,7 @@ class ReplicaConfig:
             "kvtrace.cfg.num_shared_buffers": self.resolved_buffers,
             "kvtrace.cfg.independent_layers": self.independent_label,
             "kvtrace.cfg.buffer_reuse": self.reuse_enabled,
+            "kvtrace.cfg.scheduler": self.scheduler,
             "kvtrace.rank.tp": self.tp_rank,
             "kvtrace.rank.tp_size": self.tp_size,
             "kvtrace.rank.dp": 0,
@@ -171,6 +174,9 @@ class ReplicaConfig:
         """Raise ``ReplicaConfigError`` naming the first bad option; return self when fine."""
         _check(self.behaviour in BEHAVIOURS, "behaviour", f"must be one of {BEHAVIOURS}, got {self.behaviour!r}")
         _check(self.path in PATHS, "path", f"must be one of {PATHS}, got {self.path!r}")
+        from otel_kvtrace.schedule import LIVE
+
+        _check(self.scheduler in LIVE, "scheduler", f"must be one of {LIVE}, got {self.scheduler!r}")
         _check_min_int("num_layers", self.num_layers, 1)
         if self.num_shared_buffers is not None:
             _check_min_int("num_shared_buffers", self.num_shared_buffers, 1)

@@ -115,6 +115,10 @@ class KVPoolWorker:
             self.kv_recv_thread = KVCacheStoreKeyLayerRecvingThread(
                 *common, recv_ready, self.get_event, self.layer_load_finished_events,
                 self.layer_save_finished_events, n, behaviour=behaviour, wait_timeout_s=self.wait_timeout_s)
+        if self.cfg.scheduler != "fifo":
+            from otel_kvtrace.schedule import attach
+
+            attach(self.kv_recv_thread, self.cfg.scheduler)
         self.kv_send_thread.start()
         self.kv_recv_thread.start()
         send_ready.wait()

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.whatif.engine import FEEDBACKS
+from otel_kvtrace.whatif.measured import compare, measured_summary
+from otel_kvtrace.whatif.saves import saves_from_duckdb
 from otel_kvtrace.whatif.render import (
     VerdictReport,
     write_json,
@@ -20,6 +22,7 @@ from otel_kvtrace.whatif.render import (
 )
 from otel_kvtrace.whatif.render_html import write_html
 from otel_kvtrace.whatif.replay import (
+    RunSummary,
     config_key,
     group_runs,
     replay_run,
@@ -49,10 +52,30 @@ def _configs(con: Any) -> dict[str, dict[str, Any]]:
         return {}
     label = "cfg_label" if "cfg_label" in cols else "NULL"
     path = "path" if "path" in cols else "NULL"
-    sql = (f"SELECT {label}, {path}, " + ", ".join(f"any_value({c})" for c in present)
-           + " FROM tasks GROUP BY 1, 2")
-    return {config_key(row[0], row[1]): dict(zip(present, row[2:], strict=True))
+    scheduler = "cfg_scheduler" if "cfg_scheduler" in cols else "NULL"
+    sql = (f"SELECT {label}, {path}, {scheduler}, " + ", ".join(f"any_value({c})" for c in present)
+           + " FROM tasks GROUP BY 1, 2, 3")
+    return {config_key(row[0], row[1], row[2]): dict(zip(present, row[3:], strict=True))
             for row in con.execute(sql).fetchall()}
+
+
+def _measured_runs(paths: Sequence[str | Path], where: str | None, bound: str,
+                   say: Callable[[str], None]) -> dict[str, dict[str, list[RunSummary]]]:
+    """Measured runs per configuration (``config_key`` without the scheduler) and recorded policy."""
+    from otel_kvtrace.load import load_traces
+
+    loaded = load_traces(list(paths), progress=say)
+    out: dict[str, dict[str, list[RunSummary]]] = {}
+    for label, runs in group_runs(tasks_from_duckdb(loaded.con, where=where, bound=bound)).items():
+        for run_id, ts in runs.items():
+            policy = ts[0].scheduler or "fifo"
+            if policy == "fifo":
+                raise ValueError(f"--measured: run {run_id!r} was recorded under fifo (kvtrace.cfg.scheduler "
+                                 "missing or fifo); pass FIFO runs as PATHS")
+            key = config_key(ts[0].cfg_label, ts[0].path)
+            out.setdefault(key, {}).setdefault(policy, []).append(
+                measured_summary(ts, run_id=run_id, cfg_label=key))
+    return out
 
 
 def whatif(
@@ -67,6 +90,7 @@ def whatif(
     feedback: str = "full",
     bound: str = "hi",
     where: str | None = None,
+    measured: Sequence[str | Path] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> VerdictReport:
     """Load recorded traces, replay every queue of every run under each policy, decide per configuration.
@@ -74,6 +98,9 @@ def whatif(
     A configuration is a ``cfg_label`` (and path); its runs (``run_id``) are the independent repeats. Writes the
     JSON/Markdown/PNG/HTML outputs that are asked for (``html_path``: one self-contained page with the
     charts inlined; ``tasks_csv``: per-task start/complete under every policy) and returns the report.
+
+    ``measured``: traces recorded under another policy (``kvtrace.cfg.scheduler``); each configuration
+    with such runs gets ``extra["measured"]``: predicted vs measured per policy (:mod:`.measured`).
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """
@@ -87,6 +114,7 @@ def whatif(
     loaded = load_traces(list(paths), progress=say)
     tasks = tasks_from_duckdb(loaded.con, where=where, bound=bound)
     configs = _configs(loaded.con)
+    saves = saves_from_duckdb(loaded.con)
     args = [str(p) for p in paths]
     for flag, value in (("--json", json_path), ("--md", md_path), ("--png-dir", png_dir), ("--html", html_path),
                         ("--tasks-csv", tasks_csv)):
@@ -94,6 +122,11 @@ def whatif(
             args += [flag, str(value)]
     for name in policies or ():
         args += ["--policy", name]
+    for m in measured or ():
+        args += ["--measured", str(m)]
+    by_policy = _measured_runs(measured, where, bound, say) if measured else {}
+    if policies and by_policy:
+        policies = list(policies) + sorted({p for per in by_policy.values() for p in per} - set(policies))
     if feedback != "full":
         args += ["--feedback", feedback]
     if bound != "hi":
@@ -105,7 +138,7 @@ def whatif(
     replayed = []
     for label, runs in group_runs(tasks).items():
         say(f"replaying {label}: {len(runs)} run(s)")
-        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label)
+        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label, saves=saves)
                 for run_id, ts in runs.items()]
         summaries = [r.summary() for r in done]
         if tasks_csv is not None:
@@ -114,7 +147,15 @@ def whatif(
         v.extra["path"] = str(configs.get(label, {}).get("path") or "")
         examples = [s.hol_example for s in summaries if s.hol_example]
         v.extra["hol_example"] = examples[0] if examples else ""
+        if label in by_policy:
+            fifo_meas = [measured_summary(ts, run_id=run_id, cfg_label=label) for run_id, ts in runs.items()]
+            v.extra["measured"] = [
+                compare(summaries, fifo_meas, name, runs_p, cfg_label=label).to_dict()
+                for name, runs_p in sorted(by_policy[label].items())]
         verdicts.append(v)
+    missing = sorted(set(by_policy) - {v.cfg_label for v in verdicts})
+    if missing:
+        raise ValueError(f"--measured: no FIFO runs of configuration {missing[0]!r} among the FIFO traces")
     report = VerdictReport("What-if verdict on recorded traces", command, verdicts,
                            model={"feedback": feedback, "npu_bound": bound}, notes=list(MODEL_NOTES))
     _write(report, json_path, md_path, png_dir, html_path)

@@ -64,9 +64,11 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
 @click.option("--bound", type=click.Choice(BOUNDS), default="hi", show_default=True,
               help="Bounded NPU times: upper bound (proven) or lower bound (possible).")
 @click.option("--where", help="SQL filter on the tasks table, e.g. \"path = 'gva'\".")
+@click.option("--measured", "measured", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="Traces recorded under another policy (OTEL_KVTRACE_SCHEDULER): predicted vs measured (repeatable).")
 def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Path | None, png_dir: Path | None,
                    html_path: Path | None, tasks_csv: Path | None, policies: tuple[str, ...], feedback: str, bound: str,
-                   where: str | None) -> None:
+                   where: str | None, measured: tuple[Path, ...]) -> None:
     """Replay recorded recv queues under fifo / ready_queue / gate_group and decide: keep FIFO or switch.
 
     PATHS are trace files or directories (OTLP/JSON lines). Runs (run_id) of one configuration
@@ -80,6 +82,8 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
       kvtrace demo --out kvtrace-data
       kvtrace whatif kvtrace-data/traces --md verdict.md --json verdict.json --png-dir verdict/
       kvtrace whatif kvtrace-data/traces --html verdict.html   # one page to open or mail
+      kvtrace demo --preset hol --seed 1 --out fifo && kvtrace demo --preset hol --seed 1 --scheduler ready_queue --out rq
+      kvtrace whatif fifo/traces --measured rq/traces           # A/B: predicted vs measured
     """
     from otel_kvtrace.whatif.api import whatif
 
@@ -87,12 +91,42 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
         report = whatif(list(paths), json_path=json_path, md_path=md_path, png_dir=png_dir, html_path=html_path,
                         tasks_csv=tasks_csv,
                         policies=list(policies) or None, feedback=feedback, bound=bound, where=where,
-                        progress=lambda m: click.echo(m, err=True))
+                        measured=list(measured) or None, progress=lambda m: click.echo(m, err=True))
     except ValueError as exc:
         raise click.UsageError(str(exc)) from exc
     except ReplayStalled as exc:
         raise _stalled(exc) from exc
     _print_summary(report)
+    if measured:
+        _print_measured(report)
+
+
+_SHOWN = (("TTFT mean ms", "ttft_ms_mean"), ("TTFT p99 ms", "ttft_ms_p99"),
+          ("consumer wait ms/step", "consumer_wait_ms_per_step"), ("peak in-flight", "peak_inflight"),
+          ("throughput tasks/s", "throughput_tasks_per_s"))
+
+
+def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
+    """Per configuration and policy: predicted (from FIFO runs) vs measured (policy runs), noise, verdict."""
+    from rich.console import Console
+    from rich.markup import escape
+    from rich.table import Table
+
+    console = Console()
+    for v in report.verdicts:
+        for c in v.extra.get("measured", []):
+            table = Table(title=escape(f"{v.cfg_label}: {c['policy']} predicted vs measured"), show_lines=False)
+            for col in ("metric", "FIFO measured", "predicted", "measured"):
+                table.add_column(col, justify="left" if col == "metric" else "right")
+            for title, key in _SHOWN:
+                table.add_row(title, f"{c['fifo_measured'][key]['mean']:.3f}", f"{c['predicted'][key]['mean']:.3f}",
+                              f"{c['measured'][key]['mean']:.3f}")
+            table.add_row("TTFT gain ms", "", f"{c['predicted_gain_ms']:.3f}", f"{c['measured_gain_ms']:.3f}")
+            console.print(table)
+            console.print(f"noise {c['noise_ms']:.3f} ms; gain error {c['gain_error_pct']:.1f}% "
+                          f"({len(c['fifo_runs'])} FIFO / {len(c['policy_runs'])} {escape(c['policy'])} runs); "
+                          f"measured verdict: [bold]{escape(c['verdict'])}[/bold]: {escape(c['reason'])}",
+                          soft_wrap=True)
 
 
 @click.command("sweep")

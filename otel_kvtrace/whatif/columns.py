@@ -12,6 +12,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from otel_kvtrace.whatif.saves import SaveTask
 from otel_kvtrace.whatif.task import ReplayTask
 
 NONE = -(1 << 62)
@@ -54,10 +55,17 @@ class QueueArrays:
     """Forward wake-up lag per chain position: recorded wait end minus load completion when it blocked."""
     step_count: list[int]
     call_overhead_ns: int
+    send: list[list[tuple[int, int, int, int]]] | None = None
+    """Per step, the send thread's saves in enqueue order: (chain position the issue follows, issue
+    lag after that forward pass or the rebased issue time when the position is -1, service ns,
+    recorded completion); None without recorded saves (save times then move with the forward alone)."""
+    send_index: list[int] | None = None
+    """Per task, the index in ``send[step]`` of its save source, or -1."""
 
     @classmethod
-    def from_tasks(cls, tasks: list[ReplayTask]) -> QueueArrays:
-        """Columns of one queue; ``tasks`` must share a queue and be in ``seq`` order."""
+    def from_tasks(cls, tasks: list[ReplayTask], saves: list[SaveTask] | None = None) -> QueueArrays:
+        """Columns of one queue; ``tasks`` must share a queue and be in ``seq`` order. ``saves``: the
+        same worker's recorded send-thread saves (:mod:`otel_kvtrace.whatif.saves`)."""
         if not tasks:
             raise ValueError("tasks: empty queue")
         t0 = min(t.arrival_ns for t in tasks)
@@ -72,6 +80,7 @@ class QueueArrays:
         step = [step_index.setdefault(t.step, len(step_index)) for t in tasks]
         fwd = _ForwardChains.build(tasks, step, len(step_index), rb)
         ks, kg = _dependency_positions(tasks, step, fwd)
+        send, send_index = _send_columns(tasks, step_index, fwd, saves, rb) if saves else (None, None)
         return cls(
             tasks=tasks, t0=t0, n=len(tasks), arr=arr,
             rs=[rb(t.ready_save_ns) for t in tasks],
@@ -90,6 +99,7 @@ class QueueArrays:
             chain=fwd.chain, chain_pos=fwd.chain_pos, rec_arrive=fwd.rec_arrive, rec_end=fwd.rec_end,
             gap=fwd.gap, lag=fwd.lag, step_count=[len(c) for c in fwd.chain],
             call_overhead_ns=estimate_call_overhead(tasks),
+            send=send, send_index=send_index,
         )
 
 
@@ -135,6 +145,31 @@ class _ForwardChains:
             out.gap.append(gap)
             out.lag.append(lag)
         return out
+
+
+def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _ForwardChains,
+                  saves: list[SaveTask], rb: Callable[[int | None], int]) -> tuple[list, list[int]]:
+    """Per step the saves (see ``QueueArrays.send``) and per task the index of its save source."""
+    send: list[list[tuple[int, int, int, int]]] = [[] for _ in step_index]
+    where: list[dict[int, int]] = [{} for _ in step_index]
+    prev_done: int | None = None
+    for sv in saves:  # enqueue order, one send thread
+        s = step_index.get(sv.step)
+        start = sv.enqueue_ns if prev_done is None else max(sv.enqueue_ns, prev_done)
+        service = max(0, sv.complete_ns - start)
+        prev_done = sv.complete_ns
+        if s is None:
+            continue
+        pos = bisect.bisect_right(fwd.layers[s], sv.layer_id) - 1
+        end = fwd.rec_end[s][pos] if pos >= 0 else NONE
+        issue = rb(sv.enqueue_ns) - end if end != NONE else rb(sv.enqueue_ns)
+        where[s].setdefault(sv.layer_id, len(send[s]))
+        send[s].append((pos if end != NONE else -1, issue, service, rb(sv.complete_ns)))
+    index = []
+    for i, t in enumerate(tasks):
+        s = step_index[t.step]
+        index.append(where[s].get(t.wait_for_save_layer, -1) if t.wait_for_save_layer is not None else -1)
+    return send, index
 
 
 def _dependency_positions(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> tuple[list[int], list[int]]:

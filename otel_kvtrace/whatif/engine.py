@@ -18,6 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from otel_kvtrace.schedule import rules
 from otel_kvtrace.whatif.columns import NONE, QueueArrays
 from otel_kvtrace.whatif.policy import INF, Policy
 
@@ -53,6 +54,7 @@ class QueueState:
         "prog",
         "q",
         "ready",
+        "send_done",
         "served",
         "start",
         "step_left",
@@ -88,6 +90,7 @@ class QueueState:
         self.phase = bytearray(n)
         self.busy_start: list[int] = []
         self.busy_end: list[int] = []
+        self.send_done: list[list[int]] = [[] for _ in q.chain]
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -130,7 +133,7 @@ class QueueState:
     def determinable(self, i: int) -> bool:
         """Every load the forward must pass before ``i``'s save/gate dependency has completed."""
         q = self.q
-        return q.need[i] < self.prog[q.step[i]]
+        return not rules.chain_blocks(q.need[i], self.prog[q.step[i]])
 
     # ---- engine side ----------------------------------------------------------------------------
     def _effective(self, i: int) -> None:
@@ -139,10 +142,31 @@ class QueueState:
         prog = self.prog[s]
         k = q.ks[i]
         if 0 <= k < prog:
-            self.eff_rs[i] = _shifted(q.rs[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+            j = q.send_index[i] if q.send_index is not None else -1
+            if j >= 0:
+                self.eff_rs[i] = self._save_time(s, j, q.rs[i], self.fwd_end[s][k])
+            else:
+                self.eff_rs[i] = _shifted(q.rs[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
         k = q.kg[i]
         if 0 <= k < prog:
             self.eff_rg[i] = _shifted(q.rg[i], self.fwd_end[s][k], q.rec_end[s][k], self.delay_only)
+
+    def _save_time(self, s: int, j: int, recorded: int, fwd_end: int) -> int:
+        """Save ``j`` of step ``s`` on the send thread (FIFO server, :mod:`otel_kvtrace.whatif.saves`)
+        under the replayed forward; the load sees it with its recorded lag after the save completed."""
+        sends = self.q.send[s]  # type: ignore[index]
+        done = self.send_done[s]
+        prev = done[-1] if done else NONE
+        while len(done) <= j:
+            pos, issue, service, _ = sends[len(done)]
+            at = self.fwd_end[s][pos] + issue if pos >= 0 else issue
+            prev = (at if prev == NONE else max(at, prev)) + service
+            done.append(prev)
+        rec_done = sends[j][3]
+        t = done[j] + (recorded - rec_done if recorded != NONE else 0)
+        if self.delay_only and recorded != NONE:
+            t = max(t, recorded)
+        return max(fwd_end, t)
 
     def admit(self, now: int) -> None:
         arr = self.q.arr
@@ -322,7 +346,7 @@ class QueueState:
         if self.index and self.blocked[s]:
             still = []
             for j in self.blocked[s]:
-                if q.need[j] < p:
+                if not rules.chain_blocks(q.need[j], p):
                     heapq.heappush(self.waiting, (self._progress_time(j), j))
                 else:
                     still.append(j)

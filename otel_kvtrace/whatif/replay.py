@@ -7,7 +7,7 @@ queues replayed under each policy, summarised into ``RunFigures`` (what the cons
 from __future__ import annotations
 
 import csv
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from otel_kvtrace.whatif.metrics import (
     validation_from,
 )
 from otel_kvtrace.whatif.policy import get_policy, policy_names
+from otel_kvtrace.whatif.saves import SaveTask, process_key
 from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
 
 
@@ -161,8 +162,12 @@ def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
 
 
 def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
-               run_id: str = "", cfg_label: str = "") -> RunReplay:
+               run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None) -> RunReplay:
     """Replay every queue of one run under each policy (``fifo`` always included, first).
+
+    ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
+    save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
+    forward alone.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
@@ -175,7 +180,7 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     figs: dict[str, list[QueueFigures]] = {name: [] for name in names}
     hol: list[HolEvent] = []
     for queue, qtasks in group_by_queue(tasks).items():
-        arrays = QueueArrays.from_tasks(qtasks)
+        arrays = QueueArrays.from_tasks(qtasks, (saves or {}).get(process_key(queue)))
         replays[queue] = {}
         for name, policy in instances.items():
             try:
@@ -196,12 +201,15 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     return RunReplay(run_id, cfg_label, replays, figures, validation, hol)
 
 
-def config_key(cfg_label: str | None, path: str | None) -> str:
+def config_key(cfg_label: str | None, path: str | None, scheduler: str | None = None) -> str:
     """The configuration a task belongs to: its ``cfg_label``, plus ``[path]`` when the label does not
-    name the path already (GVA and key-path queues are always decided separately)."""
+    name the path already (GVA and key-path queues are always decided separately), plus
+    ``[scheduler=X]`` for runs recorded under a policy other than FIFO (never pooled with FIFO runs)."""
     label = cfg_label or "(unlabelled)"
     if path and path not in label.split():
         label += f" [{path}]"
+    if scheduler and scheduler != "fifo":
+        label += f" [scheduler={scheduler}]"
     return label
 
 
@@ -209,7 +217,7 @@ def group_runs(tasks: Iterable[ReplayTask]) -> dict[str, dict[str, list[ReplayTa
     """Tasks per configuration (``config_key``), then per run id (a run is one independent repeat)."""
     out: dict[str, dict[str, list[ReplayTask]]] = {}
     for t in tasks:
-        out.setdefault(config_key(t.cfg_label, t.path), {}).setdefault(t.run_id or "(run)", []).append(t)
+        out.setdefault(config_key(t.cfg_label, t.path, t.scheduler), {}).setdefault(t.run_id or "(run)", []).append(t)
     return out
 
 

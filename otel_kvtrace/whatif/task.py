@@ -83,6 +83,8 @@ class ReplayTask:
     run_id: str = ""
     cfg_label: str = ""
     path: str = ""
+    scheduler: str = ""
+    """Recv policy the run was recorded under (``kvtrace.cfg.scheduler``; empty = not recorded = fifo)."""
 
     @property
     def service_ns(self) -> int:
@@ -212,6 +214,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         run_id=str(row.get("run_id") or ""),
         cfg_label=str(row.get("cfg_label") or ""),
         path=str(row.get("path") or ""),
+        scheduler=str(row.get("cfg_scheduler") or ""),
     )
 
 

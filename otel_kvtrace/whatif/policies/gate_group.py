@@ -10,6 +10,7 @@ save or gate depends on a load not yet completed (e.g. a slot-chain successor of
 
 from __future__ import annotations
 
+from otel_kvtrace.schedule import rules
 from otel_kvtrace.whatif.engine import QueueState
 from otel_kvtrace.whatif.policy import INF, Policy
 
@@ -33,7 +34,7 @@ class GateGroup(Policy):
         step = q.step[head]
         served, final = state.served, q.final
         for j in range(head + 1, state.n_arrived):
-            if q.step[j] != step or q.gate[j] != gate or final[j]:
+            if rules.ends_gate_group(step, gate, q.step[j], q.gate[j], final[j]):
                 break
             if not served[j] and state.determinable(j):  # a member never depends on another member
                 batch.append(j)

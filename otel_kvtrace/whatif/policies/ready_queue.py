@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import heapq
 
+from otel_kvtrace.schedule import rules
 from otel_kvtrace.whatif.engine import QueueState
 from otel_kvtrace.whatif.policy import Policy
 
@@ -32,7 +33,7 @@ class ReadyQueue(Policy):
             i = heapq.heappop(ready)
             if served[i]:
                 continue
-            if q.final[i] and state.phase[i] == 0 and state.step_left[q.step[i]] > 1:
+            if state.phase[i] == 0 and rules.final_must_wait(q.final[i], state.step_left[q.step[i]]):
                 state.hold_final(i)
                 continue
             return (i,)

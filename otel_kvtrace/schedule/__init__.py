@@ -1,0 +1,16 @@
+"""Recv-thread scheduling: the policy rules shared with the what-if, and the live scheduler."""
+
+from otel_kvtrace.schedule.install import (
+    LIVE,
+    SCHEDULERS,
+    active_scheduler,
+    attach,
+    check_scheduler,
+    from_env,
+    install_from_env,
+    install_scheduler,
+)
+from otel_kvtrace.schedule.queue import SchedulingQueue
+
+__all__ = ["LIVE", "SCHEDULERS", "SchedulingQueue", "active_scheduler", "attach", "check_scheduler", "from_env",
+           "install_from_env", "install_scheduler"]

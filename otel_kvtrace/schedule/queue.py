@@ -1,0 +1,260 @@
+"""The live scheduler: a drop-in ``request_queue`` for the GVA recv thread whose ``get()`` hands out
+the task the policy picks instead of the FIFO head.
+
+Upstream's ``run()`` and ``_handle_request`` stay untouched: ``run()`` still calls
+``request_queue.get()`` once per task and ``_handle_request`` still calls ``task_done()`` once, runs
+every wait (save CPU event, save NPU sync, gate, slot release) and sets the per-layer load event, so
+exception propagation (``_fatal_error``, ``raise_if_failed``), the lease release and shutdown are
+upstream's own. What changes is only which queued task comes out:
+
+- ``fifo``: the head, always (the state after a runtime switch back; a fresh ``fifo`` installs nothing).
+- ``ready_queue``: the head when its waits are met (or cannot be checked); otherwise the lowest-seq
+  task that :func:`otel_kvtrace.schedule.rules.bypass_blocker` lets pass and whose waits are all met
+  now. A passed task's waits then return at once: its NPU events are known complete before any
+  ``synchronize()``.
+
+Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
+the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
+no host callback: when the head waits only on those and no other task is ready, or when no other queued
+task could pass it at all, the head is handed out and blocks in upstream's own wait (FIFO behaviour, no
+polling, no extra wake-up); while the head waits on a CPU signal or
+a time and another queued task waits on the device, the thread re-checks with a capped backoff
+(``POLL_MIN_S`` doubling to ``POLL_MAX_S``). With nothing queued it blocks like ``queue.Queue``.
+So an NPU event is synchronized only by the head, the task FIFO would run anyway, and only when no
+other queued task is ready.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from otel_kvtrace.schedule import rules
+
+logger = logging.getLogger("otel_kvtrace")
+
+POLL_MIN_S = 20e-6
+POLL_MAX_S = 200e-6
+
+READY, SIGNAL, POLL, TIME, UNKNOWN = range(5)
+"""Probe results: met; waits on a CPU signal that wakes us; waits on an NPU/gate state (re-check);
+waits until a known time; cannot be checked without blocking (only ever run as the head)."""
+
+_MISSING = object()
+
+
+class _Entry:
+    __slots__ = ("barrier", "final", "item", "layer", "requests", "src", "step")
+
+    def __init__(self, item: Any, step: int, final_layer_id: int) -> None:
+        self.item = item
+        self.step = step
+        layer = getattr(item, "layer_id", None)
+        self.barrier = layer is None
+        self.layer = layer if layer is not None else -1
+        src = getattr(item, "wait_for_save_layer", None)
+        self.src = src if src is not None else -1
+        self.final = layer == final_layer_id
+        self.requests: frozenset[str] | None | object = _MISSING
+
+    def request_ids(self) -> frozenset[str] | None:
+        """Request ids of the task (from its transfer tasks), read only when a step boundary is crossed."""
+        if self.requests is _MISSING:
+            self.requests = _request_ids(self.item)
+        return self.requests  # type: ignore[return-value]
+
+
+def _request_ids(item: Any) -> frozenset[str] | None:
+    out: set[str] = set()
+    try:
+        for task in item.transfer_tasks:
+            shared = getattr(task, "shared_block_data", None)
+            if shared is not None and getattr(shared, "req_ids", None) is not None:
+                out.update(str(r) for r in shared.req_ids)
+                continue
+            for rng in task.block_ranges:
+                out.add(str(rng.request.req_id))
+    except Exception:
+        return None  # unknown: treated as shared (never passed across steps)
+    return frozenset(out)
+
+
+def probe(thread: Any, item: Any, now_ns: int) -> tuple[int, int]:
+    """Non-blocking: are ``item``'s waits on ``thread`` met? ``(state, wake_ns)``; never synchronizes."""
+    src = getattr(item, "wait_for_save_layer", None)
+    if src is not None:
+        if not thread.layer_save_finished_events[src].is_set():
+            return SIGNAL, 0
+        sync = getattr(thread, "sync_save_events", None)
+        if sync is not None and not sync[src].query():
+            return POLL, 0
+    gate = getattr(item, "attention_start_gate", None)
+    if gate is not None:
+        event = getattr(gate, "_event", _MISSING)  # the gate's recorded state (None until record())
+        if event is _MISSING:
+            return UNKNOWN, 0
+        if event is None or not event.query():
+            return POLL, 0
+    waiter = getattr(thread, "external_slot_release_waiter", None)
+    if waiter is not None:
+        release = getattr(waiter, "kvtrace_release_time", None)
+        if release is None:
+            return UNKNOWN, 0
+        t = release(item.layer_id)
+        if t > now_ns:
+            return TIME, t
+    return READY, 0
+
+
+class SchedulingQueue(queue.Queue):
+    """``queue.Queue`` whose ``get()`` returns the policy's pick (see the module docstring)."""
+
+    def __init__(self, thread: Any, policy: str) -> None:
+        super().__init__()
+        self.thread = thread
+        self.policy = policy
+        self.final_layer_id = getattr(thread, "final_layer_id", -1)
+        self.bypassed = 0
+        """Tasks handed out before an unready head (a counter; read by tests and benches)."""
+        self.blocked_by: dict[str, int] = dict.fromkeys(rules.RULES, 0)
+        """Per rule, how often it kept a candidate behind a waiting head."""
+        self._step = 0
+        self._last_layer = 1 << 30
+
+    def set_policy(self, policy: str) -> None:
+        """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
+        with self.mutex:
+            self.policy = policy
+            self.not_empty.notify()
+
+    def wake(self) -> None:
+        """A producer signal (a save event set): re-check the queued tasks now."""
+        with self.mutex:
+            self.not_empty.notify()
+
+    # queue.Queue storage hooks -----------------------------------------------------------------------
+    def _init(self, maxsize: int) -> None:
+        self.queue: list[_Entry] = []  # type: ignore[assignment]
+
+    def _qsize(self) -> int:
+        return len(self.queue)
+
+    def _put(self, item: Any) -> None:
+        layer = getattr(item, "layer_id", None)
+        if layer is not None:
+            if layer <= self._last_layer:
+                self._step += 1  # layers of one step are enqueued in increasing order
+            self._last_layer = layer
+        self.queue.append(_Entry(item, self._step, self.final_layer_id))
+
+    def _get(self) -> Any:  # only reached through Queue.get_nowait-style callers; FIFO then
+        return self.queue.pop(0).item
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        backoff = POLL_MIN_S
+        with self.not_empty:
+            while True:
+                if self.queue:
+                    pick, wait_s = self._choose()
+                    if pick >= 0:
+                        entry = self.queue.pop(pick)
+                        self.not_full.notify()
+                        return entry.item
+                else:
+                    wait_s = None
+                if not block:
+                    raise queue.Empty
+                if wait_s is not None and wait_s <= 0:  # poll with backoff
+                    wait_s, backoff = backoff, min(backoff * 2, POLL_MAX_S)
+                else:
+                    backoff = POLL_MIN_S
+                if deadline is not None:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise queue.Empty
+                    wait_s = left if wait_s is None else min(wait_s, left)
+                self.not_empty.wait(wait_s)
+
+    # the decision ----------------------------------------------------------------------------------
+    def _choose(self) -> tuple[int, float | None]:
+        """``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+        if self.policy != "ready_queue":
+            return 0, None
+        try:
+            return self._choose_ready()
+        except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
+            logger.warning("otel-kvtrace: scheduler error, back to fifo: %s: %s", type(exc).__name__, exc)
+            self.policy = "fifo"
+            return 0, None
+
+    def _choose_ready(self) -> tuple[int, float | None]:
+        entries = self.queue
+        head = entries[0]
+        if head.barrier:
+            return 0, None
+        now = time.perf_counter_ns()
+        head_state, wake = probe(self.thread, head.item, now)
+        if head_state in (READY, UNKNOWN):
+            return 0, None
+        waits = [(head_state, wake)]
+        first: dict[int, int] = {head.step: head.layer}
+        unserved: dict[int, int] = {}
+        for e in entries:
+            unserved[e.step] = unserved.get(e.step, 0) + 1
+        for j in range(1, len(entries)):
+            e = entries[j]
+            blocker = rules.bypass_blocker(
+                ready=True, is_final=e.final, unserved_in_step=unserved[e.step], need=e.src,
+                first_unfinished=first.get(e.step, 1 << 30), barrier=e.barrier)
+            first.setdefault(e.step, e.layer)
+            if blocker is None and e.step != head.step:
+                for x in entries[:j]:
+                    if rules.request_blocks(e.step, e.request_ids(), x.step, x.request_ids()):
+                        blocker = rules.SAME_REQUEST
+                        break
+            if blocker == rules.BARRIER:
+                break
+            if blocker is not None:
+                self.blocked_by[blocker] += 1
+                continue
+            state, wake = probe(self.thread, e.item, now)
+            if state == READY:
+                self.bypassed += 1
+                return j, None
+            if state != UNKNOWN:
+                waits.append((state, wake))
+            self.blocked_by[rules.DEPENDENCY] += 1
+        if head_state == POLL or len(waits) == 1:
+            # nothing else is ready, and either the head waits only on device progress (an NPU event, a
+            # gate) or no other queued task could pass it: block in the head's own wait as upstream does
+            # (no polling, no extra wake-up hop)
+            return 0, None
+        return -1, _wait_for(waits, now)
+
+
+def _wait_for(waits: list[tuple[int, int]], now_ns: int) -> float | None:
+    """How long to sleep: None (until a put or save signal), 0 (poll an NPU/gate state), or seconds."""
+    best: float | None = None
+    for state, wake in waits:
+        if state == POLL:
+            return 0.0
+        if state == TIME:
+            s = max(1e-6, (wake - now_ns) / 1e9)
+            best = s if best is None else min(best, s)
+    return best
+
+
+def hook_save_signals(q: SchedulingQueue, events: list[threading.Event]) -> None:
+    """Make each save event's ``set()`` also wake the scheduler (the producer's own signal)."""
+    for ev in events:
+        original = ev.set
+
+        def set_and_wake(_original: Any = original) -> None:
+            _original()
+            q.wake()
+
+        ev.set = set_and_wake  # type: ignore[method-assign]

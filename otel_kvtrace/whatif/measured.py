@@ -1,0 +1,131 @@
+"""Predicted vs measured: runs recorded under another recv policy, compared with what the what-if
+predicted for that policy from FIFO runs of the same configuration (``kvtrace whatif --measured``).
+
+A measured run's figures come from its own recorded times (dequeue, completion, the forward's recorded
+load waits) through the same metric code the replay uses (:func:`queue_figures` on a
+:class:`QueueReplay` built from the recording), so predicted and measured numbers mean the same thing.
+The measured verdict applies the same rules (:func:`otel_kvtrace.whatif.verdict.decide`) to pairs
+(FIFO run k, policy run k) in run-id order; the FIFO runs' replay check and HOL counts are theirs.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Any
+
+from otel_kvtrace.whatif.columns import NONE, QueueArrays
+from otel_kvtrace.whatif.engine import QueueReplay
+from otel_kvtrace.whatif.metrics import queue_figures, validation_from
+from otel_kvtrace.whatif.replay import RunReplay, RunSummary, summarise
+from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
+from otel_kvtrace.whatif.verdict import METRICS, ConfigVerdict, decide, spread
+
+MEASURED = "measured"
+
+
+def recorded_replay(q: QueueArrays) -> QueueReplay:
+    """The recording itself, shaped like a replay (times rebased to ``q.t0``)."""
+    def rb(v: int | None) -> int:
+        return NONE if v is None else v - q.t0
+
+    start = [rb(t.recorded_start_ns) for t in q.tasks]
+    complete = list(q.rec_complete)
+    return QueueReplay(MEASURED, q, start, complete, list(complete), list(q.rs), list(q.rg),
+                       [list(a) for a in q.rec_arrive], [list(e) for e in q.rec_end], 0, [])
+
+
+def measured_summary(tasks: list[ReplayTask], *, run_id: str, cfg_label: str) -> RunSummary:
+    """One recorded run's own figures (policy key ``measured``) and per-layer profile."""
+    replays: dict[str, dict[str, QueueReplay]] = {}
+    figs = []
+    for queue, qtasks in group_by_queue(tasks).items():
+        rep = recorded_replay(QueueArrays.from_tasks(qtasks))
+        replays[queue] = {MEASURED: rep}
+        figs.append(queue_figures(rep))
+    run = RunReplay(run_id, cfg_label, replays, {MEASURED: summarise(MEASURED, figs)}, validation_from([], []))
+    return RunSummary(run_id=run_id, cfg_label=cfg_label, figures={MEASURED: run.figures[MEASURED].to_dict()},
+                      fifo_errors_ns=[], service_ns=[], hol_events=0, hol_ms=0.0,
+                      layers={MEASURED: run.layer_profile(MEASURED)})
+
+
+@dataclass(slots=True)
+class Comparison:
+    """One configuration, one policy: predicted (from FIFO runs) next to measured (policy runs)."""
+
+    cfg_label: str
+    policy: str
+    fifo_runs: list[str]
+    policy_runs: list[str]
+    predicted: dict[str, dict[str, Any]]
+    measured: dict[str, dict[str, Any]]
+    fifo_measured: dict[str, dict[str, Any]]
+    predicted_gain_ms: float
+    measured_gain_ms: float
+    noise_ms: float
+    gain_error_pct: float
+    """|predicted - measured| mean TTFT gain in % of the measured gain (of the noise when the gain is below it)."""
+    layers: dict[str, dict[str, list[float]]]
+    verdict: str
+    reason: str
+    measured_verdict: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+def gain_error_pct(predicted_ms: float, measured_ms: float, noise_ms: float) -> float:
+    """The fidelity number: error of the predicted gain relative to max(|measured gain|, noise)."""
+    scale = max(abs(measured_ms), noise_ms)
+    if scale <= 0:
+        return 0.0 if predicted_ms == measured_ms else float("inf")
+    return 100 * abs(predicted_ms - measured_ms) / scale
+
+
+def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], policy: str,
+            policy_measured: list[RunSummary], *, cfg_label: str) -> Comparison:
+    """Predicted vs measured for ``policy`` on one configuration; the measured verdict by the same rules."""
+    if policy not in fifo_replayed[0].figures:
+        raise ValueError(f"policy {policy!r} was not replayed for {cfg_label!r}")
+    predicted = {m: spread([float(r.figures[policy][m]) for r in fifo_replayed]) for m in METRICS}
+    measured = {m: spread([float(r.figures[MEASURED][m]) for r in policy_measured]) for m in METRICS}
+    fifo_meas = {m: spread([float(r.figures[MEASURED][m]) for r in fifo_measured]) for m in METRICS}
+    pred_gain = statistics.fmean(r.figures["fifo"]["ttft_ms_mean"] - r.figures[policy]["ttft_ms_mean"]
+                                 for r in fifo_replayed)
+    meas_gain = fifo_meas["ttft_ms_mean"]["mean"] - measured["ttft_ms_mean"]["mean"]
+    noise = max(fifo_meas["ttft_ms_mean"]["stdev"], measured["ttft_ms_mean"]["stdev"])
+    verdict = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label)
+    layers = {
+        "predicted": _mean_profile([r.layers.get(policy, {}) for r in fifo_replayed]),
+        "measured": _mean_profile([r.layers.get(MEASURED, {}) for r in policy_measured]),
+    }
+    return Comparison(cfg_label, policy, [r.run_id for r in fifo_replayed], [r.run_id for r in policy_measured],
+                      predicted, measured, fifo_meas, pred_gain, meas_gain, noise,
+                      gain_error_pct(pred_gain, meas_gain, noise), layers, verdict.verdict, verdict.reason,
+                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms})
+
+
+def _measured_verdict(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], policy: str,
+                      policy_measured: list[RunSummary], cfg_label: str) -> ConfigVerdict:
+    by_id = {r.run_id: r for r in fifo_replayed}
+    pairs = []
+    for f, p in zip(sorted(fifo_measured, key=lambda r: r.run_id), sorted(policy_measured, key=lambda r: r.run_id),
+                    strict=False):
+        rep = by_id[f.run_id]
+        pairs.append(RunSummary(
+            run_id=f"{f.run_id}|{p.run_id}", cfg_label=cfg_label,
+            figures={"fifo": f.figures[MEASURED], policy: p.figures[MEASURED]},
+            fifo_errors_ns=rep.fifo_errors_ns, service_ns=rep.service_ns, hol_events=rep.hol_events,
+            hol_ms=rep.hol_ms, layers={"fifo": f.layers[MEASURED], policy: p.layers[MEASURED]}))
+    return decide(pairs, cfg_label=cfg_label)
+
+
+def _mean_profile(profiles: list[dict[str, list[float]]]) -> dict[str, list[float]]:
+    profiles = [p for p in profiles if p and p.get("layer")]
+    if not profiles:
+        return {}
+    common = sorted(set.intersection(*(set(p["layer"]) for p in profiles)))
+    out: dict[str, list[float]] = {"layer": common}
+    for key in ("load_done_ms", "consumer_wait_ms"):
+        out[key] = [statistics.fmean(p[key][p["layer"].index(x)] for p in profiles) for x in common]
+    return out
