@@ -77,7 +77,8 @@ def build_step_spans(
             *step.launch,
             {m.ATTR_QUEUE_DEPTH: step.queue_depth, m.ATTR_DISPATCH_COUNT: step.dispatch_count},
         ),
-        (m.EXECUTE_DONE, step.launch[1], max(step.launch[1], step.done), {m.ATTR_DONE_PRECISION: step.done_precision}),
+        (m.EXECUTE_DONE, step.launch[1], max(step.launch[1], step.done),
+         {m.ATTR_DONE_PRECISION: step.done_precision, m.ATTR_DONE_BOUND_NS: step.done_bound_ns}),
         (m.UPDATE_OUTPUT, *step.update, {}),
     ]
     phases += [(m.COMPUTE, s, e, {}) for s, e in step.compute]

@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from threading import get_ident
 from typing import Any
 
 import wrapt
@@ -31,6 +32,7 @@ from opentelemetry.instrumentation.utils import unwrap
 
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck.export import DEFAULT_DIR, AsyncTracer, default_resource
+from otel_kvtrace.asynccheck.ready import ReadyWatcher
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
 
 logger = logging.getLogger("otel_kvtrace")
@@ -53,9 +55,16 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
         "vllm.v1.executor.uniproc_executor:UniProcExecutor",
         "vllm.v1.executor.multiproc_executor:MultiprocExecutor",
     ),
-    "output": ("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",),
-    # DP engines all-reduce "unfinished requests" on the engine loop (every 32 steps in recent vLLM)
-    "dp_sync": ("vllm.config:ParallelConfig", "vllm.config.parallel:ParallelConfig"),
+    "output": (
+        "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",
+        "vllm.v1.worker.gpu_model_runner:AsyncGPUPoolingModelRunnerOutput",
+        "vllm.v1.worker.gpu.async_utils:AsyncOutput",  # Model Runner V2
+        "vllm.v1.worker.gpu.async_utils:AsyncPoolingOutput",
+    ),
+    # DP engines all-reduce "unfinished requests" on the engine loop: ``has_unfinished_dp`` (wave
+    # barriers) and ``sync_dp_state`` (0.23: staticmethod every 32 steps; 0.33: method every
+    # ``dp_sync_interval`` steps)
+    "dp_sync": ("vllm.config.parallel:ParallelConfig", "vllm.config:ParallelConfig"),
 }
 
 
@@ -63,11 +72,14 @@ class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
     __slots__ = (
-        "buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted", "step"
+        "buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted", "step",
+        "engine_thread", "watcher",
     )
 
     def __init__(self, buffer: StampBuffer) -> None:
         self.buffer = buffer
+        self.engine_thread = 0  # ident of the thread running EngineCore.step*
+        self.watcher = ReadyWatcher(buffer)
         self.batch_queue = 0
         self.in_schedule = False
         self.in_launch = False
@@ -95,6 +107,7 @@ def _step_wrapper(batch_queue: int) -> Callable[[LoopState], Wrapper]:
             state.batch_queue = batch_queue
             if not state.adopted:
                 state.adopted = True
+                state.engine_thread = get_ident()
                 try:
                     state.adopt(instance)
                 except Exception:  # noqa: BLE001 - instrumentation failures never reach the host
@@ -151,14 +164,28 @@ def _comm_wrapper(state: LoopState) -> Wrapper:
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:
+    """``get_output`` return; ``a`` = 1 on an output thread (its return is the device-ready time),
+    0 on the engine thread (UniProc's lazy ``AsyncOutputFuture.result()``: max(ready, engine asks))."""
     stamp = state.buffer.stamp
     done_code = int(StampKind.DONE)
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         if state.enabled:
-            stamp(done_code)
+            stamp(done_code, get_ident() != state.engine_thread)
         return result
+
+    return wrapper
+
+
+def _output_init_wrapper(state: LoopState) -> Wrapper:
+    """After an async output's ``__init__`` recorded its copy-ready event: hand it to the watcher."""
+    register = state.watcher.register
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        wrapped(*args, **kwargs)
+        if state.enabled:
+            register(instance)
 
     return wrapper
 
@@ -177,11 +204,13 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
     PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
     PatchPoint("executor", "execute_model", _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
+    PatchPoint("output", "__init__", _output_init_wrapper),
     PatchPoint("output", "get_output", _done_wrapper),
     PatchPoint(
         "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
     ),
     PatchPoint("dp_sync", "has_unfinished_dp", _comm_wrapper),
+    PatchPoint("dp_sync", "sync_dp_state", _comm_wrapper),
 )
 
 
@@ -196,6 +225,10 @@ def _resolve(spec: OwnerSpec) -> type | None:
     except Exception:  # noqa: BLE001 - a missing optional class just is not patched
         return None
     return obj if isinstance(obj, type) else None
+
+
+_WRAPPED: set[tuple[type, str]] = set()
+"""(class, attribute) pairs wrapped by any instance in this process: one wrapper layer per method."""
 
 
 class EngineLoopInstrumentation:
@@ -216,13 +249,18 @@ class EngineLoopInstrumentation:
                 cls = _resolve(spec)
                 if cls is not None:
                     self._wrap(cls, point)
+        if self.installed:
+            self.state.watcher.start()
         return self.names
 
     def _wrap(self, cls: type, point: PatchPoint) -> None:
         current = vars(cls).get(point.attr)
-        if current is None or isinstance(current, wrapt.ObjectProxy):
-            return  # not defined here, or already wrapped
+        if current is None or (cls, point.attr) in _WRAPPED:
+            return  # not defined here, or already wrapped (by this or another instance)
+        # wrapt 2.x: a FunctionWrapper is not a ``wrapt.ObjectProxy`` instance, so that check let the
+        # first-step adoption wrap a second time; the registry is version-independent.
         wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
+        _WRAPPED.add((cls, point.attr))
         self.installed.append((cls, point.attr))
 
     def _adopt(self, engine: Any) -> None:
@@ -241,8 +279,10 @@ class EngineLoopInstrumentation:
     def uninstall(self) -> None:
         """Restore every wrapped attribute. Idempotent."""
         self.state.enabled = False
+        self.state.watcher.stop()
         for cls, attr in reversed(self.installed):
             unwrap(cls, attr)
+            _WRAPPED.discard((cls, attr))
         self.installed.clear()
 
     @property

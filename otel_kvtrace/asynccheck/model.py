@@ -35,6 +35,7 @@ ATTR_BATCH_QUEUE = "async.batch_queue"
 ATTR_QUEUE_DEPTH = "async.queue_depth"
 ATTR_DISPATCH_COUNT = "async.dispatch_count"
 ATTR_DONE_PRECISION = "async.done_precision"
+ATTR_DONE_BOUND_NS = "async.done_bound_ns"
 ATTR_MODE = "async.mode"
 
 # ---- OTel metric names ---------------------------------------------------------------------------------
@@ -42,10 +43,16 @@ METRIC_DISPATCH_COUNT = "async.dispatch_count"
 METRIC_QUEUE_DEPTH = "async.queue_depth"
 
 # ---- done precision ----------------------------------------------------------------------------------
+DONE_DEVICE_EVENT = "device_event"
+"""The output's copy-ready event seen complete by the watcher (bracket width in ``async.done_bound_ns``)."""
 DONE_DEVICE_READY = "device_ready"
-"""Output-ready time observed where the device result became available (``get_output`` return)."""
+"""``get_output`` returned on an output thread (it blocks until the device result is ready)."""
+DONE_ENGINE_POLL = "engine_poll"
+"""``get_output`` returned on the engine thread: max(device ready, engine asks), an upper bound."""
 DONE_ENGINE_OBSERVED = "engine_observed"
 """Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
+DONE_UPPER_BOUNDS = frozenset({DONE_ENGINE_POLL, DONE_ENGINE_OBSERVED})
+"""Precisions that bound the ready time by the engine's own poll (overlap over-, gap under-estimated)."""
 DONE_SYNCED_FORWARD = "synced_forward"
 DONE_KERNELS = "kernels"
 
