@@ -72,9 +72,9 @@ class FakeEvent:
 class FakeTensor:
     """A device tensor of sampled token ids; ``.to('cpu')`` gives the host copy (read after the event)."""
 
-    def __init__(self, rows: int = 1) -> None:
-        self.shape = (rows, 1)
-        self.rows = rows
+    def __init__(self, shape: tuple[int, ...] = (1, 1), fill: int = 7) -> None:
+        self.shape = shape
+        self.fill = fill
 
     def to(self, *args: Any, **kwargs: Any) -> FakeTensor:
         return self
@@ -82,10 +82,10 @@ class FakeTensor:
     def numpy(self) -> Any:
         import numpy as np
 
-        return np.zeros(self.shape, dtype=np.int64)
+        return np.full(self.shape, self.fill, dtype=np.int64)
 
-    def tolist(self) -> list[list[int]]:
-        return [[7] for _ in range(self.rows)]
+    def tolist(self) -> list[Any]:
+        return self.numpy().tolist()
 
 
 class _Stream:
@@ -195,7 +195,7 @@ def _mrv2_output(mods: Any, out: Any) -> Any:
     sampler_output = SimpleNamespace(sampled_token_ids=FakeTensor(), logprobs_tensors=None, num_nans=None,
                                      sampling_mask_tensors=None, num_rejected=FakeTensor())
     return _call_supported(mods.async_utils.AsyncOutput, model_runner_output=out, sampler_output=sampler_output,
-                           num_sampled_tokens=FakeTensor(), main_stream=_Stream(), copy_stream=_Stream(),
+                           num_sampled_tokens=FakeTensor((1,), 1), main_stream=_Stream(), copy_stream=_Stream(),
                            check_ep_fault=False, pending_aux_output=None)
 
 
