@@ -14,7 +14,9 @@ import logging
 import os
 import socket
 import threading
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.assemble import AssembledStep, StepAssembler
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.otlp_json import request_to_json_line
+from otel_kvtrace.export.sinks import safe_run_id
 from otel_kvtrace.record.recorder import ClockAnchor
 
 logger = logging.getLogger("otel_kvtrace")
@@ -36,6 +39,32 @@ logger = logging.getLogger("otel_kvtrace")
 DEFAULT_DIR = Path("kvtrace-data") / "async"
 SCOPE = InstrumentationScope("otel_kvtrace")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+
+
+def _weak_call(obj: Any, method: str) -> Callable[[], None]:
+    ref = weakref.WeakMethod(getattr(obj, method))
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            try:
+                bound()
+            except Exception:  # noqa: BLE001 - exporting must never take the host down
+                logger.exception("otel-kvtrace: async trace %s failed", method)
+
+    return call
+
+
+def register_at_fork(tracer: AsyncTracer) -> None:
+    """``os.register_at_fork`` for the tracer (weakly: a dropped tracer is not kept alive by it)."""
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_weak_call(tracer, "after_fork_in_child"))
+
+
+def async_trace_path(directory: str | os.PathLike[str], run_id: str, pid: int) -> Path:
+    """``{directory}/kvtrace-async-{run_id}-{pid}.jsonl``, the run id made safe for a file name (a run id
+    like ``../../x`` cannot leave ``directory``)."""
+    return Path(directory) / f"kvtrace-async-{safe_run_id(run_id)}-{pid}.jsonl"
 
 
 def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str, Any] | None = None) -> Resource:
@@ -132,16 +161,21 @@ class AsyncTracer:
         buffer: StampBuffer | None = None,
         anchor: ClockAnchor | None = None,
         meter_provider: metrics.MeterProvider | None = None,
+        path_for_pid: Callable[[int], Path] | None = None,
     ) -> None:
         self.buffer = buffer if buffer is not None else StampBuffer()
         self.anchor = anchor if anchor is not None else ClockAnchor.take(self.buffer.clock)
         self.path = path
         self.resource = resource
         self.lane = f"{resource.attributes.get('kvtrace.run_id', 'run')}/pid{resource.attributes.get('process.pid', 0)}"
+        self._path_for_pid = path_for_pid
         self._assembler = StepAssembler()
         self._lock = threading.Lock()  # flushes only: the hot path never takes it
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._interval_s = 2.0
+        self._fork_hooks = False
+        self._shut = False
         self.steps_written = 0
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace")
         self._dispatch_counter = meter.create_counter(
@@ -173,11 +207,45 @@ class AsyncTracer:
             fh.write(request_to_json_line(encode_spans(spans)))
 
     def start(self, interval_s: float = 2.0) -> None:
-        """Flush every ``interval_s`` from a daemon thread until ``shutdown``."""
+        """Flush every ``interval_s`` from a daemon thread until ``shutdown``; follow forks.
+
+        A forked child (vLLM's engine-core process when the plugin ran in the parent) inherits the patches
+        and this buffer but not the thread: ``after_fork_in_child`` starts a fresh one writing the child's
+        own file. multiprocessing children leave through ``os._exit``, past ``atexit``, so the final flush
+        is also registered as a multiprocessing finalizer (run by ``Process._bootstrap`` before it exits).
+        """
         if self._thread is not None:
             return
+        self._interval_s = interval_s
         self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="kvtrace-async-export", daemon=True)
         self._thread.start()
+        if not self._fork_hooks:
+            self._fork_hooks = True
+            register_at_fork(self)
+            # a multiprocessing child clears inherited finalizers first, then runs the after-fork hooks
+            mp_util.register_after_fork(self, AsyncTracer._register_exit_flush)
+        self._register_exit_flush()
+
+    def _register_exit_flush(self) -> None:
+        mp_util.Finalize(None, _weak_call(self, "shutdown"), exitpriority=10)
+
+    def after_fork_in_child(self) -> None:
+        """The parent's stamps and half-assembled steps are not this process's: start clean."""
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        self.buffer.drain(settle_s=0)
+        self._assembler = StepAssembler()
+        pid = os.getpid()
+        attrs = dict(self.resource.attributes)
+        attrs["process.pid"] = pid
+        self.resource = Resource(attrs)
+        self.lane = f"{attrs.get('kvtrace.run_id', 'run')}/pid{pid}"
+        if self._path_for_pid is not None:
+            self.path = self._path_for_pid(pid)
+        self.steps_written = 0
+        if not self._shut:
+            self.start(self._interval_s)
 
     def _loop(self, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
@@ -188,6 +256,7 @@ class AsyncTracer:
 
     def shutdown(self, timeout_s: float = 5.0) -> None:
         """Stop the flusher and write what is left. Idempotent."""
+        self._shut = True
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout_s)

@@ -31,7 +31,7 @@ import wrapt
 from opentelemetry.instrumentation.utils import unwrap
 
 from otel_kvtrace import config
-from otel_kvtrace.asynccheck.export import DEFAULT_DIR, AsyncTracer, default_resource
+from otel_kvtrace.asynccheck.export import AsyncTracer, async_trace_path, default_resource
 from otel_kvtrace.asynccheck.ready import ReadyWatcher
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
 
@@ -249,8 +249,6 @@ class EngineLoopInstrumentation:
                 cls = _resolve(spec)
                 if cls is not None:
                     self._wrap(cls, point)
-        if self.installed:
-            self.state.watcher.start()
         return self.names
 
     def _wrap(self, cls: type, point: PatchPoint) -> None:
@@ -309,11 +307,18 @@ def _versions() -> dict[str, str]:
 _ACTIVE: tuple[EngineLoopInstrumentation, AsyncTracer] | None = None
 
 
-def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation | None:
+def default_out_dir() -> Path:
+    """``{OTEL_KVTRACE_DATA_DIR or ./kvtrace-data}/async``."""
+    return Path(config.data_dir()) / "async"
+
+
+def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation | None:
     """Turn engine-loop tracing on when ``OTEL_KVTRACE_ENABLED=1`` and vLLM is importable.
 
-    Called from the vLLM plugin entry point. Writes ``{out_dir}/kvtrace-async-{run_id}-{pid}.jsonl``;
-    ``OTEL_KVTRACE_ASYNC=0`` turns just this part off. Any failure logs and leaves vLLM untouched.
+    Called from the vLLM plugin entry point. Writes ``{out_dir}/kvtrace-async-{run_id}-{pid}.jsonl``
+    (``out_dir`` defaults to ``default_out_dir()``; the run id is made file-name safe); a forked child
+    writes its own file. ``OTEL_KVTRACE_ASYNC=0`` turns just this part off. Any failure logs and leaves
+    vLLM untouched; what is on is logged once.
     """
     global _ACTIVE
     if _ACTIVE is not None:
@@ -323,15 +328,23 @@ def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation |
     if importlib.util.find_spec("vllm") is None:
         return None
     try:
+        directory = Path(out_dir) if out_dir is not None else default_out_dir()
         run_id = _run_id()
         resource = default_resource(run_id=run_id, source="upstream", label="engine-loop", extra=_versions())
-        tracer = AsyncTracer(path=Path(out_dir) / f"kvtrace-async-{run_id}-{os.getpid()}.jsonl", resource=resource)
+        tracer = AsyncTracer(path=async_trace_path(directory, run_id, os.getpid()), resource=resource,
+                             path_for_pid=lambda pid: async_trace_path(directory, run_id, pid))
         inst = EngineLoopInstrumentation(tracer.buffer)
-        if not inst.install():
+        names = inst.install()
+        if not names:
+            logger.info("otel-kvtrace: engine-loop tracing off: no vLLM engine-loop class found to patch")
             return None
         tracer.start()
         atexit.register(tracer.shutdown)
+        if hasattr(os, "register_at_fork"):
+            os.register_at_fork(after_in_child=inst.state.watcher.after_fork)
         _ACTIVE = (inst, tracer)
+        logger.info("otel-kvtrace: engine-loop tracing on (pid %d): %d methods patched, traces in %s",
+                    os.getpid(), len(names), tracer.path.parent)
         return inst
     except Exception:  # noqa: BLE001 - instrumentation failures disable tracing, never the host
         logger.exception("otel-kvtrace: engine-loop instrumentation disabled")

@@ -52,6 +52,8 @@ class ReadyWatcher:
             if event is not None:
                 if len(self.pending) < MAX_PENDING and not self.failed:
                     self.pending.append((event, self.buffer.clock()))
+                    if self._thread is None:  # once per process: processes that make no outputs stay idle
+                        self.start()
                 return
 
     def start(self) -> None:
@@ -61,10 +63,9 @@ class ReadyWatcher:
             self._thread.start()
 
     def after_fork(self) -> None:
-        """In a forked child: the parent's events are not ours; start a fresh thread."""
+        """In a forked child: the parent's events are not ours; the next output starts a fresh thread."""
         self.pending.clear()
         self._thread = None
-        self.start()
 
     def stop(self, timeout_s: float = 1.0) -> None:
         self._stop.set()

@@ -93,9 +93,14 @@ def test_sync_loop_is_not_effective(vllm: Any, tmp_path: Path, executor: str) ->
     result, gaps, _ = run_scenario(vllm, tmp_path, executor=executor, async_loop=False)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("synchronous loop" in r for r in result.reasons)
-    # MultiprocExecutor adds the engine->worker message latency before the device starts: the gap,
-    # measured to the engine's launch start, under-reads the device idle by it (docs/async_check.md)
-    assert_gap(result, gaps, GAP_TOLERANCE if executor != "multiproc" else 0.25)
+    if executor != "multiproc":
+        assert_gap(result, gaps)
+    else:
+        # MultiprocExecutor adds the engine->worker message latency (machine-load dependent) before the
+        # device starts: the gap, measured to the engine's launch start, is then a lower bound of the
+        # device idle (docs/async_check.md); it must never over-read it
+        truth, measured = statistics.median(gaps), result.metrics.gap_p50_ms
+        assert measured is not None and 0.5 * truth <= measured <= (1 + GAP_TOLERANCE) * truth, (measured, truth)
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded"])
