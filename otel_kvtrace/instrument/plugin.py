@@ -184,6 +184,18 @@ def _remove_hook() -> None:
         _hook = None
 
 
+def _log_kv_pool_off(engine_loop_on: bool) -> None:
+    """Plain vLLM: say once what is on. Only a process with nothing traced gets a warning."""
+    global _attempted
+    _attempted = True
+    if engine_loop_on:
+        logger.info("otel-kvtrace: KV-pool tracing off (vllm_ascend is not importable); engine-loop "
+                    "(async-scheduling) tracing is on (pid %d)", os.getpid())
+    else:
+        logger.warning("otel-kvtrace: tracing off: vllm_ascend is not importable (no KV-pool tracing) and "
+                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0)")
+
+
 def register() -> None:
     """vLLM general-plugin hook: instrument this process when ``OTEL_KVTRACE_ENABLED=1``.
 
@@ -197,13 +209,13 @@ def register() -> None:
             return
         from otel_kvtrace.asynccheck.instrument import install_from_env
 
-        install_from_env()  # idempotent, never raises, no-op without vllm
+        engine_loop = install_from_env()  # idempotent, never raises, no-op without vllm; logs when on
         if _session is not None or _attempted:
             return
         if WATCHED_MODULE in sys.modules:
             ensure_started()
         elif not _importable("vllm_ascend"):
-            ensure_started()  # logs once why tracing stays off
+            _log_kv_pool_off(engine_loop is not None)
         else:
             _install_hook()
     except Exception as exc:  # never break vLLM's plugin loading

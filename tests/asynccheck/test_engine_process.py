@@ -38,3 +38,28 @@ def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str) -> None
     result = analysis.check(files)
     assert result.metrics.steps >= STEPS
     assert result.verdict == analysis.EFFECTIVE, result.reasons
+
+
+PLAIN_VLLM = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from tests.asynccheck import vllm_engine as ve
+from tests.asynccheck.vllm_src import vllm_modules
+from otel_kvtrace.instrument import plugin
+with vllm_modules("0.33.0", ve.setup_torch):
+    plugin.register()
+    plugin.register()
+"""
+
+
+def test_plugin_on_plain_vllm_says_engine_loop_tracing_is_on(tmp_path: Path) -> None:
+    vllm_source("0.33.0")
+    env = dict(os.environ, OTEL_KVTRACE_ENABLED="1", OTEL_KVTRACE_DATA_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", PLAIN_VLLM], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "otel-kvtrace" in ln]
+    assert not [ln for ln in lines if ln.startswith("WARNING")], lines
+    on = [ln for ln in lines if "engine-loop tracing on" in ln]
+    assert len(on) == 1 and f"traces in {tmp_path / 'async'}" in on[0], lines
+    assert len([ln for ln in lines if "KV-pool tracing off" in ln]) == 1, lines
