@@ -89,7 +89,9 @@ class StepAssembler:
         sb, se = q[StampKind.SCHED_BEGIN].popleft(), q[StampKind.SCHED_END].popleft()
         lb, le = q[StampKind.LAUNCH_BEGIN].popleft(), q[StampKind.LAUNCH_END].popleft()
         ub, ue = q[StampKind.UPDATE_BEGIN].popleft(), q[StampKind.UPDATE_END].popleft()
-        done, precision, bound = self._match_done(lb.t, ub.t)
+        next_launch = q[StampKind.LAUNCH_BEGIN][0].t if q[StampKind.LAUNCH_BEGIN] else ub.t
+        launch_end = max(le.t, self._match_sample(lb.t, min(ub.t, next_launch)))
+        done, precision, bound = self._match_done(lb.t, ub.t, next_launch)
         in_flight = 1 + sum(1 for d in self._recent_done if d > lb.t)
         self._recent_done.append(done)
         step = self._next_step
@@ -98,7 +100,7 @@ class StepAssembler:
         return AssembledStep(
             step=step,
             schedule=(sb.t, se.t),
-            launch=(lb.t, le.t),
+            launch=(lb.t, launch_end),
             update=(ub.t, ue.t),
             done=done,
             done_precision=precision,
@@ -110,12 +112,25 @@ class StepAssembler:
             comm=[(s.t, s.a) for s in device if s.kind == StampKind.COMM],
         )
 
-    def _match_done(self, launch_begin: int, update_begin: int) -> tuple[int, str, int]:
+    def _match_sample(self, launch_begin: int, before: int) -> int:
+        """End of this step's ``sample_tokens`` (0 if none): the first one starting after the launch and
+        before the next step's launch (a step with nothing scheduled samples nothing)."""
+        begins, ends = self._q[StampKind.SAMPLE_BEGIN], self._q[StampKind.SAMPLE_END]
+        while begins and ends and begins[0].t < launch_begin:
+            begins.popleft()
+            ends.popleft()
+        if begins and ends and begins[0].t <= before:
+            begins.popleft()
+            return ends.popleft().t
+        return 0
+
+    def _match_done(self, launch_begin: int, update_begin: int, next_launch: int) -> tuple[int, str, int]:
         best, precision, bound = update_begin, DONE_ENGINE_OBSERVED, 0
         get_output = self._first_between(StampKind.DONE, launch_begin, update_begin, lambda s: s.t)
         if get_output is not None:
             best, precision = get_output.t, DONE_DEVICE_READY if get_output.a else DONE_ENGINE_POLL
-        ready = self._first_between(StampKind.READY, launch_begin, update_begin, lambda s: s.b)
+        # registered (created) before the next step's launch: otherwise it is that step's output
+        ready = self._first_between(StampKind.READY, launch_begin, min(update_begin, next_launch), lambda s: s.b)
         if ready is not None and ready.t <= best:
             best, precision, bound = ready.t, DONE_DEVICE_EVENT, ready.t - ready.a
         elif ready is not None and precision == DONE_ENGINE_POLL:

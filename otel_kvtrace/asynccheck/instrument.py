@@ -72,7 +72,7 @@ class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
     __slots__ = (
-        "buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted", "step",
+        "buffer", "batch_queue", "in_schedule", "in_launch", "in_sample", "in_update", "enabled", "adopt", "adopted", "step",
         "engine_thread", "watcher",
     )
 
@@ -83,6 +83,7 @@ class LoopState:
         self.batch_queue = 0
         self.in_schedule = False
         self.in_launch = False
+        self.in_sample = False
         self.in_update = False
         self.enabled = True
         self.adopt: Callable[[Any], None] = lambda engine: None
@@ -204,6 +205,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
     PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
     PatchPoint("executor", "execute_model", _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
+    # since vLLM 0.23 execute_model's future resolves to None and sampling is launched by sample_tokens
+    PatchPoint("executor", "sample_tokens", _phase_wrapper("in_sample", StampKind.SAMPLE_BEGIN, StampKind.SAMPLE_END)),
     PatchPoint("output", "__init__", _output_init_wrapper),
     PatchPoint("output", "get_output", _done_wrapper),
     PatchPoint(

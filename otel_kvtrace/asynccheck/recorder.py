@@ -33,6 +33,8 @@ class StampKind(IntEnum):
     UPDATE_END = 7
     COMPUTE = 8
     COMM = 9
+    SAMPLE_BEGIN = 11  # Executor.sample_tokens (the sampling launch since vLLM 0.23; part of the host launch)
+    SAMPLE_END = 12
     READY = 10  # t = first query() true, a = last query() false (or registration), b = registration time
 
 

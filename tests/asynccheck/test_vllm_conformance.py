@@ -29,6 +29,7 @@ STEPS = 50
 GAP_TOLERANCE = 0.10
 HOST_BOUND = ve.Timing(schedule_s=0.004, forward_s=0.003, update_s=0.002)
 SERIALISED = ve.Timing(blocking_launch=True)
+SERIALISED_IN_SAMPLE = ve.Timing(blocking_sample=True)
 
 
 @pytest.fixture(scope="module", params=VERSIONS)
@@ -128,6 +129,14 @@ def test_serialised_launch_is_not_effective_launch_waited(vllm: Any, tmp_path: P
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
     # the output event is recorded after the blocking launch returned, so the watcher's bracket starts
     # late by the launch's own return path: a wider tolerance, see docs/async_check.md
+    assert_gap(result, gaps, 0.15)
+
+
+def test_blocking_in_sample_tokens_is_a_launch_that_waited(vllm: Any, tmp_path: Path) -> None:
+    """execute_model's future resolves to None; sampling is launched by sample_tokens, part of the launch."""
+    result, gaps, _ = run_scenario(vllm, tmp_path, executor="uniproc", async_loop=True, timing=SERIALISED_IN_SAMPLE)
+    assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
+    assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
     assert_gap(result, gaps, 0.15)
 
 

@@ -110,6 +110,7 @@ class Timing:
     forward_s: float = 0.006
     update_s: float = 0.001
     blocking_launch: bool = False  # the launch synchronizes the device (ASCEND_LAUNCH_BLOCKING-like)
+    blocking_sample: bool = False  # sample_tokens synchronizes it (a host read of device data there)
 
 
 class FakeScheduler:
@@ -170,8 +171,9 @@ class FakeWorker:
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=None, logprobs=None,
                               prompt_logprobs_dict={}, prompt_token_id_logprobs_dict={})
+        if not self.async_output or self.timing.blocking_sample:
+            DEVICE.synchronize()  # sync: GPUModelRunner's .tolist() on the sampled ids
         if not self.async_output:
-            DEVICE.synchronize()  # GPUModelRunner's .tolist() on the sampled ids
             out.sampled_token_ids = [[7]]
             return out
         if self.output_kind == "mrv2":
