@@ -49,6 +49,17 @@ class AssembledStep:
     comm: list[tuple[int, int]] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class OutputReady:
+    """One async output of a process without an engine loop (recorder clock ns)."""
+
+    seq: int
+    created: int
+    done: int
+    done_precision: str
+    done_bound_ns: int = 0
+
+
 class StepAssembler:
     """Matches stamps by ordinal; keeps incomplete steps until their update ends."""
 
@@ -57,6 +68,8 @@ class StepAssembler:
         self._device: dict[int, list[Stamp]] = {}
         self._next_step = 0
         self._recent_done: deque[int] = deque(maxlen=_RECENT_DONE)
+        self._engine_seen = False
+        self._next_output = 0
 
     def feed(self, stamps: Iterable[Stamp]) -> list[AssembledStep]:
         """Add stamps; return the steps completed so far, in step order."""
@@ -66,6 +79,8 @@ class StepAssembler:
                     self._device.setdefault(s.b, []).append(s)
             else:
                 self._q[s.kind].append(s)
+                if s.kind == StampKind.LAUNCH_BEGIN:
+                    self._engine_seen = True
         out: list[AssembledStep] = []
         q = self._q
         needed = (
@@ -79,6 +94,33 @@ class StepAssembler:
         while all(q[k] for k in needed):
             out.append(self._pop_step())
         return out
+
+    def orphan_outputs(self) -> list[OutputReady]:
+        """Outputs of a process that runs no engine loop (never saw a launch): a ``MultiprocExecutor``
+        worker. Its ``get_output`` runs on ``WorkerAsyncOutputCopy`` (device_ready) and its copy-ready
+        events are watched (device_event); the k-th of each is the k-th output. A watched output waits
+        one flush for its ``get_output``; ``get_output`` alone is emitted at once."""
+        if self._engine_seen:
+            return []
+        ready, got = self._q[StampKind.READY], self._q[StampKind.DONE]
+        out: list[OutputReady] = []
+        while got:
+            d = got.popleft()
+            precision = DONE_DEVICE_READY if d.a else DONE_ENGINE_POLL
+            if ready:
+                r = ready.popleft()
+                if r.t <= d.t:
+                    out.append(self._output(r.b, r.t, DONE_DEVICE_EVENT, r.t - r.a))
+                    continue
+                out.append(self._output(r.b, d.t, precision if d.a else DONE_DEVICE_EVENT, max(0, d.t - r.a)))
+                continue
+            out.append(self._output(d.t, d.t, precision))
+        return out
+
+    def _output(self, created: int, done: int, precision: str, bound: int = 0) -> OutputReady:
+        seq = self._next_output
+        self._next_output += 1
+        return OutputReady(seq, min(created, done), done, precision, bound)
 
     @property
     def pending_steps(self) -> int:

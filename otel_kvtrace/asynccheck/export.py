@@ -28,7 +28,7 @@ from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck.assemble import AssembledStep, StepAssembler
+from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.otlp_json import request_to_json_line
 from otel_kvtrace.export.sinks import safe_run_id
@@ -128,6 +128,16 @@ def build_step_spans(
     return spans
 
 
+def build_output_span(output: OutputReady, *, anchor: ClockAnchor, resource: Resource, lane: str) -> ReadableSpan:
+    """One ``output_ready`` root span: [output created, output ready] in a worker process."""
+    trace_id, span_id = _ids(f"{lane}/o{output.seq}")
+    ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+    attrs = {m.ATTR_OUTPUT_SEQ: output.seq, m.ATTR_DONE_PRECISION: output.done_precision,
+             m.ATTR_DONE_BOUND_NS: output.done_bound_ns}
+    return _span(m.OUTPUT_READY, ctx, None, resource, attrs, anchor.to_epoch(output.created),
+                 anchor.to_epoch(output.done))
+
+
 def _span(
     name: str,
     ctx: SpanContext,
@@ -186,18 +196,20 @@ class AsyncTracer:
         )
 
     def flush(self, settle_s: float = 0.001) -> int:
-        """Export every completed step; return how many were written."""
+        """Export every completed step (and, in a process without an engine loop, every output)."""
         with self._lock:
             steps = self._assembler.feed(self.buffer.drain(settle_s))
-            if not steps:
+            outputs = self._assembler.orphan_outputs()
+            if not steps and not outputs:
                 return 0
-            self._write(steps)
+            self._write(steps, outputs)
             self.steps_written += len(steps)
-            return len(steps)
+            return len(steps) + len(outputs)
 
-    def _write(self, steps: Sequence[AssembledStep]) -> None:
+    def _write(self, steps: Sequence[AssembledStep], outputs: Sequence[OutputReady] = ()) -> None:
         dropped = self.buffer.dropped
-        spans: list[ReadableSpan] = []
+        spans: list[ReadableSpan] = [build_output_span(o, anchor=self.anchor, resource=self.resource, lane=self.lane)
+                                     for o in outputs]
         for step in steps:
             spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped)
             self._dispatch_counter.add(1)

@@ -343,8 +343,6 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
             return None
         tracer.start()
         atexit.register(tracer.shutdown)
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=inst.state.watcher.after_fork)
         _ACTIVE = (inst, tracer)
         logger.info("otel-kvtrace: engine-loop tracing on (pid %d): %d methods patched, traces in %s",
                     os.getpid(), len(names), tracer.path.parent)

@@ -20,7 +20,12 @@ COMPUTE = "compute"
 FORWARD = "forward"
 """A device-synchronised forward window (MindIE sync mode, msServiceProfiler's vLLM hooks)."""
 
+OUTPUT_READY = "output_ready"
+"""Root span of a process that creates async outputs but runs no engine loop (a ``MultiprocExecutor``
+worker): [output created, output ready]; joined to the engine's steps by time at analysis."""
+
 STEP_CHILD_SPANS: tuple[str, ...] = (
+    OUTPUT_READY,
     BATCH_SCHEDULE,
     MODEL_EXECUTE,
     EXECUTE_DONE,
@@ -36,6 +41,7 @@ ATTR_QUEUE_DEPTH = "async.queue_depth"
 ATTR_DISPATCH_COUNT = "async.dispatch_count"
 ATTR_DONE_PRECISION = "async.done_precision"
 ATTR_DONE_BOUND_NS = "async.done_bound_ns"
+ATTR_OUTPUT_SEQ = "async.output_seq"
 ATTR_MODE = "async.mode"
 
 # ---- OTel metric names ---------------------------------------------------------------------------------

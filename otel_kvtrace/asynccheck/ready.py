@@ -14,7 +14,9 @@ GIL it widens up to ``sys.getswitchinterval()``, and the exporter carries its wi
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 import time
 from collections import deque
 from typing import Any
@@ -43,6 +45,7 @@ class ReadyWatcher:
         self.pending: deque[tuple[Any, int]] = deque()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._fork_hook = False
         self.failed = False
 
     def register(self, output: Any) -> None:
@@ -58,6 +61,10 @@ class ReadyWatcher:
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():
+            if self._thread is None and hasattr(os, "register_at_fork") and not self._fork_hook:
+                self._fork_hook = True
+                ref = weakref.WeakMethod(self.after_fork)
+                os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._run, name="kvtrace-async-ready", daemon=True)
             self._thread.start()
