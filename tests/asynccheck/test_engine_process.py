@@ -63,3 +63,31 @@ def test_plugin_on_plain_vllm_says_engine_loop_tracing_is_on(tmp_path: Path) -> 
     on = [ln for ln in lines if "engine-loop tracing on" in ln]
     assert len(on) == 1 and f"traces in {tmp_path / 'async'}" in on[0], lines
     assert len([ln for ln in lines if "KV-pool tracing off" in ln]) == 1, lines
+
+
+def _wrapt_1(version: str = "1.17.3") -> Path:
+    """wrapt 1.x installed next to the venv (cached), put first on ``PYTHONPATH`` by the test."""
+    target = Path(sys.prefix) / "kvtrace-cache" / f"wrapt-{version}"
+    if not (target / "wrapt").is_dir():
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
+                               f"wrapt=={version}"], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-1500:]
+    return target
+
+
+@pytest.mark.parametrize("wrapt_major", ["1", "2"])
+def test_one_wrapper_layer_per_method_under_wrapt_1_and_2(wrapt_major: str) -> None:
+    import json
+
+    vllm_source("0.33.0")
+    env = dict(os.environ)
+    if wrapt_major == "1":
+        env["PYTHONPATH"] = os.pathsep.join([str(_wrapt_1()), str(REPO)])
+    proc = subprocess.run([sys.executable, "-m", "tests.asynccheck.wrapt_layers"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report["wrapt"].startswith(wrapt_major + ".")
+    assert report["layers"]["MultiprocExecutor.execute_model"] == 1
+    assert set(report["layers"].values()) == {1}, report["layers"]
+    assert report["comm_per_call"] == 1
