@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -32,6 +31,7 @@ from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAss
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.otlp_json import request_to_json_line
 from otel_kvtrace.export.sinks import safe_run_id
+from otel_kvtrace.export.worker import build_resource
 from otel_kvtrace.record.recorder import ClockAnchor
 
 logger = logging.getLogger("otel_kvtrace")
@@ -68,17 +68,11 @@ def async_trace_path(directory: str | os.PathLike[str], run_id: str, pid: int) -
 
 
 def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str, Any] | None = None) -> Resource:
-    """Resource attributes of an async trace file (see docs/async_check.md)."""
-    attrs: dict[str, Any] = {
-        "service.name": os.environ.get("OTEL_SERVICE_NAME", "kvtrace"),
-        "kvtrace.run_id": run_id,
-        "kvtrace.source": source,
-        "kvtrace.cfg.label": label,
-        "process.pid": os.getpid(),
-        "host.name": socket.gethostname(),
-    }
+    """Resource of an async trace file: the KV exporter's (``export.build_resource``: service name,
+    ``OTEL_RESOURCE_ATTRIBUTES``, pid, host) plus the source and label (see docs/async_check.md)."""
+    attrs: dict[str, Any] = {"kvtrace.run_id": run_id, "kvtrace.source": source, "kvtrace.cfg.label": label}
     attrs.update(extra or {})
-    return Resource(attrs)
+    return Resource(build_resource(attrs))
 
 
 def _ids(key: str) -> tuple[int, int]:
