@@ -19,7 +19,9 @@ from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
 
+import orjson
 from opentelemetry import metrics
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan
@@ -30,7 +32,7 @@ from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.otlp_json import request_to_json_line
-from otel_kvtrace.export.sinks import safe_run_id
+from otel_kvtrace.export.sinks import SpanSink, safe_run_id
 from otel_kvtrace.export.worker import build_resource
 from otel_kvtrace.record.recorder import ClockAnchor
 
@@ -166,6 +168,7 @@ class AsyncTracer:
         anchor: ClockAnchor | None = None,
         meter_provider: metrics.MeterProvider | None = None,
         path_for_pid: Callable[[int], Path] | None = None,
+        sink: SpanSink | None = None,
     ) -> None:
         self.buffer = buffer if buffer is not None else StampBuffer()
         self.anchor = anchor if anchor is not None else ClockAnchor.take(self.buffer.clock)
@@ -173,6 +176,8 @@ class AsyncTracer:
         self.resource = resource
         self.lane = f"{resource.attributes.get('kvtrace.run_id', 'run')}/pid{resource.attributes.get('process.pid', 0)}"
         self._path_for_pid = path_for_pid
+        self.sink = sink  # an OTLP sink of the shared exporter (``export.create_sink``), else the file
+        self.failed_batches = 0
         self._assembler = StepAssembler()
         self._lock = threading.Lock()  # flushes only: the hot path never takes it
         self._stop = threading.Event()
@@ -208,9 +213,26 @@ class AsyncTracer:
             spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped)
             self._dispatch_counter.add(1)
             self._depth_histogram.record(step.queue_depth)
+        line = request_to_json_line(encode_spans(spans))
+        if self.sink is not None:
+            self._send(line, dropped)
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as fh:
-            fh.write(request_to_json_line(encode_spans(spans)))
+            fh.write(line)
+
+    def _send(self, line: bytes, dropped: int) -> None:
+        """To the shared OTLP sink (it adds the resource, and retries, compresses, ... as configured)."""
+        texts = [orjson.dumps(span).decode()
+                 for rs in orjson.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for span in ss["spans"]]
+        ok = False
+        try:
+            with suppress_instrumentation():
+                ok = bool(self.sink.export(texts, dropped))
+        except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
+            logger.debug("otel-kvtrace: async trace export failed: %r", exc)
+        if not ok:
+            self.failed_batches += 1
 
     def start(self, interval_s: float = 2.0) -> None:
         """Flush every ``interval_s`` from a daemon thread until ``shutdown``; follow forks.
@@ -268,3 +290,8 @@ class AsyncTracer:
             self._thread.join(timeout_s)
             self._thread = None
         self.flush()
+        if self.sink is not None:
+            try:
+                self.sink.shutdown()
+            except Exception as exc:  # noqa: BLE001
+                logger.debug("otel-kvtrace: async sink shutdown failed: %r", exc)

@@ -34,6 +34,7 @@ from otel_kvtrace import config
 from otel_kvtrace.asynccheck.export import AsyncTracer, async_trace_path, default_resource
 from otel_kvtrace.asynccheck.ready import ReadyWatcher
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
+from otel_kvtrace.export.worker import create_sink
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -334,8 +335,10 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
         directory = Path(out_dir) if out_dir is not None else default_out_dir()
         run_id = _run_id()
         resource = default_resource(run_id=run_id, source="upstream", label="engine-loop", extra=_versions())
+        # with an OTLP endpoint configured, the spans go where the KV spans go (the shared sinks)
+        sink = create_sink(dict(resource.attributes)) if config.otlp_endpoint() and not config.sdk_disabled() else None
         tracer = AsyncTracer(path=async_trace_path(directory, run_id, os.getpid()), resource=resource,
-                             path_for_pid=lambda pid: async_trace_path(directory, run_id, pid))
+                             path_for_pid=lambda pid: async_trace_path(directory, run_id, pid), sink=sink)
         inst = EngineLoopInstrumentation(tracer.buffer)
         names = inst.install()
         if not names:
@@ -344,8 +347,9 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
         tracer.start()
         atexit.register(tracer.shutdown)
         _ACTIVE = (inst, tracer)
+        where = getattr(sink, "endpoint", None) or "OTLP" if sink is not None else tracer.path.parent
         logger.info("otel-kvtrace: engine-loop tracing on (pid %d): %d methods patched, traces in %s",
-                    os.getpid(), len(names), tracer.path.parent)
+                    os.getpid(), len(names), where)
         return inst
     except Exception:  # noqa: BLE001 - instrumentation failures disable tracing, never the host
         logger.exception("otel-kvtrace: engine-loop instrumentation disabled")

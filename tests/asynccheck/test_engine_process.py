@@ -19,6 +19,8 @@ from .engine_process import STEPS
 from .vllm_src import vllm_source
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "export"))  # the exporter tests' loopback OTLP receiver
+from test_export_otlp import http_receiver  # noqa: E402,F401 - a fixture
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
@@ -91,3 +93,33 @@ def test_one_wrapper_layer_per_method_under_wrapt_1_and_2(wrapt_major: str) -> N
     assert report["layers"]["MultiprocExecutor.execute_model"] == 1
     assert set(report["layers"].values()) == {1}, report["layers"]
     assert report["comm_per_call"] == 1
+
+
+ENGINE_IN_PROCESS = """
+from tests.asynccheck import vllm_engine as ve
+from tests.asynccheck.vllm_src import vllm_modules
+from otel_kvtrace.asynccheck import instrument
+with vllm_modules("0.33.0", ve.setup_torch) as mods:
+    assert instrument.install_from_env() is not None
+    timing = ve.Timing()
+    ex = ve.make_executor(mods, "uniproc", timing, True)
+    ve.run_engine(ve.make_engine(mods, async_loop=True, executor=ex, scheduler=ve.FakeScheduler(12, timing)))
+    instrument._ACTIVE[1].shutdown()
+"""
+
+
+def test_otlp_endpoint_sends_engine_loop_spans_through_the_shared_sink(tmp_path: Path, http_receiver) -> None:
+    endpoint, received = http_receiver
+    vllm_source("0.33.0")
+    env = dict(os.environ, OTEL_KVTRACE_ENABLED="1", OTEL_KVTRACE_DATA_DIR=str(tmp_path),
+               OTEL_EXPORTER_OTLP_ENDPOINT=endpoint, OTEL_EXPORTER_OTLP_PROTOCOL="http/protobuf",
+               OTEL_KVTRACE_RUN_ID="otlp-async")
+    proc = subprocess.run([sys.executable, "-c", ENGINE_IN_PROCESS], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = [s.name for s in received.spans()]
+    assert names.count("kvtrace.async.step") >= 12
+    assert "execute_done" in names and "model_execute" in names
+    resource = {kv.key: kv.value.string_value for kv in received.requests[0].resource_spans[0].resource.attributes}
+    assert resource["kvtrace.run_id"] == "otlp-async" and resource["kvtrace.cfg.label"] == "engine-loop"
+    assert not list(tmp_path.rglob("*.jsonl"))  # the endpoint replaces the local file, as for KV traces
