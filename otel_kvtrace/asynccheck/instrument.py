@@ -354,3 +354,13 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
     except Exception:  # noqa: BLE001 - instrumentation failures disable tracing, never the host
         logger.exception("otel-kvtrace: engine-loop instrumentation disabled")
         return None
+
+
+def uninstall_active() -> None:
+    """Undo ``install_from_env`` (flush, unwrap); the next ``install_from_env`` starts afresh."""
+    global _ACTIVE
+    active, _ACTIVE = _ACTIVE, None
+    if active is not None:
+        inst, tracer = active
+        inst.uninstall()
+        tracer.shutdown()

@@ -102,6 +102,9 @@ def stop() -> None:
     """Shut the process's session down (uninstrument + flush) and allow a new start."""
     global _session, _attempted
     _remove_hook()
+    from otel_kvtrace.asynccheck.instrument import uninstall_active
+
+    uninstall_active()  # the engine-loop part register() turned on
     with _lock:
         session, _session, _attempted = _session, None, False
     if session is not None:

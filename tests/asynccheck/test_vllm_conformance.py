@@ -48,7 +48,8 @@ def owners(mods: Any) -> dict[str, tuple[type, ...]]:
         "engine": (mods.core.EngineCore,),
         "executor": (mods.abstract.Executor, mods.uniproc_executor.UniProcExecutor,
                      mods.multiproc_executor.MultiprocExecutor),
-        "output": (mods.gpu_model_runner.AsyncGPUModelRunnerOutput, mods.async_utils.AsyncOutput),
+        "output": (mods.gpu_model_runner.AsyncGPUModelRunnerOutput, mods.async_utils.AsyncOutput,
+                   mods.gpu_model_runner.AsyncGPUPoolingModelRunnerOutput, mods.async_utils.AsyncPoolingOutput),
         "dp_sync": (mods.parallel.ParallelConfig,),
     }
 
@@ -68,7 +69,7 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
     tracer.start()
     ex = ve.make_executor(mods, executor, timing, async_loop, output_kind)
     try:
-        ve.run_engine(ve.make_engine(mods, async_loop=async_loop, executor=ex,
+        ve.run_engine(ve.make_engine(mods, async_loop=async_loop, executor=ex, pooling="pool" in output_kind,
                                      scheduler=ve.FakeScheduler(STEPS, timing)))
     finally:
         ex.stop()
@@ -109,7 +110,7 @@ def test_sync_loop_is_not_effective(vllm: Any, tmp_path: Path, executor: str) ->
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded"])
-@pytest.mark.parametrize("output_kind", ["v1", "mrv2"])
+@pytest.mark.parametrize("output_kind", ["v1", "mrv2", "pool", "mrv2-pool"])
 def test_async_loop_is_effective_with_device_ready_times(vllm: Any, tmp_path: Path, executor: str,
                                                          output_kind: str) -> None:
     result, gaps, precisions = run_scenario(vllm, tmp_path, executor=executor, async_loop=True,
@@ -124,7 +125,7 @@ def test_async_loop_is_effective_with_device_ready_times(vllm: Any, tmp_path: Pa
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded"])
-@pytest.mark.parametrize("output_kind", ["v1", "mrv2"])
+@pytest.mark.parametrize("output_kind", ["v1", "mrv2", "pool", "mrv2-pool"])
 def test_serialised_launch_is_not_effective_launch_waited(vllm: Any, tmp_path: Path, executor: str,
                                                            output_kind: str) -> None:
     result, gaps, _ = run_scenario(vllm, tmp_path, executor=executor, async_loop=True, timing=SERIALISED,
@@ -224,3 +225,13 @@ def test_dp_sync_calls_are_one_communication_interval_each(vllm: Any) -> None:
         inst.uninstall()
     comms = [s for s in buffer.drain(settle_s=0) if s.kind == StampKind.COMM]
     assert len(comms) == 2
+
+
+def test_the_plugin_owner_table_names_the_real_classes(vllm: Any) -> None:
+    """``VLLM_OWNERS`` (what the plugin patches) resolves to the released classes these tests run."""
+    from otel_kvtrace.asynccheck.instrument import VLLM_OWNERS, _resolve
+
+    table = owners(vllm)
+    for key in ("engine", "executor", "output", "dp_sync"):
+        resolved = {_resolve(spec) for spec in VLLM_OWNERS[key]}
+        assert set(table[key]) <= resolved, (key, set(table[key]) - resolved)

@@ -87,6 +87,9 @@ class FakeTensor:
     def tolist(self) -> list[Any]:
         return self.numpy().tolist()
 
+    def unbind(self, dim: int = 0) -> list[FakeTensor]:
+        return [FakeTensor(self.shape[1:] or (1,), self.fill) for _ in range(self.shape[0])]
+
 
 class _Stream:
     def wait_stream(self, other: Any) -> None:
@@ -166,6 +169,19 @@ class FakeWorker:
         DEVICE.launch(self.timing.forward_s)
         if self.timing.blocking_launch:
             DEVICE.synchronize()
+        if self.output_kind in ("pool", "mrv2-pool"):  # pooling runners return the output here, no sampling
+            out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, pooler_output=None)
+            if not self.async_output:
+                DEVICE.synchronize()
+                return out
+            kwargs = dict(model_runner_output=out, raw_pooler_output=[FakeTensor((4,))],
+                          # MRV2 0.23 takes one batch tensor, 0.33 a list (or a torch.Tensor, stubbed here)
+                          pooler_output=FakeTensor((1, 4)) if self.mods.version == "0.23.0" else [FakeTensor((4,))],
+                          finished_mask=[True], is_valid=None, async_output_copy_stream=_Stream(),
+                          main_stream=_Stream(), copy_stream=_Stream())
+            cls = (self.mods.gpu_model_runner.AsyncGPUPoolingModelRunnerOutput if self.output_kind == "pool"
+                   else self.mods.async_utils.AsyncPoolingOutput)
+            return _call_supported(cls, **kwargs)
         return None
 
     def sample_tokens(self, grammar_output: Any) -> Any:
@@ -291,7 +307,7 @@ def make_executor(mods: Any, kind: str, timing: Timing, async_output: bool, outp
     return ex
 
 
-def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler) -> Any:
+def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler, pooling: bool = False) -> Any:
     """A real ``EngineCore`` (``__new__``, like vLLM's own unit tests) with the attributes its loops read."""
     core = mods.core
     engine = core.EngineCore.__new__(core.EngineCore)
@@ -303,7 +319,7 @@ def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeSc
     engine.batch_queue_size = 2 if async_loop else 1
     engine.batch_queue = deque(maxlen=2) if async_loop else None
     engine.is_ec_consumer = True
-    engine.is_pooling_model = False
+    engine.is_pooling_model = pooling
     engine.is_mm_encoder_only = False
     engine.use_spec_decode = False
     engine.check_for_draft_tokens = False
