@@ -2,10 +2,11 @@
 
 Wrap points (``docs/async_check.md``, research §4.5): ``EngineCore.step`` / ``step_with_batch_queue``
 (which loop ran the step), ``Scheduler.schedule`` (``batch_schedule``), ``Executor.execute_model``
-(``model_execute``: host dispatch; returns a Future in async mode), ``AsyncGPUModelRunnerOutput
-.get_output`` (``execute_done``: device output ready, on the output thread),
-``Scheduler.update_from_output`` (``update_output``) and ``ParallelConfig.has_unfinished_dp`` (the DP
-engines' step all-reduce: ``communication``). vLLM-Ascend's scheduler subclasses that override
+(``model_execute``: host dispatch; returns a Future in async mode) and ``Executor.sample_tokens`` (the
+sampling launch, part of ``model_execute``), the async output classes' ``__init__`` (hands the
+copy-ready event to the ``ready.ReadyWatcher``) and ``get_output`` (``execute_done``; which thread ran
+it decides its precision), ``Scheduler.update_from_output`` (``update_output``) and
+``ParallelConfig.has_unfinished_dp`` / ``sync_dp_state`` (the DP engines' all-reduce: ``communication``). vLLM-Ascend's scheduler subclasses that override
 ``schedule()`` are listed too; a re-entrancy flag keeps ``super().schedule()`` chains to one span.
 
 Nothing here imports vLLM or torch at module import; ``install_from_env`` does nothing unless

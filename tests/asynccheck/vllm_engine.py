@@ -33,6 +33,7 @@ class FakeDevice:
     def __init__(self) -> None:
         self.tail = 0.0
         self.intervals: list[tuple[float, float]] = []  # (start, end) per launched forward, perf_counter s
+        self.wake_lags: list[float] = []  # how late each blocking synchronize returned (s): host latency
         self.lock = threading.Lock()
 
     def launch(self, duration_s: float) -> None:
@@ -42,9 +43,20 @@ class FakeDevice:
             self.intervals.append((start, self.tail))
 
     def synchronize(self) -> None:
-        remaining = self.tail - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        tail = self.tail
+        wait_until(tail)
+        if tail > 0:
+            self.wake_lags.append(max(0.0, time.perf_counter() - tail))
+
+
+def wait_until(t: float) -> None:
+    """Block like a device synchronize until ``t``: sleep most of it, then yield (GIL released) in short
+    steps, so a loaded machine's sleep overshoot does not make the host see completion late."""
+    remaining = t - time.perf_counter() - 0.0003
+    if remaining > 0:
+        time.sleep(remaining)
+    while time.perf_counter() < t:
+        time.sleep(0)
 
 
 DEVICE = FakeDevice()
@@ -64,9 +76,7 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         if self.done_at is not None:
-            remaining = self.done_at - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
+            wait_until(self.done_at)
 
 
 class FakeTensor:
@@ -110,7 +120,7 @@ class Timing:
     schedule_s: float = 0.002
     prep_s: float = 0.0  # host input prep inside execute_model before the forward launch (the gap is
     # measured to the launch start, so prep time is under-read; 0 keeps the truth comparable)
-    forward_s: float = 0.006
+    forward_s: float = 0.008  # twice the host work per step: async hides it with margin on a loaded machine
     update_s: float = 0.001
     blocking_launch: bool = False  # the launch synchronizes the device (ASCEND_LAUNCH_BLOCKING-like)
     blocking_sample: bool = False  # sample_tokens synchronizes it (a host read of device data there)
