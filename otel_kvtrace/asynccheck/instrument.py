@@ -29,7 +29,6 @@ from threading import get_ident
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck.export import AsyncTracer, async_trace_path, default_resource
@@ -185,10 +184,17 @@ def _output_init_wrapper(state: LoopState) -> Wrapper:
     """After an async output's ``__init__`` recorded its copy-ready event: hand it to the watcher."""
     register = state.watcher.register
 
+    watcher = state.watcher
+
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        wrapped(*args, **kwargs)
-        if state.enabled:
-            register(instance)
+        result = wrapped(*args, **kwargs)
+        if state.enabled and not watcher.failed:
+            try:
+                register(instance)
+            except Exception:  # noqa: BLE001 - a failure turns the watcher off, never the output
+                watcher.failed = True
+                logger.exception("otel-kvtrace: output-ready watcher disabled")
+        return result
 
     return wrapper
 
@@ -244,6 +250,8 @@ class EngineLoopInstrumentation:
         self.state.adopt = self._adopt
         self.owners = owners
         self.installed: list[tuple[type, str]] = []
+        # (the class's own attribute, our wrapper): a staticmethod stays one
+        self._originals: dict[tuple[type, str], tuple[Any, Any]] = {}
 
     def install(self) -> list[str]:
         """Wrap every patch point whose class defines the attribute; return ``Class.attr`` names."""
@@ -265,6 +273,7 @@ class EngineLoopInstrumentation:
         wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
         _WRAPPED.add((cls, point.attr))
         self.installed.append((cls, point.attr))
+        self._originals[(cls, point.attr)] = (current, vars(cls)[point.attr])
 
     def _adopt(self, engine: Any) -> None:
         """Patch the classes (and bases) of the scheduler and executor an engine actually uses."""
@@ -284,7 +293,11 @@ class EngineLoopInstrumentation:
         self.state.enabled = False
         self.state.watcher.stop()
         for cls, attr in reversed(self.installed):
-            unwrap(cls, attr)
+            # restore the class's own attribute: unwrap() via getattr would turn a staticmethod into a
+            # plain function (vLLM 0.23's ParallelConfig.sync_dp_state / has_unfinished_dp)
+            original, ours = self._originals.pop((cls, attr))
+            if vars(cls).get(attr) is ours:  # someone re-patched on top of us: leave theirs alone
+                setattr(cls, attr, original)
             _WRAPPED.discard((cls, attr))
         self.installed.clear()
 
@@ -358,7 +371,7 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
 
 
 def uninstall_active() -> None:
-    """Undo ``install_from_env`` (flush, unwrap); the next ``install_from_env`` starts afresh."""
+    """Undo ``install_from_env`` (flush, restore); the next ``install_from_env`` starts afresh."""
     global _ACTIVE
     active, _ACTIVE = _ACTIVE, None
     if active is not None:

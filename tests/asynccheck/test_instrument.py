@@ -182,3 +182,30 @@ def test_scheduler_subclass_chosen_at_engine_init_is_adopted_and_restored() -> N
     assert vars(CustomScheduler)["schedule"] is original
     steps = StepAssembler().feed(buffer.drain(settle_s=0))
     assert [s.step for s in steps] == [0, 1, 2, 3]
+
+
+def test_a_failing_watcher_registration_never_reaches_the_output() -> None:
+    """Instrumentation failures disable the watcher; the output is constructed as without tracing."""
+
+    class Exploding:
+        def __getattr__(self, name: str) -> object:
+            raise RuntimeError("boom")
+
+    class Output:
+        def __init__(self, value: int) -> None:
+            self.value = value
+            self.async_copy_ready_event = Exploding()
+
+        def get_output(self) -> int:
+            return self.value
+
+    buffer = StampBuffer(capacity=64)
+    inst = EngineLoopInstrumentation(buffer, owners={"output": (Output,)})
+    inst.install()
+    try:
+        inst.state.watcher.pending = None  # type: ignore[assignment]  # register() will raise
+        assert Output(3).get_output() == 3
+        assert inst.state.watcher.failed
+        assert Output(4).value == 4
+    finally:
+        inst.uninstall()

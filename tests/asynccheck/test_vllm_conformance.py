@@ -231,6 +231,7 @@ def test_dp_sync_calls_are_one_communication_interval_each(vllm: Any) -> None:
     inst = EngineLoopInstrumentation(buffer, owners(vllm))
     names = inst.install()
     pc = vllm.parallel.ParallelConfig
+    assert isinstance(vars(pc)["has_unfinished_dp"], staticmethod)
     try:
         assert f"{pc.__module__}.ParallelConfig.sync_dp_state" in names
         assert f"{pc.__module__}.ParallelConfig.has_unfinished_dp" in names
@@ -247,6 +248,9 @@ def test_dp_sync_calls_are_one_communication_interval_each(vllm: Any) -> None:
         inst.uninstall()
     comms = [s for s in buffer.drain(settle_s=0) if s.kind == StampKind.COMM]
     assert len(comms) == 2
+    # uninstall restores the class's own attributes: staticmethods stay staticmethods
+    assert isinstance(vars(pc)["has_unfinished_dp"], staticmethod)
+    assert isinstance(vars(pc)["sync_dp_state"], staticmethod) == vllm.version.startswith("0.23")
 
 
 def test_the_plugin_owner_table_names_the_real_classes(vllm: Any) -> None:
