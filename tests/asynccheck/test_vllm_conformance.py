@@ -261,3 +261,28 @@ def test_the_plugin_owner_table_names_the_real_classes(vllm: Any) -> None:
     for key in ("engine", "executor", "output", "dp_sync"):
         resolved = {_resolve(spec) for spec in VLLM_OWNERS[key]}
         assert set(table[key]) <= resolved, (key, set(table[key]) - resolved)
+
+
+def test_dp_engine_loop_syncs_are_traced_at_vllms_cadence(vllm: Any) -> None:
+    """The real ``DPEngineCoreProc._has_global_unfinished_reqs``: 0.23 all-reduces every 32 steps
+    (staticmethod), 0.33 on step 1 and every ``dp_sync_interval`` (method); one interval per all-reduce."""
+    from types import SimpleNamespace
+
+    buffer = StampBuffer(capacity=1024)
+    inst = EngineLoopInstrumentation(buffer, owners(vllm))
+    inst.install()
+    core = vllm.core
+    pc = vllm.parallel.ParallelConfig
+    config = pc.__new__(pc)
+    config.cpu_distributed_timeout_seconds = None  # 0.33's sync_dp_state reads it (a property over it)
+    dp = core.DPEngineCoreProc.__new__(core.DPEngineCoreProc)
+    dp.step_counter, dp.pending_pause, dp.ignore_start_dp_wave = 0, False, False
+    dp.dp_group = SimpleNamespace(size=lambda: 1)
+    dp.dp_sync_interval = 16
+    dp.vllm_config = SimpleNamespace(parallel_config=config)
+    try:
+        assert all(dp._has_global_unfinished_reqs(True) for _ in range(64))
+    finally:
+        inst.uninstall()
+    comms = [s for s in buffer.drain(settle_s=0) if s.kind == StampKind.COMM]
+    assert len(comms) == (2 if vllm.version.startswith("0.23") else 5)  # 32, 64 | 1, 16, 32, 48, 64

@@ -106,8 +106,22 @@ class _Stream:
         pass
 
 
+class CpuTensor:
+    """``torch.tensor([...], device="cpu")`` for the DP all-reduce bodies (a 1-rank group leaves it as is)."""
+
+    def __init__(self, data: Any, **kwargs: Any) -> None:
+        self.data = list(data)
+
+    def __getitem__(self, i: int) -> CpuTensor:
+        return CpuTensor([self.data[i]])
+
+    def item(self) -> Any:
+        return self.data[0]
+
+
 def setup_torch(torch: Any) -> None:
-    """The torch attributes the output classes touch, backed by the fake device."""
+    """The torch attributes the output classes and the DP sync touch, backed by the fake device."""
+    torch.tensor = CpuTensor
     torch.Event = FakeEvent
     torch.cuda = SimpleNamespace(Event=FakeEvent, current_stream=lambda *a: _Stream(), Stream=_Stream,
                                  stream=lambda s: contextlib.nullcontext(), set_stream=lambda s: None)

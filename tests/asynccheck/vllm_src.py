@@ -124,6 +124,9 @@ OVERRIDES: dict[str, Any] = {
 }
 
 
+REEXPORTS = {"vllm.config.ParallelConfig": "vllm.config.parallel"}
+
+
 class _StubModule(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
@@ -131,6 +134,8 @@ class _StubModule(types.ModuleType):
         key = f"{self.__name__}.{name}"
         if key in OVERRIDES:
             value = OVERRIDES[key]
+        elif key in REEXPORTS:  # a package re-exporting a real module's class (``vllm.config.ParallelConfig``)
+            value = getattr(importlib.import_module(REEXPORTS[key]), name)
         elif self.__name__ == "vllm.envs":
             value = None  # every VLLM_* setting unset
         elif name[:1].isupper():
