@@ -36,7 +36,8 @@ OTEL_KVTRACE_QUERIES_DIR = "OTEL_KVTRACE_QUERIES_DIR"
 else the copy shipped inside the package (``otel_kvtrace/sql/``)."""
 
 OTEL_KVTRACE_DATA_DIR = "OTEL_KVTRACE_DATA_DIR"
-"""Directory of the embedded file sink. Traces go to ``{dir}/traces/kvtrace-{run_id}-{pid}.jsonl``.
+"""Directory of the embedded file sink. Traces go to ``{dir}/traces/kvtrace-{run_id}-{pid}.jsonl``, the
+engine-loop (async-scheduling) traces to ``{dir}/async/kvtrace-async-{run_id}-{pid}.jsonl``.
 Default: ``./kvtrace-data``."""
 
 OTEL_KVTRACE_RUN_ID = "OTEL_KVTRACE_RUN_ID"

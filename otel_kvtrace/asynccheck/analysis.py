@@ -32,6 +32,11 @@ BLOCKING_LAUNCH_COVER = 0.9
 BLOCKING_STEPS_SHARE = 0.5
 MIN_PAIRS = 3
 COMM_EXPOSED_NOTE = 0.3
+HOST_BOUND_IDLE = 0.2
+"""Device idle (gap p50) of at least this share of its busy time per step, with host work per step at
+least the device's: host-bound, whatever the overlap."""
+UPPER_BOUND_SHARE = 0.5
+"""Steps whose ready time is only the engine's poll, from which an "effective" cannot be claimed."""
 
 EFFECTIVE = "effective"
 NOT_EFFECTIVE = "not effective"
@@ -43,6 +48,8 @@ LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY
 _PAIRS_SQL = """
 WITH s AS (
   SELECT lane, step, launch_start, done,
+         done - greatest(launch_start, LAG(done) OVER w) AS busy_ns,
+         (schedule_end - schedule_start) + (launch_end - launch_start) + (update_end - update_start) AS host_ns,
          LEAD(schedule_start) OVER w AS next_sched_start,
          LEAD(schedule_end) OVER w AS next_sched_end,
          LEAD(coalesce(device_start, launch_start)) OVER w AS next_exec_start
@@ -63,7 +70,9 @@ SELECT count(*) FILTER (WHERE is_pair),
        avg(CASE WHEN overlap_ns >= 0.5 * sched_ns THEN 1.0 ELSE 0.0 END) FILTER (WHERE is_pair),
        count(gap_ns),
        quantile_cont(gap_ns, 0.5) / 1e6,
-       quantile_cont(gap_ns, 0.95) / 1e6
+       quantile_cont(gap_ns, 0.95) / 1e6,
+       quantile_cont(busy_ns, 0.5) FILTER (WHERE busy_ns > 0) / 1e6,
+       quantile_cont(host_ns, 0.5) / 1e6
 FROM p
 """
 
@@ -74,7 +83,9 @@ SELECT count(*),
        count(*) FILTER (WHERE batch_queue),
        max(queue_depth),
        avg(CASE WHEN launch_end - launch_start >= $cover * (done - launch_start) THEN 1.0 ELSE 0.0 END)
-         FILTER (WHERE done > launch_start AND launch_end IS NOT NULL)
+         FILTER (WHERE done > launch_start AND launch_end IS NOT NULL),
+       avg(CASE WHEN done_precision IN ('engine_poll', 'engine_observed') THEN 1.0 ELSE 0.0 END)
+         FILTER (WHERE done IS NOT NULL)
 FROM async_steps WHERE run = $run
 """
 
@@ -92,7 +103,11 @@ class AsyncMetrics:
     gaps: int = 0
     gap_p50_ms: float | None = None
     gap_p95_ms: float | None = None
+    device_busy_p50_ms: float | None = None
+    host_p50_ms: float | None = None
     blocking_launch_share: float | None = None
+    done_upper_bound_share: float | None = None
+    """Share of steps whose output-ready time is only bounded by the engine's own poll."""
     max_queue_depth: int | None = None
     batch_queue_steps: int = 0
     comm_total_ms: float | None = None
@@ -148,13 +163,14 @@ def exposed_ns(comm: list[tuple[int, int]], compute: list[tuple[int, int]]) -> i
 def compute_metrics(con: duckdb.DuckDBPyConnection, run: str) -> AsyncMetrics:
     """All metrics of one run from the loaded tables."""
     mt = AsyncMetrics()
-    pairs, overlap, sched, overlapped, gaps, p50, p95 = con.execute(_PAIRS_SQL, {"run": run}).fetchone()
+    pairs, overlap, sched, overlapped, gaps, p50, p95, busy, host = con.execute(_PAIRS_SQL, {"run": run}).fetchone()
     mt.pairs, mt.gaps, mt.gap_p50_ms, mt.gap_p95_ms = pairs, gaps, p50, p95
+    mt.device_busy_p50_ms, mt.host_p50_ms = busy, host
     if pairs and sched:
         mt.overlap_ratio, mt.overlapped_pairs_share = overlap / sched, overlapped
     row = con.execute(_STEPS_SQL, {"run": run, "cover": BLOCKING_LAUNCH_COVER}).fetchone()
     mt.steps, mt.steps_with_schedule, mt.steps_with_done, mt.batch_queue_steps, mt.max_queue_depth = row[:5]
-    mt.blocking_launch_share = row[5]
+    mt.blocking_launch_share, mt.done_upper_bound_share = row[5], row[6]
     rows = con.execute(
         "SELECT name, start_ns, end_ns FROM async_spans WHERE run = $run AND name IN ('communication', 'compute')",
         {"run": run},
@@ -193,12 +209,24 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
             reasons.append(f"async path markers present ({marker_text}), but overlap cannot be measured")
         return CANNOT_TELL, reasons
     pct = f"{mt.overlap_ratio:.0%}"
-    if mt.overlap_ratio >= EFFECTIVE_OVERLAP:
+    gap_text = (f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms"
+                if mt.gap_p50_ms is not None else "")
+    host_bound = _host_bound(mt)
+    bounded = (mt.done_upper_bound_share or 0.0) >= UPPER_BOUND_SHARE
+    if mt.overlap_ratio >= EFFECTIVE_OVERLAP and bounded:
+        return CANNOT_TELL, [
+            f"cannot tell: output time bounded by the engine's own poll in {mt.done_upper_bound_share:.0%} of "
+            f"steps (get_output ran on the engine thread, or was not seen): the measured overlap {pct} is an "
+            "upper bound and the gap a lower bound. Trace the process that creates the async outputs "
+            "(the worker process with MultiprocExecutor) so the copy-ready event can be watched",
+            f"async markers: {marker_text}",
+        ]
+    if mt.overlap_ratio >= EFFECTIVE_OVERLAP and not host_bound:
         reasons.append(f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs")
         if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
             reasons.append("measured although the capture's hooks synchronize the NPU (they can only shrink overlap)")
-        if mt.gap_p50_ms is not None:
-            reasons.append(f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms")
+        if gap_text:
+            reasons.append(gap_text)
         reasons.append(f"async markers: {marker_text}")
         verdict_ = EFFECTIVE
     elif warning_kinds & LOWER_BOUND_WARNINGS:
@@ -211,7 +239,8 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
         ]
     else:
         verdict_ = NOT_EFFECTIVE
-        reasons.append(f"schedule(n+1) overlaps execute(n) for only {pct} of its time over {mt.pairs} step pairs")
+        share = "" if mt.overlap_ratio >= EFFECTIVE_OVERLAP else "only "
+        reasons.append(f"schedule(n+1) overlaps execute(n) for {share}{pct} of its time over {mt.pairs} step pairs")
         blocking = mt.blocking_launch_share or 0.0
         if not has_markers:
             reasons.append("no async markers: the engine ran the synchronous loop (async scheduling is off)")
@@ -221,16 +250,32 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
                 f"ready in {blocking:.0%} of steps: a blocking synchronize in the launch path (synchronising "
                 "profiler hooks, ASCEND_LAUNCH_BLOCKING=1, grammar bitmask .to('cpu'), need_timing)"
             )
+        elif host_bound:
+            reasons.append(
+                f"async path is on ({marker_text}) but the host is the bottleneck: schedule + launch + update take "
+                f"{mt.host_p50_ms:.3f} ms per step (p50) while the device works {mt.device_busy_p50_ms:.3f} ms, so "
+                f"the device idles {mt.gap_p50_ms:.3f} ms per step whatever the overlap"
+            )
         else:
             reasons.append(
                 f"async path is on ({marker_text}) but schedule(n+1) waits for step n's output "
                 "(batch queue never holds 2 batches: deferred structured output or a full queue)"
             )
-        if mt.gap_p50_ms is not None:
-            reasons.append(f"forward gap p50 {mt.gap_p50_ms:.3f} ms, p95 {mt.gap_p95_ms:.3f} ms: device idles between steps")
+        if gap_text:
+            reasons.append(f"{gap_text}: device idles between steps")
+        if bounded:
+            reasons.append(f"output time bounded by the engine's own poll in {mt.done_upper_bound_share:.0%} of "
+                           "steps: the overlap shown is an upper bound, so 'not effective' stands")
     if mt.comm_exposed_share is not None and mt.comm_exposed_share >= COMM_EXPOSED_NOTE:
         reasons.append(f"{mt.comm_exposed_share:.0%} of communication is exposed on the critical path")
     return verdict_, reasons
+
+
+def _host_bound(mt: AsyncMetrics) -> bool:
+    if mt.gap_p50_ms is None or mt.device_busy_p50_ms is None or mt.host_p50_ms is None:
+        return False
+    return (mt.gap_p50_ms >= HOST_BOUND_IDLE * mt.device_busy_p50_ms
+            and mt.host_p50_ms >= mt.device_busy_p50_ms)
 
 
 def _check_loaded(con: duckdb.DuckDBPyConnection, run: str, paths: Sequence[str | Path], result: m.ImportResult) -> CheckResult:

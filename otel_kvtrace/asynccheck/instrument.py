@@ -2,10 +2,11 @@
 
 Wrap points (``docs/async_check.md``, research §4.5): ``EngineCore.step`` / ``step_with_batch_queue``
 (which loop ran the step), ``Scheduler.schedule`` (``batch_schedule``), ``Executor.execute_model``
-(``model_execute``: host dispatch; returns a Future in async mode), ``AsyncGPUModelRunnerOutput
-.get_output`` (``execute_done``: device output ready, on the output thread),
-``Scheduler.update_from_output`` (``update_output``) and ``ParallelConfig.has_unfinished_dp`` (the DP
-engines' step all-reduce: ``communication``). vLLM-Ascend's scheduler subclasses that override
+(``model_execute``: host dispatch; returns a Future in async mode) and ``Executor.sample_tokens`` (the
+sampling launch, part of ``model_execute``), the async output classes' ``__init__`` (hands the
+copy-ready event to the ``ready.ReadyWatcher``) and ``get_output`` (``execute_done``; which thread ran
+it decides its precision), ``Scheduler.update_from_output`` (``update_output``) and
+``ParallelConfig.has_unfinished_dp`` / ``sync_dp_state`` (the DP engines' all-reduce: ``communication``). vLLM-Ascend's scheduler subclasses that override
 ``schedule()`` are listed too; a re-entrancy flag keeps ``super().schedule()`` chains to one span.
 
 Nothing here imports vLLM or torch at module import; ``install_from_env`` does nothing unless
@@ -24,14 +25,16 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from threading import get_ident
 from typing import Any
 
 import wrapt
-from opentelemetry.instrumentation.utils import unwrap
 
 from otel_kvtrace import config
-from otel_kvtrace.asynccheck.export import DEFAULT_DIR, AsyncTracer, default_resource
+from otel_kvtrace.asynccheck.export import AsyncTracer, async_trace_path, default_resource
+from otel_kvtrace.asynccheck.ready import ReadyWatcher
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
+from otel_kvtrace.export.worker import create_sink
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -53,9 +56,16 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
         "vllm.v1.executor.uniproc_executor:UniProcExecutor",
         "vllm.v1.executor.multiproc_executor:MultiprocExecutor",
     ),
-    "output": ("vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",),
-    # DP engines all-reduce "unfinished requests" on the engine loop (every 32 steps in recent vLLM)
-    "dp_sync": ("vllm.config:ParallelConfig", "vllm.config.parallel:ParallelConfig"),
+    "output": (
+        "vllm.v1.worker.gpu_model_runner:AsyncGPUModelRunnerOutput",
+        "vllm.v1.worker.gpu_model_runner:AsyncGPUPoolingModelRunnerOutput",
+        "vllm.v1.worker.gpu.async_utils:AsyncOutput",  # Model Runner V2
+        "vllm.v1.worker.gpu.async_utils:AsyncPoolingOutput",
+    ),
+    # DP engines all-reduce "unfinished requests" on the engine loop: ``has_unfinished_dp`` (wave
+    # barriers) and ``sync_dp_state`` (0.23: staticmethod every 32 steps; 0.33: method every
+    # ``dp_sync_interval`` steps)
+    "dp_sync": ("vllm.config.parallel:ParallelConfig", "vllm.config:ParallelConfig"),
 }
 
 
@@ -63,14 +73,18 @@ class LoopState:
     """Per-process flags the wrappers share; written only by the engine thread (no lock needed)."""
 
     __slots__ = (
-        "buffer", "batch_queue", "in_schedule", "in_launch", "in_update", "enabled", "adopt", "adopted", "step"
+        "buffer", "batch_queue", "in_schedule", "in_launch", "in_sample", "in_update", "enabled", "adopt", "adopted", "step",
+        "engine_thread", "watcher",
     )
 
     def __init__(self, buffer: StampBuffer) -> None:
         self.buffer = buffer
+        self.engine_thread = 0  # ident of the thread running EngineCore.step*
+        self.watcher = ReadyWatcher(buffer)
         self.batch_queue = 0
         self.in_schedule = False
         self.in_launch = False
+        self.in_sample = False
         self.in_update = False
         self.enabled = True
         self.adopt: Callable[[Any], None] = lambda engine: None
@@ -95,6 +109,7 @@ def _step_wrapper(batch_queue: int) -> Callable[[LoopState], Wrapper]:
             state.batch_queue = batch_queue
             if not state.adopted:
                 state.adopted = True
+                state.engine_thread = get_ident()
                 try:
                     state.adopt(instance)
                 except Exception:  # noqa: BLE001 - instrumentation failures never reach the host
@@ -151,13 +166,34 @@ def _comm_wrapper(state: LoopState) -> Wrapper:
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:
+    """``get_output`` return; ``a`` = 1 on an output thread (its return is the device-ready time),
+    0 on the engine thread (UniProc's lazy ``AsyncOutputFuture.result()``: max(ready, engine asks))."""
     stamp = state.buffer.stamp
     done_code = int(StampKind.DONE)
 
     def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
         result = wrapped(*args, **kwargs)
         if state.enabled:
-            stamp(done_code)
+            stamp(done_code, get_ident() != state.engine_thread)
+        return result
+
+    return wrapper
+
+
+def _output_init_wrapper(state: LoopState) -> Wrapper:
+    """After an async output's ``__init__`` recorded its copy-ready event: hand it to the watcher."""
+    register = state.watcher.register
+
+    watcher = state.watcher
+
+    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+        result = wrapped(*args, **kwargs)
+        if state.enabled and not watcher.failed:
+            try:
+                register(instance)
+            except Exception:  # noqa: BLE001 - a failure turns the watcher off, never the output
+                watcher.failed = True
+                logger.exception("otel-kvtrace: output-ready watcher disabled")
         return result
 
     return wrapper
@@ -177,11 +213,15 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
     PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
     PatchPoint("executor", "execute_model", _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
+    # since vLLM 0.23 execute_model's future resolves to None and sampling is launched by sample_tokens
+    PatchPoint("executor", "sample_tokens", _phase_wrapper("in_sample", StampKind.SAMPLE_BEGIN, StampKind.SAMPLE_END)),
+    PatchPoint("output", "__init__", _output_init_wrapper),
     PatchPoint("output", "get_output", _done_wrapper),
     PatchPoint(
         "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
     ),
     PatchPoint("dp_sync", "has_unfinished_dp", _comm_wrapper),
+    PatchPoint("dp_sync", "sync_dp_state", _comm_wrapper),
 )
 
 
@@ -198,6 +238,10 @@ def _resolve(spec: OwnerSpec) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
+_WRAPPED: set[tuple[type, str]] = set()
+"""(class, attribute) pairs wrapped by any instance in this process: one wrapper layer per method."""
+
+
 class EngineLoopInstrumentation:
     """Installs and removes every ``PATCH_POINTS`` wrapper on the classes of an owner table."""
 
@@ -206,6 +250,8 @@ class EngineLoopInstrumentation:
         self.state.adopt = self._adopt
         self.owners = owners
         self.installed: list[tuple[type, str]] = []
+        # (the class's own attribute, our wrapper): a staticmethod stays one
+        self._originals: dict[tuple[type, str], tuple[Any, Any]] = {}
 
     def install(self) -> list[str]:
         """Wrap every patch point whose class defines the attribute; return ``Class.attr`` names."""
@@ -220,10 +266,14 @@ class EngineLoopInstrumentation:
 
     def _wrap(self, cls: type, point: PatchPoint) -> None:
         current = vars(cls).get(point.attr)
-        if current is None or isinstance(current, wrapt.ObjectProxy):
-            return  # not defined here, or already wrapped
+        if current is None or (cls, point.attr) in _WRAPPED:
+            return  # not defined here, or already wrapped (by this or another instance)
+        # wrapt 2.x: a FunctionWrapper is not a ``wrapt.ObjectProxy`` instance, so that check let the
+        # first-step adoption wrap a second time; the registry is version-independent.
         wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
+        _WRAPPED.add((cls, point.attr))
         self.installed.append((cls, point.attr))
+        self._originals[(cls, point.attr)] = (current, vars(cls)[point.attr])
 
     def _adopt(self, engine: Any) -> None:
         """Patch the classes (and bases) of the scheduler and executor an engine actually uses."""
@@ -241,8 +291,14 @@ class EngineLoopInstrumentation:
     def uninstall(self) -> None:
         """Restore every wrapped attribute. Idempotent."""
         self.state.enabled = False
+        self.state.watcher.stop()
         for cls, attr in reversed(self.installed):
-            unwrap(cls, attr)
+            # restore the class's own attribute: unwrap() via getattr would turn a staticmethod into a
+            # plain function (vLLM 0.23's ParallelConfig.sync_dp_state / has_unfinished_dp)
+            original, ours = self._originals.pop((cls, attr))
+            if vars(cls).get(attr) is ours:  # someone re-patched on top of us: leave theirs alone
+                setattr(cls, attr, original)
+            _WRAPPED.discard((cls, attr))
         self.installed.clear()
 
     @property
@@ -269,11 +325,18 @@ def _versions() -> dict[str, str]:
 _ACTIVE: tuple[EngineLoopInstrumentation, AsyncTracer] | None = None
 
 
-def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation | None:
+def default_out_dir() -> Path:
+    """``{OTEL_KVTRACE_DATA_DIR or ./kvtrace-data}/async``."""
+    return Path(config.data_dir()) / "async"
+
+
+def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation | None:
     """Turn engine-loop tracing on when ``OTEL_KVTRACE_ENABLED=1`` and vLLM is importable.
 
-    Called from the vLLM plugin entry point. Writes ``{out_dir}/kvtrace-async-{run_id}-{pid}.jsonl``;
-    ``OTEL_KVTRACE_ASYNC=0`` turns just this part off. Any failure logs and leaves vLLM untouched.
+    Called from the vLLM plugin entry point. Writes ``{out_dir}/kvtrace-async-{run_id}-{pid}.jsonl``
+    (``out_dir`` defaults to ``default_out_dir()``; the run id is made file-name safe); a forked child
+    writes its own file. ``OTEL_KVTRACE_ASYNC=0`` turns just this part off. Any failure logs and leaves
+    vLLM untouched; what is on is logged once.
     """
     global _ACTIVE
     if _ACTIVE is not None:
@@ -283,16 +346,35 @@ def install_from_env(out_dir: Path = DEFAULT_DIR) -> EngineLoopInstrumentation |
     if importlib.util.find_spec("vllm") is None:
         return None
     try:
+        directory = Path(out_dir) if out_dir is not None else default_out_dir()
         run_id = _run_id()
         resource = default_resource(run_id=run_id, source="upstream", label="engine-loop", extra=_versions())
-        tracer = AsyncTracer(path=Path(out_dir) / f"kvtrace-async-{run_id}-{os.getpid()}.jsonl", resource=resource)
+        # with an OTLP endpoint configured, the spans go where the KV spans go (the shared sinks)
+        sink = create_sink(dict(resource.attributes)) if config.otlp_endpoint() and not config.sdk_disabled() else None
+        tracer = AsyncTracer(path=async_trace_path(directory, run_id, os.getpid()), resource=resource,
+                             path_for_pid=lambda pid: async_trace_path(directory, run_id, pid), sink=sink)
         inst = EngineLoopInstrumentation(tracer.buffer)
-        if not inst.install():
+        names = inst.install()
+        if not names:
+            logger.info("otel-kvtrace: engine-loop tracing off: no vLLM engine-loop class found to patch")
             return None
         tracer.start()
         atexit.register(tracer.shutdown)
         _ACTIVE = (inst, tracer)
+        where = getattr(sink, "endpoint", None) or "OTLP" if sink is not None else tracer.path.parent
+        logger.info("otel-kvtrace: engine-loop tracing on (pid %d): %d methods patched, traces in %s",
+                    os.getpid(), len(names), where)
         return inst
     except Exception:  # noqa: BLE001 - instrumentation failures disable tracing, never the host
         logger.exception("otel-kvtrace: engine-loop instrumentation disabled")
         return None
+
+
+def uninstall_active() -> None:
+    """Undo ``install_from_env`` (flush, restore); the next ``install_from_env`` starts afresh."""
+    global _ACTIVE
+    active, _ACTIVE = _ACTIVE, None
+    if active is not None:
+        inst, tracer = active
+        inst.uninstall()
+        tracer.shutdown()

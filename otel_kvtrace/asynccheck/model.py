@@ -24,8 +24,12 @@ LAUNCH_API = "launch_api"
 """An MSPTI ``Api`` row (the host call that queued a kernel; joined to it by ``correlationId``)."""
 FORWARD_UNKNOWN = "forward_unknown_kind"
 """Done precision of a ``forward.csv`` forward: device-synchronised (MindIE sync) or a host launch (async)."""
+OUTPUT_READY = "output_ready"
+"""Root span of a process that creates async outputs but runs no engine loop (a ``MultiprocExecutor``
+worker): [output created, output ready]; joined to the engine's steps by time at analysis."""
 
 STEP_CHILD_SPANS: tuple[str, ...] = (
+    OUTPUT_READY,
     BATCH_SCHEDULE,
     MODEL_EXECUTE,
     EXECUTE_DONE,
@@ -40,6 +44,8 @@ ATTR_BATCH_QUEUE = "async.batch_queue"
 ATTR_QUEUE_DEPTH = "async.queue_depth"
 ATTR_DISPATCH_COUNT = "async.dispatch_count"
 ATTR_DONE_PRECISION = "async.done_precision"
+ATTR_DONE_BOUND_NS = "async.done_bound_ns"
+ATTR_OUTPUT_SEQ = "async.output_seq"
 ATTR_MODE = "async.mode"
 
 # ---- OTel metric names ---------------------------------------------------------------------------------
@@ -47,10 +53,16 @@ METRIC_DISPATCH_COUNT = "async.dispatch_count"
 METRIC_QUEUE_DEPTH = "async.queue_depth"
 
 # ---- done precision ----------------------------------------------------------------------------------
+DONE_DEVICE_EVENT = "device_event"
+"""The output's copy-ready event seen complete by the watcher (bracket width in ``async.done_bound_ns``)."""
 DONE_DEVICE_READY = "device_ready"
-"""Output-ready time observed where the device result became available (``get_output`` return)."""
+"""``get_output`` returned on an output thread (it blocks until the device result is ready)."""
+DONE_ENGINE_POLL = "engine_poll"
+"""``get_output`` returned on the engine thread: max(device ready, engine asks), an upper bound."""
 DONE_ENGINE_OBSERVED = "engine_observed"
 """Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
+DONE_UPPER_BOUNDS = frozenset({DONE_ENGINE_POLL, DONE_ENGINE_OBSERVED})
+"""Precisions that bound the ready time by the engine's own poll (overlap over-, gap under-estimated)."""
 DONE_SYNCED_FORWARD = "synced_forward"
 DONE_KERNELS = "kernels"
 DONE_FUTURE_CALLBACK = "future_done_callback"

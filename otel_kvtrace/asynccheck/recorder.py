@@ -28,11 +28,14 @@ class StampKind(IntEnum):
     SCHED_END = 2
     LAUNCH_BEGIN = 3
     LAUNCH_END = 4
-    DONE = 5
+    DONE = 5  # get_output return; a = 1 when it ran off the engine thread (an output thread)
     UPDATE_BEGIN = 6
     UPDATE_END = 7
     COMPUTE = 8
     COMM = 9
+    SAMPLE_BEGIN = 11  # Executor.sample_tokens (the sampling launch since vLLM 0.23; part of the host launch)
+    SAMPLE_END = 12
+    READY = 10  # t = first query() true, a = last query() false (or registration), b = registration time
 
 
 class _Generation:

@@ -18,6 +18,7 @@ communication of layer i runs on a second stream under the compute of layer i+1.
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,10 @@ class ReplicaModelRunnerOutput:
         return self.step
 
 
+_OUTPUT_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ReplicaAsyncOutput")
+"""Where ``get_output`` runs, as on vLLM's output threads (so the trace labels it ``device_ready``)."""
+
+
 class VirtualFuture:
     """The executor's future. ``result()`` replays the output thread's ``get_output`` at device completion."""
 
@@ -131,7 +136,7 @@ class VirtualFuture:
         if not self._resolved:
             now = self.clock.now_ns
             self.clock.now_ns = self.done_ns  # the output thread returns from get_output right here
-            self._value = self.output.get_output()
+            self._value = _OUTPUT_THREAD.submit(self.output.get_output).result()
             self.clock.now_ns = max(now, self.done_ns)
             self._resolved = True
         return self._value
@@ -151,6 +156,12 @@ class ReplicaParallelConfig:
         """Like ``vllm.config.ParallelConfig.has_unfinished_dp``: a CPU all-reduce across DP ranks."""
         dp_group.clock.advance(dp_group.cost_ns)
         return has_unfinished
+
+    @staticmethod
+    def sync_dp_state(dp_group: ReplicaDPGroup, has_unfinished: bool, pending_pause: bool) -> tuple[bool, bool]:
+        """Like vLLM 0.23's ``ParallelConfig.sync_dp_state`` (0.33: an instance method): one all-reduce."""
+        dp_group.clock.advance(dp_group.cost_ns)
+        return has_unfinished, pending_pause
 
 
 class ReplicaScheduler:

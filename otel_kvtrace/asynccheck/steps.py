@@ -57,9 +57,12 @@ def dedup_sources(spans: list[m.SpanRow]) -> list[m.SpanRow]:
 def build_steps(spans: list[m.SpanRow], run: str,
                 lost_starts: Iterable[str] = ()) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
     """Steps of one run and warnings about how they were matched (``lost_starts``: span names with start 0)."""
+    outputs = [s for s in spans if s.name == m.OUTPUT_READY]
     ours = [s for s in spans if s.step is not None]
-    capture = [s for s in spans if s.step is None]
+    capture = [s for s in spans if s.step is None and s.name != m.OUTPUT_READY]
     steps = _steps_from_ours(ours, run)
+    if outputs:
+        join_worker_outputs(steps, outputs)
     warnings: list[m.CaptureWarning] = []
     if capture:
         capture_steps, warnings = _steps_from_capture(capture, run, frozenset(lost_starts))
@@ -85,6 +88,42 @@ def _steps_from_ours(spans: list[m.SpanRow], run: str) -> list[m.StepRow]:
         elif s.name == m.COMPUTE:
             row.device_start = s.start_ns if row.device_start is None else min(row.device_start, s.start_ns)
     return [rows[k] for k in sorted(rows)]
+
+
+_ENGINE_BOUNDS = frozenset({m.DONE_ENGINE_OBSERVED, m.DONE_ENGINE_POLL})
+
+
+def join_worker_outputs(steps: list[m.StepRow], outputs: list[m.SpanRow]) -> None:
+    """Give engine steps that only know the engine's own poll the ready time of the worker's output.
+
+    A ``MultiprocExecutor`` worker creates step n's output after the engine launched step n and before
+    the engine's update of step n (the engine waits for it): the first unmatched output of the worker
+    process created in [launch start(n), update start(n)] is step n's. The worker process is the one
+    with the most outputs inside the engine lane's time span (same host clock, epoch ns).
+    """
+    by_lane: dict[str, list[m.SpanRow]] = defaultdict(list)
+    for o in outputs:
+        by_lane[o.lane].append(o)
+    engine_lanes: dict[str, list[m.StepRow]] = defaultdict(list)
+    for row in steps:
+        engine_lanes[row.lane].append(row)
+    for lane, rows in engine_lanes.items():
+        rows = [r for r in rows if r.launch_start is not None and r.update_start is not None]
+        if not rows or not any(r.done_precision in _ENGINE_BOUNDS for r in rows):
+            continue
+        lo, hi = rows[0].launch_start, rows[-1].update_start
+        worker = max(by_lane.values(), key=lambda os_: sum(lo <= o.start_ns <= hi for o in os_))
+        pending = sorted(worker, key=lambda o: o.start_ns)
+        i = 0
+        for row in rows:
+            while i < len(pending) and pending[i].start_ns < row.launch_start:
+                i += 1
+            if i < len(pending) and pending[i].start_ns <= row.update_start:
+                o = pending[i]
+                i += 1
+                if row.done_precision in _ENGINE_BOUNDS and (row.done is None or o.end_ns <= row.done):
+                    row.done = o.end_ns
+                    row.done_precision = str(o.attrs.get(m.ATTR_DONE_PRECISION) or m.DONE_DEVICE_READY)
 
 
 def _best_origin(spans: list[m.SpanRow]) -> list[m.SpanRow]:

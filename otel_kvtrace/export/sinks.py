@@ -54,10 +54,15 @@ class SpanSink(Protocol):
         ...
 
 
+def safe_run_id(run_id: str) -> str:
+    """The run id as one file-name component: only ``[A-Za-z0-9._-]``, never ``.``/``..`` alone."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id).strip(".") or "run"
+    return safe
+
+
 def trace_file_path(directory: str | os.PathLike[str], run_id: str, pid: int) -> Path:
     """``{directory}/traces/kvtrace-{run_id}-{pid}.jsonl`` (run id made safe for a file name)."""
-    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", run_id) or "run"
-    return Path(directory) / TRACES_SUBDIR / f"kvtrace-{safe}-{pid}.jsonl"
+    return Path(directory) / TRACES_SUBDIR / f"kvtrace-{safe_run_id(run_id)}-{pid}.jsonl"
 
 
 class JsonLinesFileSink:

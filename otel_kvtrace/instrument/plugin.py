@@ -57,6 +57,11 @@ def ensure_started(
 def stop() -> None:
     """Shut the process's session down (uninstrument + flush) and allow a new start."""
     _remove_hook()
+    from otel_kvtrace.asynccheck.instrument import uninstall_active
+
+    uninstall_active()  # the engine-loop part register() turned on
+    global _kv_pool_off_logged
+    _kv_pool_off_logged = False
     instrumentor = _instrumentor()
     if instrumentor.is_instrumented_by_opentelemetry:
         instrumentor.uninstrument()
@@ -145,6 +150,24 @@ def _remove_hook() -> None:
         _hook = None
 
 
+_kv_pool_off_logged = False
+"""Logging once only (plain vLLM calls ``register`` in every process, sometimes several times)."""
+
+
+def _log_kv_pool_off(engine_loop_on: bool) -> None:
+    """Plain vLLM: say once what is on. Only a process with nothing traced gets a warning."""
+    global _kv_pool_off_logged
+    if _kv_pool_off_logged:
+        return
+    _kv_pool_off_logged = True
+    if engine_loop_on:
+        logger.info("otel-kvtrace: KV-pool tracing off (vllm_ascend is not importable); engine-loop "
+                    "(async-scheduling) tracing is on (pid %d)", os.getpid())
+    else:
+        logger.warning("otel-kvtrace: tracing off: vllm_ascend is not importable (no KV-pool tracing) and "
+                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0)")
+
+
 def register() -> None:
     """vLLM general-plugin hook: instrument this process when ``OTEL_KVTRACE_ENABLED=1``.
 
@@ -164,13 +187,13 @@ def register() -> None:
             return
         from otel_kvtrace.asynccheck.instrument import install_from_env
 
-        install_from_env()  # idempotent, never raises, no-op without vllm
+        engine_loop = install_from_env()  # idempotent, never raises, no-op without vllm; logs when on
         if _instrumentor().is_instrumented_by_opentelemetry:
             return
         if WATCHED_MODULE in sys.modules:
             _bind()
         elif not _importable("vllm_ascend"):
-            ensure_started()  # logs once why tracing stays off
+            _log_kv_pool_off(engine_loop is not None)
         else:
             _install_hook()
     except Exception as exc:  # never break vLLM's plugin loading

@@ -48,10 +48,15 @@ def traced() -> Iterator[tuple[EngineLoopInstrumentation, StampBuffer, VirtualCl
 def test_every_patch_point_is_installed_and_restored() -> None:
     before = _originals()
     inst = EngineLoopInstrumentation(StampBuffer(capacity=64), owners=REPLICA_OWNERS)
-    names = inst.install()
-    assert len(names) == len(PATCH_POINTS) == len(before)
-    assert all(vars(cls)[attr] is not orig for (cls, attr), orig in before.items())
-    inst.uninstall()
+    try:
+        names = inst.install()
+        # the replica follows the pre-0.23 executor contract: no sample_tokens (the real-vLLM
+        # conformance tests cover that point)
+        assert {p.attr for p in PATCH_POINTS} - {n.rsplit(".", 1)[-1] for n in names} == {"sample_tokens"}
+        assert len(names) == len(before)
+        assert all(vars(cls)[attr] is not orig for (cls, attr), orig in before.items())
+    finally:
+        inst.uninstall()
     inst.uninstall()  # idempotent
     assert all(vars(cls)[attr] is orig for (cls, attr), orig in before.items())
 
@@ -177,3 +182,30 @@ def test_scheduler_subclass_chosen_at_engine_init_is_adopted_and_restored() -> N
     assert vars(CustomScheduler)["schedule"] is original
     steps = StepAssembler().feed(buffer.drain(settle_s=0))
     assert [s.step for s in steps] == [0, 1, 2, 3]
+
+
+def test_a_failing_watcher_registration_never_reaches_the_output() -> None:
+    """Instrumentation failures disable the watcher; the output is constructed as without tracing."""
+
+    class Exploding:
+        def __getattr__(self, name: str) -> object:
+            raise RuntimeError("boom")
+
+    class Output:
+        def __init__(self, value: int) -> None:
+            self.value = value
+            self.async_copy_ready_event = Exploding()
+
+        def get_output(self) -> int:
+            return self.value
+
+    buffer = StampBuffer(capacity=64)
+    inst = EngineLoopInstrumentation(buffer, owners={"output": (Output,)})
+    inst.install()
+    try:
+        inst.state.watcher.pending = None  # type: ignore[assignment]  # register() will raise
+        assert Output(3).get_output() == 3
+        assert inst.state.watcher.failed
+        assert Output(4).value == 4
+    finally:
+        inst.uninstall()

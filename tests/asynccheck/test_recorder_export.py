@@ -41,7 +41,36 @@ def test_incomplete_steps_wait_for_their_update() -> None:
     first = [Stamp(StampKind(k), t, 0, 0) for k, t in [(1, 0), (2, 2), (3, 2), (4, 3), (5, 9)]]
     assert assembler.feed(first) == []
     (step,) = assembler.feed([Stamp(StampKind.UPDATE_BEGIN, 10, 0, 0), Stamp(StampKind.UPDATE_END, 11, 0, 0)])
-    assert (step.done, step.done_precision) == (9, m.DONE_DEVICE_READY)
+    # get_output returned on the engine thread (a = 0): max(ready, engine asks), only an upper bound
+    assert (step.done, step.done_precision) == (9, m.DONE_ENGINE_POLL)
+
+
+def _one_step(extra: list[tuple[int, int, int, int]]) -> object:
+    base = [(1, 0, 0, 0), (2, 2, 0, 0), (3, 2, 0, 0), (4, 3, 0, 0), (6, 10, 0, 0), (7, 11, 0, 0)]
+    (step,) = StepAssembler().feed([Stamp(StampKind(k), t, a, b) for k, t, a, b in base + extra])
+    return step
+
+
+def test_output_thread_get_output_is_device_ready() -> None:
+    step = _one_step([(5, 8, 1, 0)])
+    assert (step.done, step.done_precision) == (8, m.DONE_DEVICE_READY)
+
+
+def test_watched_copy_event_beats_the_engines_late_poll() -> None:
+    # watcher: registered at 3, last seen not ready at 5, ready at 6; the engine asked only at 9
+    step = _one_step([(5, 9, 0, 0), (10, 6, 5, 3)])
+    assert (step.done, step.done_precision, step.done_bound_ns) == (6, m.DONE_DEVICE_EVENT, 1)
+
+
+def test_engine_blocked_in_get_output_returns_at_the_ready_time() -> None:
+    # the engine blocked in synchronize before the watcher looked: its return (7) is the tighter bound
+    step = _one_step([(5, 7, 0, 0), (10, 8, 6, 3)])
+    assert (step.done, step.done_precision, step.done_bound_ns) == (7, m.DONE_DEVICE_EVENT, 1)
+
+
+def test_ready_registered_before_the_launch_belongs_to_no_step() -> None:
+    step = _one_step([(10, 1, 0, -5)])
+    assert step.done_precision == m.DONE_ENGINE_OBSERVED
 
 
 def test_trace_file_round_trips_and_metrics_reach_the_sdk(tmp_path: Path) -> None:

@@ -1,0 +1,109 @@
+"""When does a step's output really become ready? A watcher that only ``query()``s the copy-ready event.
+
+vLLM's async outputs (``AsyncGPUModelRunnerOutput``, MRV2 ``AsyncOutput``, the pooling variants) record
+an event on the output-copy stream in ``__init__``; ``get_output()`` synchronizes it. With
+``UniProcExecutor`` that ``get_output()`` runs lazily on the engine thread inside
+``AsyncOutputFuture.result()``, so its return is max(device ready, engine asks): an upper bound, not the
+ready time. The engine thread only appends ``(event, now)`` to a deque (lock-free under the GIL); this
+daemon thread polls the oldest pending event with ``query()`` (never ``synchronize()``: that could
+reorder nothing but would pin the driver lock) and stamps ``READY`` with the bracket
+``[last query false, first query true]``. The bracket is the precision: with host threads holding the
+GIL it widens up to ``sys.getswitchinterval()``, and the exporter carries its width on the span.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import weakref
+import time
+from collections import deque
+from typing import Any
+
+from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
+
+logger = logging.getLogger("otel_kvtrace")
+
+EVENT_ATTRS = ("async_copy_ready_event", "copy_event")
+"""Copy-ready event attribute of vLLM's async output classes (V1 runner, MRV2)."""
+POLL_S = 0.0001
+IDLE_S = 0.002
+ACTIVE_NS = 50_000_000
+"""For this long after the last output the watcher keeps polling every ``POLL_S`` even with nothing
+pending, so an output recorded on an idle stream (already complete) is seen within ~0.1 ms; a serving
+engine makes an output every few ms, so it stays in this mode (~10k cheap wake-ups per second)."""
+MAX_PENDING = 64
+"""Outputs in flight are at most the batch-queue depth; more means the watcher fell behind (dropped)."""
+
+
+class ReadyWatcher:
+    """Daemon thread ``kvtrace-async-ready``: READY stamps for registered copy-ready events."""
+
+    def __init__(self, buffer: StampBuffer) -> None:
+        self.buffer = buffer
+        self.pending: deque[tuple[Any, int]] = deque()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._fork_hook = False
+        self.failed = False
+
+    def register(self, output: Any) -> None:
+        """Hot path (engine or worker thread, in the output's ``__init__``): hand the event over."""
+        for name in EVENT_ATTRS:
+            event = getattr(output, name, None)
+            if event is not None:
+                if len(self.pending) < MAX_PENDING and not self.failed:
+                    self.pending.append((event, self.buffer.clock()))
+                    if self._thread is None:  # once per process: processes that make no outputs stay idle
+                        self.start()
+                return
+
+    def start(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            if self._thread is None and hasattr(os, "register_at_fork") and not self._fork_hook:
+                self._fork_hook = True
+                ref = weakref.WeakMethod(self.after_fork)
+                os.register_at_fork(after_in_child=lambda: (m := ref()) is not None and m())
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="kvtrace-async-ready", daemon=True)
+            self._thread.start()
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's events are not ours; the next output starts a fresh thread."""
+        self.pending.clear()
+        self._thread = None
+
+    def stop(self, timeout_s: float = 1.0) -> None:
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        clock = self.buffer.clock
+        put = self.buffer.put
+        pending = self.pending
+        ready_code = int(StampKind.READY)
+        last_false = 0
+        last_seen = 0
+        while not self._stop.is_set():
+            if not pending:
+                time.sleep(POLL_S if clock() - last_seen < ACTIVE_NS else IDLE_S)
+                continue
+            event, registered = pending[0]
+            try:
+                done = event.query()
+            except Exception:  # noqa: BLE001 - a broken event disables the watcher, never the host
+                logger.exception("otel-kvtrace: output-ready watcher disabled")
+                self.failed = True
+                pending.clear()
+                return
+            now = clock()
+            last_seen = now
+            if done:
+                pending.popleft()
+                last_false = max(last_false, registered)
+                put(ready_code, now, last_false, registered)
+                continue  # one in-order copy stream: the next event is ready no earlier than this one's bound
+            last_false = now
+            time.sleep(POLL_S)

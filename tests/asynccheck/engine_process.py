@@ -1,0 +1,51 @@
+"""``python -m tests.asynccheck.engine_process fork|spawn OUT``: vLLM's engine-core process layout.
+
+The parent does what the vLLM plugin does in the front-end process (``install_from_env``), then starts
+the engine core as a multiprocessing child with the given start method, as vLLM does (``fork`` unless
+CUDA is initialised or spawn is forced). A spawned child re-imports everything, so it installs again,
+as ``load_general_plugins()`` at the start of ``EngineCore.__init__`` does. The child runs the real
+vLLM engine loop (``vllm_engine``) and leaves through multiprocessing's ``os._exit``. Prints the child's
+pid.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+from otel_kvtrace.asynccheck.instrument import install_from_env
+
+from . import vllm_engine as ve
+from .vllm_src import vllm_modules
+
+VERSION = "0.33.0"
+STEPS = 40
+
+
+def engine_core(out: str, spawned: bool) -> None:
+    if spawned:
+        with vllm_modules(VERSION, ve.setup_torch) as mods:
+            assert install_from_env(Path(out)) is not None
+            _run(mods)
+    else:
+        _run(PARENT_MODS)
+
+
+def _run(mods: object) -> None:
+    timing = ve.Timing()
+    ex = ve.make_executor(mods, "uniproc", timing, True)
+    ve.run_engine(ve.make_engine(mods, async_loop=True, executor=ex, scheduler=ve.FakeScheduler(STEPS, timing)))
+
+
+PARENT_MODS: object = None
+
+if __name__ == "__main__":
+    method, out = sys.argv[1], sys.argv[2]
+    with vllm_modules(VERSION, ve.setup_torch) as mods:
+        PARENT_MODS = mods
+        assert install_from_env(Path(out)) is not None  # the plugin in the front-end process
+        proc = mp.get_context(method).Process(target=engine_core, args=(out, method == "spawn"))
+        proc.start()
+        proc.join(60)
+        print(proc.pid, proc.exitcode)
