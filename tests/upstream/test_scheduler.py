@@ -155,7 +155,9 @@ def test_plugin_honours_the_switch_whether_tracing_is_on_or_off(upstream: Upstre
         assert isinstance(env.thread.request_queue, SchedulingQueue)
         assert (plugin.current_session() is not None) == tracing_on
         if tracing_on:
-            assert plugin.upstream_resource(upstream.binding.to_targets())["kvtrace.cfg.scheduler"] == "ready_queue"
+            from otel_kvtrace.instrument.instrumentor import upstream_resource
+
+            assert upstream_resource(upstream.binding.to_targets())["kvtrace.cfg.scheduler"] == "ready_queue"
     finally:
         install_scheduler(upstream.binding.to_targets(), "fifo")
 
