@@ -2,7 +2,8 @@
 
 Everything is inline: CSS, the small vanilla-JS SVG timeline (``timeline_js.py``), the
 report data as a JSON script block and the plots as base64 PNG. Times in the page are microseconds
-since the first task shown (epoch nanoseconds do not fit a JavaScript number).
+since the first task shown (epoch nanoseconds do not fit a JavaScript number). Trace values are
+hostile input: see ``html_safety`` for how each context is escaped and the page's security policy.
 """
 
 from __future__ import annotations
@@ -10,9 +11,8 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-import orjson
-
 from otel_kvtrace.analyse.queries import QueryResult
+from otel_kvtrace.report.html_safety import csp_meta, script_json
 from otel_kvtrace.report.model import Report
 from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, png_base64, report_pngs
 from otel_kvtrace.report.terminal import hol_headline
@@ -60,14 +60,21 @@ def table_html(result: QueryResult, columns: list[str] | None = None, limit: int
     return f'<table class="data"{ident}><tr>{head}</tr>{body}</table>'
 
 
+def _legend_css() -> str:
+    """Legend colours as classes: the page's policy refuses ``style`` attributes."""
+    rules = [f".legend i.c-{s} {{ background: {c}; }}" for s, c in STAGE_COLORS.items()]
+    rules += [f".legend i.c-hol-{k} {{ background: {c}; opacity: .35; }}" for k, c in HOL_COLORS.items()]
+    return "\n".join(rules) + "\n"
+
+
 def render_html(report: Report) -> str:
     """The whole page as a string."""
     timeline = report.timeline
-    data = orjson.dumps({"timeline": timeline, "colors": STAGE_COLORS, "holColors": HOL_COLORS})
-    data_text = data.decode().replace("</", "<\\/")
+    data_text = script_json({"timeline": timeline, "colors": STAGE_COLORS, "holColors": HOL_COLORS})
     script = TIMELINE_JS
-    legend = "".join(f'<span><i style="background:{c}"></i>{html.escape(s)}</span>' for s, c in STAGE_COLORS.items())
-    legend += "".join(f'<span><i style="background:{c};opacity:.35"></i>HOL {k}</span>' for k, c in HOL_COLORS.items())
+    css = _CSS + _legend_css()
+    legend = "".join(f'<span><i class="c-{s}"></i>{html.escape(s)}</span>' for s in STAGE_COLORS)
+    legend += "".join(f'<span><i class="c-hol-{k}"></i>HOL {html.escape(k)}</span>' for k in HOL_COLORS)
     plots = "".join(
         f'<h3>{html.escape(stem)}</h3><img class="plot" alt="{html.escape(stem)}" '
         f'src="data:image/png;base64,{png_base64(png)}">'
@@ -78,8 +85,8 @@ def render_html(report: Report) -> str:
     shown = (f"{timeline.get('shown', 0)} of {timeline.get('total', 0)} tasks shown "
              f"(a window around each queue's longest HOL event)")
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>kvtrace report</title>
-<style>{_CSS}</style></head>
+<html lang="en"><head><meta charset="utf-8">{csp_meta([script], [css])}<title>kvtrace report</title>
+<style>{css}</style></head>
 <body>
 <h1>kvtrace report: head-of-line blocking in the KV recv queue</h1>
 <p class="headline" id="headline">{html.escape(hol_headline(report))}</p>

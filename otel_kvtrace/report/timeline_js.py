@@ -114,27 +114,44 @@ TIMELINE_JS = r"""
     document.getElementById("range").textContent = " showing " + fmt(view[0]) + " .. " + fmt(view[1]);
   }
 
+  // Trace values reach the page only as text nodes (textContent), never as markup.
+  function node(tag, attrs, children) {
+    const e = document.createElement(tag);
+    for (const k in attrs || {}) e.setAttribute(k, attrs[k]);
+    (children || []).forEach(c => e.appendChild(c instanceof Node ? c : document.createTextNode(String(c))));
+    return e;
+  }
+  function dataTable(id, head, rows) {
+    return node("table", {class: "data", id: id}, [node("tr", {}, head.map(h => node("th", {}, [h])))].concat(
+      rows.map(r => node("tr", {}, r.map((c, i) => node("td", i === 0 ? {class: "text"} : {}, [c]))))));
+  }
+
   function showDetails(cid) {
     const t = byCid.get(cid);
     if (!t) return;
     selected = cid;
     evidence = new Set(T.hol.filter(h => h.head === cid).map(h => h.evidence));
-    const rows = t.stages.map(s => "<tr><td class='text'>" + s[0] + "</td><td>" + fmt(s[1]) + "</td><td>" + fmt(s[2] - s[1]) + "</td></tr>").join("");
-    const deps = Object.keys(t.deps).map(d => {
+    const stageRows = t.stages.map(s => [s[0], fmt(s[1]), fmt(s[2] - s[1])]);
+    const depRows = Object.keys(t.deps).map(d => {
       const v = t.deps[d];
-      return "<tr><td class='text'>" + d + "</td><td>" + (Array.isArray(v) ? "[" + fmt(v[0]) + ", " + fmt(v[1]) + "] (bounded)" : fmt(v)) + "</td></tr>";
-    }).join("") || "<tr><td colspan='2'>no dependencies</td></tr>";
-    const hol = T.hol.filter(h => h.head === cid || h.evidence === cid).map(h =>
-      "<li>" + (h.head === cid ? "blocked head, " : "evidence for " + h.head + ", ") + h.class + " " + fmt(h.start) + " .. " + fmt(h.end) +
-      " (" + fmt(h.end - h.start) + ")" + (h.head === cid ? ", ready behind it: " + h.evidence : "") + "</li>").join("");
-    const esc = s => String(s).replace(/[&<>]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;"}[c]));
-    details.innerHTML = "<b>" + esc(t.cid) + "</b> seq " + t.seq + ", step " + t.step + ", layer " + t.layer +
-      (t.final ? " (final layer)" : "") + ", outcome " + esc(t.outcome) + ", ready precision " + esc(t.precision) +
-      "<br>enqueue " + fmt(t.enqueue) + ", dequeue " + fmt(t.dequeue) + ", ready " + fmt(t.ready) +
-      (t.ready_lo !== null ? " (lower bound " + fmt(t.ready_lo) + ")" : "") + ", complete " + fmt(t.complete) +
-      "<table class='data' id='detail-stages'><tr><th>stage</th><th>start</th><th>duration</th></tr>" + rows + "</table>" +
-      "<table class='data' id='detail-deps'><tr><th>dependency</th><th>satisfied at</th></tr>" + deps + "</table>" +
-      (hol ? "<ul id='detail-hol'>" + hol + "</ul>" : "<p>No HOL interval involves this task.</p>");
+      return [d, Array.isArray(v) ? "[" + fmt(v[0]) + ", " + fmt(v[1]) + "] (bounded)" : fmt(v)];
+    });
+    const hol = T.hol.filter(h => h.head === cid || h.evidence === cid).map(h => node("li", {}, [
+      (h.head === cid ? "blocked head, " : "evidence for " + h.head + ", ") + h.class + " " + fmt(h.start) +
+      " .. " + fmt(h.end) + " (" + fmt(h.end - h.start) + ")" + (h.head === cid ? ", ready behind it: " + h.evidence : "")]));
+    const parts = [
+      node("b", {}, [t.cid]),
+      " seq " + t.seq + ", step " + t.step + ", layer " + t.layer + (t.final ? " (final layer)" : "") +
+        ", outcome " + t.outcome + ", ready precision " + t.precision,
+      node("br"),
+      "enqueue " + fmt(t.enqueue) + ", dequeue " + fmt(t.dequeue) + ", ready " + fmt(t.ready) +
+        (t.ready_lo !== null ? " (lower bound " + fmt(t.ready_lo) + ")" : "") + ", complete " + fmt(t.complete),
+      dataTable("detail-stages", ["stage", "start", "duration"], stageRows),
+      depRows.length ? dataTable("detail-deps", ["dependency", "satisfied at"], depRows)
+                     : node("p", {id: "detail-deps"}, ["no dependencies"]),
+      hol.length ? node("ul", {id: "detail-hol"}, hol) : node("p", {}, ["No HOL interval involves this task."]),
+    ];
+    details.replaceChildren.apply(details, parts.map(c => c instanceof Node ? c : document.createTextNode(c)));
     render();
   }
 
