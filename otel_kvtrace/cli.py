@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "demo": ("otel_kvtrace.demo", "demo_command", "Run the CPU replica (HOL and FIFO-optimal scenarios), traced, and summarise it."),
     "collect": ("otel_kvtrace.collect.cli", "collect_command", "Embedded OTLP receiver writing files for `kvtrace report`."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
+    "export": ("otel_kvtrace.report.cli", "export_command", "Traces as a timeline file: --perfetto (Chrome Trace Event JSON for Perfetto/chrome://tracing/MindStudio Insight)."),
     "report": ("otel_kvtrace.report.cli", "report", "HOL blocking from traces: stage and HOL tables, --json, --png-dir, --html."),
     "sweep": ("otel_kvtrace.whatif.cli", "sweep_command", "Coverage matrix on the replica, >= 3 seeds per cell, verdict per cell (resumable)."),
 }

@@ -65,3 +65,37 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
             console.print(f"plot: {path}")
     if html_path:
         console.print(f"HTML report: {write_html(result, html_path)}")
+
+
+@click.command("export")
+@click.argument("paths", nargs=-1, required=True)
+@click.option("--perfetto", "perfetto_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Write Chrome Trace Event JSON here (opens in ui.perfetto.dev, chrome://tracing, "
+                   "MindStudio Insight).")
+@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
+              show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime.")
+@click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache.")
+def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path, no_cache: bool) -> None:
+    """Write the traces as a timeline for the viewers Ascend engineers already use.
+
+    One process per run; per recv queue a recv-thread track (tasks, stages nested) and a HOL track;
+    per process the forward and send threads; a flow arrow from each HOL head to the slice naming the
+    ready task behind it; queue depth and in-flight counters.
+
+    \b
+    Example:
+      kvtrace export --perfetto kv.perfetto.json ./kvtrace-data/traces
+      # then open kv.perfetto.json in https://ui.perfetto.dev (the file stays on your machine)
+    """
+    from otel_kvtrace.load import load_traces
+    from otel_kvtrace.report.perfetto import write_perfetto
+
+    console = Console(stderr=False)
+    try:
+        with console.status("loading traces ...") as status:
+            loaded = load_traces(list(paths), cache_dir=None if no_cache else cache_dir, progress=status.update)
+            status.update("writing the timeline ...")
+            out = write_perfetto(loaded, perfetto_path)
+    except LoadError as exc:
+        raise click.BadParameter(str(exc), param_hint="PATHS") from exc
+    console.print(f"Trace Event JSON ({loaded.stats.tasks} recv tasks): {out}")
