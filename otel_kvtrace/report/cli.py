@@ -75,7 +75,14 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
 @click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
               show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime.")
 @click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache.")
-def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path, no_cache: bool) -> None:
+@click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="torch_npu profiler output (a *_ascend_pt or ASCEND_PROFILER_OUTPUT directory, or "
+                   "trace_view.json / kernel_details.csv / communication.json): attention kernels, copies "
+                   "and communication on the same axis. Repeatable.")
+@click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
+              help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md).")
+def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path, no_cache: bool,
+                   npu_paths: tuple[Path, ...], npu_offset_us: float) -> None:
     """Write the traces as a timeline for the viewers Ascend engineers already use.
 
     One process per run; per recv queue a recv-thread track (tasks, stages nested) and a HOL track;
@@ -85,17 +92,30 @@ def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path,
     \b
     Example:
       kvtrace export --perfetto kv.perfetto.json ./kvtrace-data/traces
-      # then open kv.perfetto.json in https://ui.perfetto.dev (the file stays on your machine)
+      kvtrace export --perfetto kv.json traces/ --npu-profile prof/rank0_ascend_pt
+      # then open the file in https://ui.perfetto.dev (it stays on your machine)
     """
     from otel_kvtrace.load import load_traces
+    from otel_kvtrace.npu_profile import read_npu_profile
     from otel_kvtrace.report.perfetto import write_perfetto
 
     console = Console(stderr=False)
+    npu = None
+    if npu_paths:
+        try:
+            npu = read_npu_profile(npu_paths, offset_ns=round(npu_offset_us * 1000))
+        except FileNotFoundError as exc:
+            raise click.BadParameter(str(exc), param_hint="--npu-profile") from exc
+        for problem in npu.skipped[:20]:
+            console.print(f"skipped: {problem}", markup=False, highlight=False, soft_wrap=True)
+        console.print(f"NPU profile: {len(npu.events)} attention/copy/communication slices from "
+                      f"{len(npu.files)} file(s); {npu.other_kernels} other kernels not shown; "
+                      f"{len(npu.skipped)} record(s) skipped", soft_wrap=True)
     try:
         with console.status("loading traces ...") as status:
             loaded = load_traces(list(paths), cache_dir=None if no_cache else cache_dir, progress=status.update)
             status.update("writing the timeline ...")
-            out = write_perfetto(loaded, perfetto_path)
+            out = write_perfetto(loaded, perfetto_path, npu=npu)
     except LoadError as exc:
         raise click.BadParameter(str(exc), param_hint="PATHS") from exc
-    console.print(f"Trace Event JSON ({loaded.stats.tasks} recv tasks): {out}")
+    console.print(f"Trace Event JSON ({loaded.stats.tasks} recv tasks): {out}", markup=False, highlight=False, soft_wrap=True)

@@ -27,28 +27,33 @@ import orjson
 
 from otel_kvtrace.analyse.queries import run_query
 from otel_kvtrace.load import LoadResult, load_traces
+from otel_kvtrace.npu_profile import NpuEvent, NpuProfile
 
 FLOW_CATEGORY = "kvtrace.hol"
 FLOW_NAME = "HOL: head -> ready task behind it"
+NPU_PROCESS = "NPU (torch_npu profiler)"
 
 
 @dataclass(slots=True)
 class _Tracks:
     """pid per run, tid per (pid, track name), in first-seen order, plus their metadata events."""
 
-    pids: dict[str, int] = field(default_factory=dict)
+    pids: dict[tuple[str, ...], int] = field(default_factory=dict)
     tids: dict[tuple[int, str], int] = field(default_factory=dict)
     meta: list[dict[str, Any]] = field(default_factory=list)
     lanes: dict[tuple[int, str], list[int]] = field(default_factory=dict)  # track -> end ns of each lane
 
-    def pid(self, run_id: str, label: str) -> int:
-        if run_id not in self.pids:
-            pid = self.pids[run_id] = len(self.pids) + 1
+    def pid(self, key: tuple[str, ...], name: str) -> int:
+        if key not in self.pids:
+            pid = self.pids[key] = len(self.pids) + 1
             self.meta.append({"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "ts": 0,
-                              "args": {"name": f"run {run_id} ({label})"}})
+                              "args": {"name": name}})
             self.meta.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "ts": 0,
                               "args": {"sort_index": pid}})
-        return self.pids[run_id]
+        return self.pids[key]
+
+    def run_pid(self, run_id: str, label: str) -> int:
+        return self.pid(("run", run_id), f"run {run_id} ({label})")
 
     def tid(self, pid: int, name: str) -> int:
         key = (pid, name)
@@ -78,12 +83,15 @@ def _short(queue: str, run_id: str) -> str:
     return queue[len(run_id) + 1:] if queue.startswith(run_id + "/") else queue
 
 
-def perfetto_trace(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    """The Trace Event JSON document (``traceEvents`` and ``otherData``) for the loaded traces."""
+def perfetto_trace(con: duckdb.DuckDBPyConnection, npu: NpuProfile | None = None) -> dict[str, Any]:
+    """The Trace Event JSON document (``traceEvents`` and ``otherData``) for the loaded traces, with the
+    NPU profiler's attention kernels, copies and communication when ``npu`` is given."""
     slices = run_query(con, "trace_slices").records()
     events = run_query(con, "hol_events").records()
     depth = run_query(con, "queue_depth").records()
+    npu_events = npu.events if npu else []
     starts = [s["start_ns"] for s in slices] + [e["start_ns"] for e in events] + [d["ts_ns"] for d in depth]
+    starts += [e.start_ns for e in npu_events]
     t0 = min(starts, default=0)
 
     def us(ns: int) -> float:
@@ -94,7 +102,7 @@ def perfetto_trace(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     recv_tid: dict[str, tuple[int, int]] = {}  # correlation id -> (pid, tid) of its recv task slice
     parent_tid: dict[tuple[str, str], tuple[int, int]] = {}
     for s in sorted(slices, key=lambda s: (s["level"], s["start_ns"], -(s["end_ns"] - s["start_ns"]))):
-        pid = tracks.pid(s["run_id"], s["cfg_label"])
+        pid = tracks.run_pid(s["run_id"], s["cfg_label"])
         key = (s["thread"], s["correlation_id"])
         if s["level"] == 0:
             where = s["queue"] if s["thread"] in ("recv", "send") else s["process"]
@@ -114,6 +122,7 @@ def perfetto_trace(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
                     "ts": us(s["start_ns"]), "dur": round((s["end_ns"] - s["start_ns"]) / 1e3, 3), "args": args})
     out += _hol_events(events, tracks, recv_tid, us)
     out += _counters(depth, tracks, us)
+    out += _npu_slices(npu_events, tracks, us)
     out.sort(key=lambda e: (e["ts"], -e.get("dur", 0)))
     return {"traceEvents": tracks.meta + out, "displayTimeUnit": "ms",
             "otherData": {"t0_unix_ns": t0, "producer": "otel-kvtrace export --perfetto",
@@ -148,14 +157,26 @@ def _counters(depth: Iterable[dict[str, Any]], tracks: _Tracks, us: Any) -> list
     out = []
     for d in depth:
         run_id = d["run_id"]
-        pid = tracks.pid(run_id, d["cfg_label"])
+        pid = tracks.run_pid(run_id, d["cfg_label"])
         out.append({"ph": "C", "name": f"queue {_short(d['queue'], run_id)}", "pid": pid, "tid": 0,
                     "ts": us(d["ts_ns"]), "args": {"queued": d["depth"], "in_flight": d["inflight"]}})
     return out
 
 
+def _npu_slices(events: Iterable[NpuEvent], tracks: _Tracks, us: Any) -> list[dict[str, Any]]:
+    """The NPU profiler's slices in one process, a track per kind and stream/plane."""
+    out = []
+    for e in events:
+        pid = tracks.pid(("npu",), NPU_PROCESS)
+        tid = tracks.lane_tid(pid, f"{e.kind} {e.lane}", e.start_ns, e.end_ns)
+        out.append({"ph": "X", "cat": f"npu.{e.kind}", "name": e.name, "pid": pid, "tid": tid,
+                    "ts": us(e.start_ns), "dur": round((e.end_ns - e.start_ns) / 1e3, 3),
+                    "args": {"source": e.source}})
+    return out
+
+
 def write_perfetto(paths: Iterable[str | Path] | str | Path | LoadResult, out: str | Path, *,
-                   cache_dir: str | Path | None = None) -> Path:
+                   cache_dir: str | Path | None = None, npu: NpuProfile | None = None) -> Path:
     """Load ``paths`` (or reuse a ``LoadResult``) and write the Trace Event JSON to ``out``.
 
     Example::
@@ -165,5 +186,5 @@ def write_perfetto(paths: Iterable[str | Path] | str | Path | LoadResult, out: s
     loaded = paths if isinstance(paths, LoadResult) else load_traces(paths, cache_dir=cache_dir)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(orjson.dumps(perfetto_trace(loaded.con)))
+    out.write_bytes(orjson.dumps(perfetto_trace(loaded.con, npu)))
     return out
