@@ -3,11 +3,33 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
 from otel_kvtrace.load import LoadError
+
+if TYPE_CHECKING:
+    from otel_kvtrace.npu_profile import NpuProfile
+
+
+def _read_npu(console: Console, npu_paths: tuple[Path, ...], offset_us: float) -> NpuProfile | None:
+    """The --npu-profile files, with what was skipped said on the console."""
+    if not npu_paths:
+        return None
+    from otel_kvtrace.npu_profile import read_npu_profile
+
+    try:
+        npu = read_npu_profile(npu_paths, offset_ns=round(offset_us * 1000))
+    except FileNotFoundError as exc:
+        raise click.BadParameter(str(exc), param_hint="--npu-profile") from exc
+    for problem in npu.skipped[:20]:
+        console.print(f"skipped: {problem}", markup=False, highlight=False, soft_wrap=True)
+    console.print(f"NPU profile: {len(npu.events)} attention/copy/communication slices from "
+                  f"{len(npu.files)} file(s); {npu.other_kernels} other kernels not shown; "
+                  f"{len(npu.skipped)} record(s) skipped", soft_wrap=True)
+    return npu
 
 
 @click.command("report")
@@ -26,8 +48,13 @@ from otel_kvtrace.load import LoadError
                    "for the DuckDB CLI (parses the JSON; the cache is not used).")
 @click.option("--timeline-tasks", type=click.IntRange(min=10), default=1500, show_default=True,
               help="Tasks drawn in the timelines (a window around each queue's longest HOL event).")
+@click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="torch_npu profiler output to draw beside the tasks in --html (see `kvtrace export`).")
+@click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
+              help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md).")
 def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None, html_path: Path | None,
-           cache_dir: Path, no_cache: bool, db_path: Path | None, timeline_tasks: int) -> None:
+           cache_dir: Path, no_cache: bool, db_path: Path | None, timeline_tasks: int,
+           npu_paths: tuple[Path, ...], npu_offset_us: float) -> None:
     """Answer "is there head-of-line blocking, how often, how long, and what proves it?" for traces.
 
     PATHS are OTLP/JSON lines files (from the local sink or the OpenTelemetry Collector's file
@@ -44,13 +71,14 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
     from otel_kvtrace.report import build_report, render_terminal, write_html, write_json, write_pngs
 
     console = Console(stderr=False)
+    npu = _read_npu(console, npu_paths, npu_offset_us)
     if db_path:
         db_path.parent.mkdir(parents=True, exist_ok=True)
     con = duckdb.connect(str(db_path)) if db_path else None
     try:
         with console.status("loading traces ...") as status:
             result = build_report(list(paths), cache_dir=None if (no_cache or db_path) else cache_dir, con=con,
-                                  timeline_tasks=timeline_tasks, progress=status.update)
+                                  timeline_tasks=timeline_tasks, progress=status.update, npu=npu)
     except LoadError as exc:
         raise click.BadParameter(str(exc), param_hint="PATHS") from exc
     render_terminal(result, console)
@@ -96,21 +124,10 @@ def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path,
       # then open the file in https://ui.perfetto.dev (it stays on your machine)
     """
     from otel_kvtrace.load import load_traces
-    from otel_kvtrace.npu_profile import read_npu_profile
     from otel_kvtrace.report.perfetto import write_perfetto
 
     console = Console(stderr=False)
-    npu = None
-    if npu_paths:
-        try:
-            npu = read_npu_profile(npu_paths, offset_ns=round(npu_offset_us * 1000))
-        except FileNotFoundError as exc:
-            raise click.BadParameter(str(exc), param_hint="--npu-profile") from exc
-        for problem in npu.skipped[:20]:
-            console.print(f"skipped: {problem}", markup=False, highlight=False, soft_wrap=True)
-        console.print(f"NPU profile: {len(npu.events)} attention/copy/communication slices from "
-                      f"{len(npu.files)} file(s); {npu.other_kernels} other kernels not shown; "
-                      f"{len(npu.skipped)} record(s) skipped", soft_wrap=True)
+    npu = _read_npu(console, npu_paths, npu_offset_us)
     try:
         with console.status("loading traces ...") as status:
             loaded = load_traces(list(paths), cache_dir=None if no_cache else cache_dir, progress=status.update)

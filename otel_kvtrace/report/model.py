@@ -17,6 +17,7 @@ from otel_kvtrace import analyse
 from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
+from otel_kvtrace.npu_profile import NpuProfile
 
 DEFAULT_TIMELINE_TASKS = 1500
 """Tasks drawn in the HTML/PNG timelines (a window around the longest HOL event of each queue)."""
@@ -57,6 +58,7 @@ def build_report(
     con: duckdb.DuckDBPyConnection | None = None,
     timeline_tasks: int = DEFAULT_TIMELINE_TASKS,
     progress: Callable[[str], None] | None = None,
+    npu: NpuProfile | None = None,
 ) -> Report:
     """Load ``paths`` (or reuse a ``LoadResult``) and run every analysis of ``otel_kvtrace.analyse``.
 
@@ -109,10 +111,32 @@ def build_report(
             wait_explained_total=explained_total,
         )
         report.timeline = timeline_data(con, timeline_tasks)
+        report.timeline["npu"] = npu_timeline(npu, report.timeline) if npu else {"lanes": [], "events": []}
         report.stage_samples = stage_samples(con)
     finally:  # a later load into this connection must not meet stale intervals
         con.execute("DROP TABLE IF EXISTS temp.hol_intervals").fetchall()
     return report
+
+
+def npu_timeline(npu: NpuProfile, timeline: dict[str, Any]) -> dict[str, Any]:
+    """The NPU profiler's slices that overlap the tasks shown, on the timeline's µs axis, one lane per
+    kind and stream/plane."""
+    t0 = timeline["t0_ns"]
+    times = [s[2] for t in timeline["tasks"] for s in t["stages"]] + [t["enqueue"] for t in timeline["tasks"]]
+    if not times:
+        return {"lanes": [], "events": []}
+    lo, hi = t0 + min(times) * 1e3, t0 + max(times) * 1e3
+    lanes: list[str] = []
+    events = []
+    for e in npu.events:
+        if e.end_ns < lo or e.start_ns > hi:
+            continue
+        lane = f"{e.kind} {e.lane}"
+        if lane not in lanes:
+            lanes.append(lane)
+        events.append({"lane": lanes.index(lane), "kind": e.kind, "name": e.name,
+                       "start": round((e.start_ns - t0) / 1e3, 3), "end": round((e.end_ns - t0) / 1e3, 3)})
+    return {"lanes": lanes, "events": events}
 
 
 def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE) -> dict[str, list[int]]:

@@ -28,6 +28,14 @@ TIMELINE_JS = r"""
     y += HEADER;
     T.tasks.filter(t => t.queue === qi).forEach(t => { layout.push({kind: "task", y: y, queue: qi, task: t}); t._y = y; y += ROW; });
   });
+  const NPU = T.npu || {lanes: [], events: []};
+  const NPU_COLORS = {attention: "#e377c2", copy: "#17becf", communication: "#bcbd22"};
+  const npuY = [];
+  if (NPU.lanes.length) {
+    layout.push({kind: "npu-header", y: y});
+    y += HEADER;
+    NPU.lanes.forEach(() => { npuY.push(y); y += ROW; });
+  }
   const height = Math.max(y + 4, 60);
   let tMin = Infinity, tMax = -Infinity;
   T.tasks.forEach(t => {
@@ -90,6 +98,7 @@ TIMELINE_JS = r"""
                             stroke: HOLC[h.class], "stroke-width": 1.5, class: "hol-head"}, plot);
     });
     layout.forEach(r => {
+      if (r.kind === "npu-header") return;
       if (r.kind === "queue") {
         const t = el("text", {x: 4, y: r.y + 13, "font-size": 11, "font-weight": "bold"}, svg);
         t.textContent = T.queues[r.queue];
@@ -111,6 +120,20 @@ TIMELINE_JS = r"""
         title.textContent = task.cid + "\n" + s[0] + ": " + fmt(s[2] - s[1]);
       });
     });
+    if (NPU.lanes.length) {
+      const header = layout.find(r => r.kind === "npu-header");
+      el("text", {x: 4, y: header.y + 13, "font-size": 11, "font-weight": "bold"}, svg).textContent = "NPU (torch_npu profiler)";
+      NPU.lanes.forEach((name, i) => {
+        el("text", {x: 4, y: npuY[i] + 9, "font-size": 9, fill: "#333"}, svg).textContent = name;
+      });
+      NPU.events.forEach(e => {
+        if (e.end < view[0] || e.start > view[1]) return;
+        const x0 = xClamped(e.start), x1 = xClamped(e.end);
+        const rect = el("rect", {x: x0, y: npuY[e.lane] + 1, width: Math.max(1, x1 - x0), height: ROW - 4,
+                                 fill: NPU_COLORS[e.kind] || "#000", class: "npu npu-" + e.kind}, plot);
+        el("title", {}, rect).textContent = e.kind + ": " + e.name + "\n" + fmt(e.end - e.start);
+      });
+    }
     document.getElementById("range").textContent = " showing " + fmt(view[0]) + " .. " + fmt(view[1]);
   }
 
@@ -196,7 +219,8 @@ TIMELINE_JS = r"""
   document.getElementById("zoom-out").addEventListener("click", () => zoom(2));
   document.getElementById("zoom-all") && document.getElementById("zoom-all").addEventListener("click", () => { view = [tMin, tMax]; render(); });
   window.addEventListener("resize", render);
-  window.kvtraceTimeline = {showDetails: showDetails, zoom: zoom, view: () => view.slice()};
+  function setView(a, b) { view = [a, b]; render(); }
+  window.kvtraceTimeline = {showDetails: showDetails, zoom: zoom, setView: setView, view: () => view.slice()};
   render();
   if (T.hol.length) {  // scroll the longest HOL event's head into view
     const h = T.hol.reduce((a, b) => (b.end - b.start > a.end - a.start ? b : a));

@@ -123,3 +123,33 @@ def test_missing_profile_is_a_clear_error(synthetic_trace_dir: Path, tmp_path: P
                                        "--npu-profile", str(tmp_path)])
     assert result.exit_code != 0 and "no trace_view.json" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.browser
+def test_html_report_draws_npu_slices_beside_the_tasks(synthetic_trace_dir: Path, profiler_dirs, task_times,
+                                                      tmp_path: Path) -> None:
+    from browser import chromium_page
+
+    page_path = tmp_path / "report.html"
+    result = CliRunner().invoke(main, ["report", str(synthetic_trace_dir), "--no-cache", "--html", str(page_path),
+                                       "--timeline-tasks", "2000", "--npu-profile", str(profiler_dirs[0])])
+    assert result.exit_code == 0, result.output
+    cid = task_times[0][0]
+    with chromium_page() as (page, log):
+        page.goto(page_path.as_uri())
+        page.wait_for_selector("#timeline rect.stage")
+        page.click("#zoom-all")
+        kinds = page.evaluate("[...document.querySelectorAll('#timeline rect.npu')].map(r => r.getAttribute('class'))")
+        timeline = page.evaluate("JSON.parse(document.getElementById('kvtrace-data').textContent).timeline")
+        task = next(t for t in timeline["tasks"] if t["cid"] == cid)
+        _, start, end = next(s for s in task["stages"] if s[0] == "backend_submit")
+        page.evaluate(f"window.kvtraceTimeline.setView({start - 20}, {end + 20})")  # ~1 us per pixel
+        boxes = page.evaluate("""cid => {
+            const x = el => el ? el.getBBox().x : null;
+            const submit = [...document.querySelectorAll('#timeline rect.stage')].find(
+                r => r.getAttribute('data-cid') === cid && r.getAttribute('data-stage') === 'backend_submit');
+            return {submit: x(submit), attention: x(document.querySelector('#timeline rect.npu-attention'))};
+        }""", cid)
+    assert log.errors == []
+    assert sorted(kinds) == ["npu npu-attention", "npu npu-communication", "npu npu-copy"]
+    assert boxes["submit"] is not None and abs(boxes["attention"] - boxes["submit"]) < 0.5  # same axis
