@@ -50,11 +50,13 @@ def _read_npu(console: Console, npu_paths: tuple[Path, ...], offset_us: float) -
               help="Tasks drawn in the timelines (a window around each queue's longest HOL event).")
 @click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="torch_npu profiler output to draw beside the tasks in --html (see `kvtrace export`).")
+@click.option("--jaeger-url", help="Jaeger UI base URL (e.g. http://localhost:16686): --html links each task "
+                                   "to its trace (trace ids derive from correlation ids).")
 @click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
               help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md).")
 def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None, html_path: Path | None,
            cache_dir: Path, no_cache: bool, db_path: Path | None, timeline_tasks: int,
-           npu_paths: tuple[Path, ...], npu_offset_us: float) -> None:
+           npu_paths: tuple[Path, ...], npu_offset_us: float, jaeger_url: str | None) -> None:
     """Answer "is there head-of-line blocking, how often, how long, and what proves it?" for traces.
 
     PATHS are OTLP/JSON lines files (from the local sink or the OpenTelemetry Collector's file
@@ -92,7 +94,10 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
         for path in write_pngs(result, png_dir):
             console.print(f"plot: {path}")
     if html_path:
-        console.print(f"HTML report: {write_html(result, html_path)}")
+        try:
+            console.print(f"HTML report: {write_html(result, html_path, jaeger_url=jaeger_url)}", soft_wrap=True)
+        except ValueError as exc:
+            raise click.BadParameter(str(exc), param_hint="--jaeger-url") from exc
 
 
 @click.command("export")

@@ -143,3 +143,89 @@ def test_policy_refuses_markup_that_slipped_in(synthetic_trace_dir: Path, tmp_pa
         assert color != "rgb(255, 0, 0)"
     refused = [e for e in log.errors if "Content Security Policy" in e]
     assert len(refused) >= 3, log.errors  # script, inline handler, style attribute
+
+
+def _page_state(page) -> dict:  # noqa: ANN001 - playwright Page
+    return page.evaluate("""() => ({
+        selected: [...new Set([...document.querySelectorAll('#timeline rect.selected')].map(r => r.getAttribute('data-cid')))],
+        evidence: [...new Set([...document.querySelectorAll('#timeline rect.evidence')].map(r => r.getAttribute('data-cid')))],
+        arrows: document.querySelectorAll('#timeline line.hol-arrow').length,
+        markers: [...document.querySelectorAll('#timeline circle.ready-marker')].map(c => c.getAttribute('class')),
+        active: window.kvtraceTimeline.active(), view: window.kvtraceTimeline.view(),
+    })""")
+
+
+def test_hol_row_click_selects_head_and_evidence(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=300)
+    page_path = write_html(report, tmp_path / "report.html")
+    hol = sorted(report.timeline["hol"], key=lambda h: h["end"] - h["start"], reverse=True)
+    with chromium_page() as (page, log):
+        page.goto(page_path.as_uri())
+        rows = page.locator("#hol-intervals tr.hol-row")
+        assert rows.count() == min(50, len(hol))
+        assert rows.nth(0).locator("td").nth(1).inner_text() == hol[0]["blocked_by"] != "unknown"
+        assert " ms" in rows.nth(0).locator("td").nth(4).inner_text()  # ms, not epoch ns
+        target = hol[3]  # not the interval the page opens on
+        rows.nth(3).click()
+        state = _page_state(page)
+        assert state["active"] == {"head": target["head"], "evidence": target["evidence"]}
+        assert state["selected"] == [target["head"]] and state["evidence"] == [target["evidence"]]
+        assert state["arrows"] == 1 and sorted(state["markers"]) == ["ready-marker evidence-ready",
+                                                                     "ready-marker head-ready"]
+        assert state["view"][0] <= target["start"] and target["end"] <= state["view"][1]
+        assert target["head"] in page.locator("#details").inner_text()
+    assert log.errors == []
+
+
+def test_every_run_has_its_own_axis_from_zero(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=300)
+    runs = report.timeline["runs"]
+    assert len(runs) == 2 and len({r["t0_ns"] for r in runs}) == 2
+    for index in range(len(runs)):
+        queues = [q for q, run in enumerate(report.timeline["queue_runs"]) if run == index]
+        assert min(t["enqueue"] for t in report.timeline["tasks"] if t["queue"] in queues) == 0
+    page_path = write_html(report, tmp_path / "report.html")
+    with chromium_page() as (page, log):
+        page.goto(page_path.as_uri())
+        for index, run in enumerate(runs):
+            page.select_option("#run-select", str(index))
+            labels = page.locator("#timeline text.queue-label").all_text_contents()
+            assert labels and all(run["cfg"] in label for label in labels)  # only that run's queues
+            view = page.evaluate("window.kvtraceTimeline.view()")
+            assert view[0] == 0
+            ticks = page.locator("#timeline text.tick").all_text_contents()
+            assert ticks[0] == "0.000 ms" and all(t.endswith(" ms") for t in ticks)
+    assert log.errors == []
+
+
+def test_search_finds_a_correlation_id(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=300)
+    page_path = write_html(report, tmp_path / "report.html")
+    task = report.timeline["tasks"][-1]  # far from where the page opens
+    with chromium_page() as (page, log):
+        page.goto(page_path.as_uri())
+        page.fill("#search", task["cid"])
+        page.press("#search", "Enter")
+        assert page.locator("#search-result").inner_text().strip() == "1 of 1 matches"
+        assert _page_state(page)["selected"] == [task["cid"]]
+        view = page.evaluate("window.kvtraceTimeline.view()")
+        assert view[0] <= task["enqueue"] <= view[1]
+        assert page.locator("#details b").inner_text() == task["cid"]
+        page.fill("#search", "no-such-task")
+        page.press("#search", "Enter")
+        assert "no task shown matches" in page.locator("#search-result").inner_text()
+    assert log.errors == []
+
+
+def test_jaeger_link_and_bad_url(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=100)
+    page_path = write_html(report, tmp_path / "report.html", jaeger_url="http://localhost:16686/")
+    task = report.timeline["tasks"][0]
+    with chromium_page() as (page, log):
+        page.goto(page_path.as_uri())
+        page.evaluate(f"window.kvtraceTimeline.showDetails({task['cid']!r})")
+        href = page.locator("#jaeger-link").get_attribute("href")
+    assert href == f"http://localhost:16686/trace/{task['trace_id']}"
+    assert log.errors == []
+    with pytest.raises(ValueError, match="http"):
+        render_html(report, jaeger_url="javascript:alert(1)")

@@ -95,3 +95,22 @@ def test_traces_with_only_send_tasks_report_plainly(tmp_path: Path) -> None:
                                        "--png-dir", str(tmp_path / "png")])
     assert result.exit_code == 0, result.output
     assert "No recv tasks in these traces (4 send tasks" in " ".join(result.output.split())
+
+
+def test_timelines_start_with_the_queue_with_most_hol_and_cdfs_are_per_config(tmp_path: Path) -> None:
+    """The PNG timeline of queue 0 is the HOL queue even when a calm queue sorts first by name and is
+    larger; the stage CDF samples are kept per configuration, not pooled."""
+    from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json
+
+    calm = QueueSpec(run_id="aaa-calm", pid=1, cfg_label="calm")
+    busy = QueueSpec(run_id="zzz-hol", pid=2, cfg_label="hol")
+    path = write_otlp_json(tmp_path / "t.jsonl", [(calm, simulate_queue(calm, 300, seed=4, hol_probability=0.0)),
+                                                  (busy, simulate_queue(busy, 100, seed=5, hol_probability=0.3))])
+    report = build_report([path], timeline_tasks=200)
+    hol_by_queue: dict[str, int] = {}
+    for r in report.hol_intervals.records():
+        hol_by_queue[r["queue"]] = hol_by_queue.get(r["queue"], 0) + r["dur_ns"]
+    assert report.timeline["queues"][0] == max(hol_by_queue, key=hol_by_queue.get) == busy.queue_id
+    assert set(report.stage_samples) == {"calm", "hol"}
+    assert sum(len(v) for v in report.stage_samples["calm"].values()) > sum(
+        len(v) for v in report.stage_samples["hol"].values())
