@@ -114,3 +114,26 @@ def test_timelines_start_with_the_queue_with_most_hol_and_cdfs_are_per_config(tm
     assert set(report.stage_samples) == {"calm", "hol"}
     assert sum(len(v) for v in report.stage_samples["calm"].values()) > sum(
         len(v) for v in report.stage_samples["hol"].values())
+
+
+def test_report_fits_80_columns_when_piped(synthetic_trace_dir: Path) -> None:
+    """`COLUMNS=80 kvtrace report ... | cat`: no line over 80 characters, nothing cut to `…`, full task
+    ids (the run stays visible), one unit (ms) and shares in %."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", "report", str(synthetic_trace_dir), "--no-cache"],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert "…" not in proc.stdout
+    report = build_report([synthetic_trace_dir])
+    longest = max(report.hol_intervals.records(), key=lambda r: r["dur_ns"])
+    assert longest["head_correlation_id"] in proc.stdout and longest["evidence_correlation_id"] in proc.stdout
+    assert f"{longest['dur_ns'] / 1e6:.3f}" in proc.stdout  # the duration in ms, not ns
+    assert "% of dep wait" in proc.stdout and " ns" not in proc.stdout
+    for label in report.configs.column("cfg_label"):
+        assert label in proc.stdout  # in the legend, whole
