@@ -263,8 +263,27 @@ def print_demo_summary(result: DemoResult, console: Any = None) -> None:
             f"  recv tasks {sc.recv_tasks}, save tasks {sc.send_tasks}, steps {sc.replica.steps_done}, "
             f"wall {sc.wall_s:.1f} s, files: {', '.join(str(p) for p in sc.trace_files)}"
         )
-    _print_hol_report(result, console)
-    console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.")
+    if any(sc.trace_files for sc in result.scenarios):
+        _print_hol_report(result, console)
+        console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.")
+    else:
+        console.print(_where_traces_went(), markup=False, highlight=False)
+
+
+def _where_traces_went() -> str:
+    """Why no file was written: the exporter chose another sink from the environment, as any OTel SDK."""
+    from otel_kvtrace import config
+
+    if config.sdk_disabled():
+        return (f"No traces written: {config.OTEL_SDK_DISABLED}=true discards them. Unset it to get files "
+                "under --out.")
+    endpoint = config.otlp_endpoint()
+    if endpoint:
+        return (f"No trace files: the traces were sent to the OTLP endpoint {endpoint} "
+                f"({config.OTEL_EXPORTER_OTLP_ENDPOINT} or {config.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT} is set), "
+                "so there is nothing local to summarise. Look there (e.g. Jaeger), or unset the variable to "
+                "write files under --out.")
+    return "No trace files were written (see the log above)."
 
 
 def _print_hol_report(result: DemoResult, console: Any) -> None:
@@ -309,6 +328,8 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     4, so a task of the other bucket is ready behind the head. slow-slot: the uniform layout with the
     external slot of layer 3 freed 6 ms into each step. Overrides apply to every scenario of the preset.
     The summary shows per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
+    With OTEL_EXPORTER_OTLP_ENDPOINT set the traces go to that endpoint, as with any OTel SDK, and the
+    demo says so instead of summarising files it did not write.
 
     \b
     Example:
