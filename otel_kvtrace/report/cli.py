@@ -3,15 +3,41 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 from rich.console import Console
 
 from otel_kvtrace.load import LoadError
 
+F = TypeVar("F", bound=Callable[..., Any])
+
 if TYPE_CHECKING:
     from otel_kvtrace.npu_profile import NpuProfile
+
+
+def _options(*options: Callable[[F], F]) -> Callable[[F], F]:
+    """Several click options as one decorator, so commands sharing them declare them once."""
+    def apply(func: F) -> F:
+        for option in reversed(options):
+            func = option(func)
+        return func
+    return apply
+
+
+_cache_options = _options(
+    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
+                 show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime."),
+    click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache."))
+
+_npu_options = _options(
+    click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
+                 help="torch_npu profiler output (a *_ascend_pt or ASCEND_PROFILER_OUTPUT directory, or "
+                      "trace_view.json / kernel_details.csv / communication.json): attention kernels, copies "
+                      "and communication on the tasks' time axis. Repeatable."),
+    click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
+                 help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md)."))
 
 
 def _read_npu(console: Console, npu_paths: tuple[Path, ...], offset_us: float) -> NpuProfile | None:
@@ -40,20 +66,15 @@ def _read_npu(console: Console, npu_paths: tuple[Path, ...], offset_us: float) -
               help="Write stage CDFs, the HOL duration histogram and per-queue timelines as PNG files here.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Write one self-contained HTML page (zoomable timeline, tables, plots) to this file.")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
-              show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime.")
-@click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache.")
+@_cache_options
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also keep the tables in this DuckDB database, with one view per queries/*.sql, "
                    "for the DuckDB CLI (parses the JSON; the cache is not used).")
 @click.option("--timeline-tasks", type=click.IntRange(min=10), default=1500, show_default=True,
               help="Tasks drawn in the timelines (a window around each queue's longest HOL event).")
-@click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="torch_npu profiler output to draw beside the tasks in --html (see `kvtrace export`).")
+@_npu_options
 @click.option("--jaeger-url", help="Jaeger UI base URL (e.g. http://localhost:16686): --html links each task "
                                    "to its trace (trace ids derive from correlation ids).")
-@click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
-              help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md).")
 def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None, html_path: Path | None,
            cache_dir: Path, no_cache: bool, db_path: Path | None, timeline_tasks: int,
            npu_paths: tuple[Path, ...], npu_offset_us: float, jaeger_url: str | None) -> None:
@@ -70,9 +91,14 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
     import duckdb
 
     from otel_kvtrace.analyse import install_views
-    from otel_kvtrace.report import build_report, render_terminal, write_html, write_json, write_pngs
+    from otel_kvtrace.report import build_report, report as write_outputs
+    from otel_kvtrace.report.html import check_jaeger_url
 
     console = Console(stderr=False)
+    try:
+        check_jaeger_url(jaeger_url)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--jaeger-url") from exc
     npu = _read_npu(console, npu_paths, npu_offset_us)
     if db_path:
         db_path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,21 +109,15 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
                                   timeline_tasks=timeline_tasks, progress=status.update, npu=npu)
     except LoadError as exc:
         raise click.BadParameter(str(exc), param_hint="PATHS") from exc
-    render_terminal(result, console)
+    written: list[Path] = []
+    write_outputs(result, json=json_path, html=html_path, png_dir=png_dir, jaeger_url=jaeger_url, console=console,
+                  written=written)
     if db_path:
         install_views(con)
         con.close()
-        console.print(f"DuckDB database with tables and query views: {db_path}")
-    if json_path:
-        console.print(f"JSON report: {write_json(result, json_path)}")
-    if png_dir:
-        for path in write_pngs(result, png_dir):
-            console.print(f"plot: {path}")
-    if html_path:
-        try:
-            console.print(f"HTML report: {write_html(result, html_path, jaeger_url=jaeger_url)}", soft_wrap=True)
-        except ValueError as exc:
-            raise click.BadParameter(str(exc), param_hint="--jaeger-url") from exc
+        console.print(f"DuckDB database with tables and query views: {db_path}", soft_wrap=True)
+    for path in written:
+        console.print(f"wrote {path}", markup=False, highlight=False, soft_wrap=True)
 
 
 @click.command("export")
@@ -105,15 +125,8 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
 @click.option("--perfetto", "perfetto_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="Write Chrome Trace Event JSON here (opens in ui.perfetto.dev, chrome://tracing, "
                    "MindStudio Insight).")
-@click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
-              show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime.")
-@click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache.")
-@click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="torch_npu profiler output (a *_ascend_pt or ASCEND_PROFILER_OUTPUT directory, or "
-                   "trace_view.json / kernel_details.csv / communication.json): attention kernels, copies "
-                   "and communication on the same axis. Repeatable.")
-@click.option("--npu-offset-us", type=float, default=0.0, show_default=True,
-              help="Add this to the profiler's times (both clocks are the host's; see docs/analysis.md).")
+@_cache_options
+@_npu_options
 def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path, no_cache: bool,
                    npu_paths: tuple[Path, ...], npu_offset_us: float) -> None:
     """Write the traces as a timeline for the viewers Ascend engineers already use.

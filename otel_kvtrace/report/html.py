@@ -70,11 +70,16 @@ def _legend_css() -> str:
     return "\n".join(rules) + "\n"
 
 
+def check_jaeger_url(url: str | None) -> None:
+    """Raise ValueError unless ``url`` is None or a plain http(s) URL (it becomes a link's href)."""
+    if url is not None and not re.fullmatch(r"https?://[^\s\"'<>]+", url):
+        raise ValueError(f"--jaeger-url must be an http(s) URL, got {url!r}")
+
+
 def render_html(report: Report, *, jaeger_url: str | None = None) -> str:
     """The whole page as a string; ``jaeger_url`` (http or https, e.g. ``http://localhost:16686``) adds
     an "open in Jaeger" link to each task's details."""
-    if jaeger_url is not None and not re.fullmatch(r"https?://[^\s\"'<>]+", jaeger_url):
-        raise ValueError(f"--jaeger-url must be an http(s) URL, got {jaeger_url!r}")
+    check_jaeger_url(jaeger_url)
     timeline = report.timeline
     data_text = script_json({"timeline": timeline, "colors": STAGE_COLORS, "holColors": HOL_COLORS,
                              "jaeger": jaeger_url.rstrip("/") if jaeger_url else None})

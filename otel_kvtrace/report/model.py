@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 
 from otel_kvtrace import analyse
-from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize
+from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize, run_query
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
 from otel_kvtrace.npu_profile import NpuProfile
@@ -35,6 +35,7 @@ class Report:
     stages: QueryResult
     hol_summary: QueryResult
     hol_intervals: QueryResult
+    hol_events: QueryResult  # one row per blocked head (queries/hol_events.sql)
     hol_overall: dict[str, Any]
     queue_depth: QueryResult  # per queue: max/mean depth and inflight
     consumer_stall: QueryResult  # per config: per-step consumer wait summary
@@ -104,6 +105,7 @@ def build_report(
             stages=analyse.stage_breakdown(con),
             hol_summary=summary,
             hol_intervals=_query(con, "SELECT * FROM hol_intervals ORDER BY queue, head_seq, start_ns"),
+            hol_events=run_query(con, "hol_events"),
             hol_overall=hol_overall,
             queue_depth=depth,
             consumer_stall=stall,
@@ -169,19 +171,9 @@ def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE)
 
 
 def _hol_overall(con: duckdb.DuckDBPyConnection, summary: QueryResult) -> dict[str, Any]:
-    """HOL events over every configuration, built from ``hol_intervals`` exactly as ``hol_summary``
-    builds its per-configuration rows (an event is a head; its duration the sum of its intervals)."""
-    overall = _query(con, """
-        WITH events AS (
-            SELECT queue, head_correlation_id, sum(dur_ns) AS ns,
-                   sum(dur_ns) FILTER (WHERE class = 'proven') AS proven_ns
-            FROM hol_intervals GROUP BY ALL)
-        SELECT count(*) AS events, count(proven_ns) AS proven_events,
-               count(*) - count(proven_ns) AS possible_events,
-               coalesce(sum(ns), 0) / 1e6 AS total_ms, coalesce(sum(proven_ns), 0) / 1e6 AS proven_total_ms,
-               quantile_cont(ns, 0.5) / 1e6 AS p50_ms, quantile_cont(ns, 0.95) / 1e6 AS p95_ms,
-               quantile_cont(ns, 0.99) / 1e6 AS p99_ms, max(ns) / 1e6 AS max_ms
-        FROM events""").records()[0]
+    """HOL events over every configuration (``queries/hol_overall.sql``, from the same ``hol_events``
+    as the per-configuration summary) and the proven share of all dependency wait."""
+    overall = run_query(con, "hol_overall").records()[0]
     dep_wait = sum(r["dep_wait_ms"] or 0.0 for r in summary.records())
     overall["dep_wait_ms"] = dep_wait
     overall["share"] = overall["proven_total_ms"] / dep_wait if dep_wait > 0 else None

@@ -64,11 +64,8 @@ def stage_cdf_figure(report: Report) -> Figure:
 
 
 def hol_event_durations_ms(report: Report) -> list[float]:
-    """Per-event HOL duration (sum of a head's intervals), ms."""
-    per_head: dict[tuple[str, str], int] = defaultdict(int)
-    for r in report.hol_intervals.records():
-        per_head[(r["queue"], r["head_correlation_id"])] += r["dur_ns"]
-    return [v / 1e6 for v in per_head.values()]
+    """Per-event HOL duration (sum of a head's intervals, ``hol_events.sql``), ms."""
+    return [ns / 1e6 for ns in report.hol_events.column("dur_ns")]
 
 
 def hol_histogram_figure(report: Report) -> Figure:

@@ -137,3 +137,16 @@ def test_report_fits_80_columns_when_piped(synthetic_trace_dir: Path) -> None:
     assert "% of dep wait" in proc.stdout and " ns" not in proc.stdout
     for label in report.configs.column("cfg_label"):
         assert label in proc.stdout  # in the legend, whole
+
+
+def test_one_call_report_api_writes_each_output(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    from otel_kvtrace.report import report
+
+    written: list[Path] = []
+    result = report([synthetic_trace_dir], json=tmp_path / "r.json", html=tmp_path / "r.html",
+                    png_dir=tmp_path / "png", written=written, timeline_tasks=100)
+    assert {p.name for p in written} >= {"r.json", "r.html", "stage_cdf.png"}
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["hol"]["events"] == result.hol_overall["events"] == len(result.hol_events.rows) > 0
+    result = CliRunner().invoke(main, ["report", str(synthetic_trace_dir), "--no-cache", "--jaeger-url", "ftp://x"])
+    assert result.exit_code != 0 and "http(s) URL" in result.output
