@@ -65,6 +65,12 @@ class QueryResult:
         index = self.columns.index(name)
         return [row[index] for row in self.rows]
 
+    def to_frame(self) -> Any:
+        """A pandas DataFrame of the rows (pandas comes with the ``dev`` extra, for notebooks)."""
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.rows, columns=self.columns)
+
 
 def queries_dir() -> Path:
     """Directory holding the ``.sql`` files: ``$OTEL_KVTRACE_QUERIES_DIR``, else the repository's
