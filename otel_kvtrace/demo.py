@@ -156,7 +156,7 @@ def run_demo(
     seed: int = 0,
     behaviour: str | None = None,
     path: str | None = None,
-    out: str | Path = "kvtrace-data",
+    out: str | Path | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoResult:
     """Run the preset's scenarios on real threads, traced into ``out``; returns what was written.
@@ -167,7 +167,9 @@ def run_demo(
         preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
         requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path,
     )
-    out_dir = Path(out)
+    from otel_kvtrace import config
+
+    out_dir = Path(out if out is not None else config.data_dir())
     result = DemoResult(out_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     for name, cfg in scenarios:
@@ -311,11 +313,12 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 @click.option("--behaviour", type=click.Choice(["main", "v0.23"]),
               help="Upstream behaviour to replicate (default: the preset's, main).")
 @click.option("--path", "path", type=click.Choice(["gva", "key"]), help="Recv path (default: the preset's, gva).")
-@click.option("--out", type=click.Path(file_okay=False), default="kvtrace-data", show_default=True,
-              help="Output directory (traces go to OUT/traces).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Output directory (traces go to OUT/traces). Default: $OTEL_KVTRACE_DATA_DIR, else "
+                   "./kvtrace-data (otel_kvtrace.config.data_dir).")
 def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch: int | None,
                  independent: str | None, requests: int | None, steps: int | None, seed: int,
-                 behaviour: str | None, path: str | None, out: str) -> None:
+                 behaviour: str | None, path: str | None, out: str | None) -> None:
     """Run the CPU replica of the layerwise KV pipeline, traced, and summarise it.
 
     Runs real threads on a fake NPU, instrumented exactly like vLLM-Ascend, and writes one OTLP/JSON

@@ -43,3 +43,15 @@ def test_demo_says_where_the_traces_went(tmp_path: Path) -> None:
     assert "Traces in" not in text and not (out / "traces").exists()
     (stats,) = result
     assert stats.http_requests > 0  # they really arrived there
+
+
+def test_demo_out_defaults_from_the_config_module(tmp_path: Path, monkeypatch) -> None:
+    from otel_kvtrace.demo import run_demo
+
+    monkeypatch.setenv("OTEL_KVTRACE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    result = run_demo("hol", steps=2)
+    assert result.out_dir == tmp_path / "data"
+    assert result.scenarios[0].trace_files and all(f.parent == tmp_path / "data" / "traces"
+                                                   for f in result.scenarios[0].trace_files)
