@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 
 from otel_kvtrace import analyse
-from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize, run_query
+from otel_kvtrace.analyse.queries import QueryResult, materialize, run_query
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
 from otel_kvtrace.npu_profile import NpuProfile
@@ -46,12 +46,6 @@ class Report:
     pngs: dict[str, bytes] = field(default_factory=dict)  # rendered plots, filled by report.plots
 
 
-def _query(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
-    cursor = con.execute(sql)
-    columns = [d[0] for d in cursor.description]
-    return QueryResult(columns, cursor.fetchall())
-
-
 def build_report(
     paths: Iterable[str | Path] | str | Path | LoadResult,
     *,
@@ -75,36 +69,20 @@ def build_report(
         progress("running queries ...")
     materialize(con, "hol_intervals")  # read by the summary, the overall figures, the timeline and JSON
     try:
-        configs = _query(con, """
-            SELECT cfg_label, path, count(DISTINCT queue) AS queues, count(*) AS tasks
-            FROM tasks GROUP BY ALL ORDER BY cfg_label, path""")
+        configs = run_query(con, "configs")
         summary = analyse.hol_summary(con)
         hol_overall = _hol_overall(con, summary)
-        ensure_view(con, "queue_depth")
-        depth = _query(con, """
-            SELECT queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
-                   max(depth) AS max_depth, avg(depth) FILTER (WHERE event = 'enqueue') AS mean_depth_at_enqueue,
-                   max(inflight) AS max_inflight
-            FROM queue_depth GROUP BY queue ORDER BY queue""")
-        ensure_view(con, "consumer_stall")
-        stall = _query(con, """
-            WITH steps AS (
-                SELECT cfg_label, path, queue, step, sum(wait_ms) AS wait_ms, sum(stall_after_ready_ms) AS after_ready_ms
-                FROM consumer_stall GROUP BY ALL)
-            SELECT cfg_label, path, count(*) AS steps, sum(wait_ms) AS total_wait_ms,
-                   sum(after_ready_ms) AS after_ready_ms,
-                   quantile_cont(wait_ms, 0.5) AS step_p50_ms, quantile_cont(wait_ms, 0.95) AS step_p95_ms,
-                   quantile_cont(wait_ms, 0.99) AS step_p99_ms, max(wait_ms) AS step_max_ms
-            FROM steps GROUP BY ALL ORDER BY cfg_label, path""")
-        ensure_view(con, "wait_explained")
-        explained_total = con.execute("SELECT count(*) FROM wait_explained").fetchall()[0][0]
-        explained = _query(con, "SELECT * FROM wait_explained LIMIT 200")
+        depth = run_query(con, "queue_depth_summary")
+        stall = run_query(con, "consumer_stall_summary")
+        unexplained = run_query(con, "wait_explained")
+        explained_total = len(unexplained.rows)
+        explained = QueryResult(unexplained.columns, unexplained.rows[:200])
         report = Report(
             stats=loaded.stats,
             configs=configs,
             stages=analyse.stage_breakdown(con),
             hol_summary=summary,
-            hol_intervals=_query(con, "SELECT * FROM hol_intervals ORDER BY queue, head_seq, start_ns"),
+            hol_intervals=run_query(con, "hol_intervals"),
             hol_events=run_query(con, "hol_events"),
             hol_overall=hol_overall,
             queue_depth=depth,
