@@ -229,3 +229,24 @@ def test_jaeger_link_and_bad_url(synthetic_trace_dir: Path, tmp_path: Path) -> N
     assert log.errors == []
     with pytest.raises(ValueError, match="http"):
         render_html(report, jaeger_url="javascript:alert(1)")
+
+
+def test_axis_and_queue_name_stay_on_top_while_rows_scroll(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    report = build_report([synthetic_trace_dir], timeline_tasks=300)
+    page_path = write_html(report, tmp_path / "report.html")
+    with chromium_page(height=800) as (page, log):
+        page.goto(page_path.as_uri())
+        page.evaluate("document.getElementById('timeline-wrap').scrollTop = 0")
+        page.evaluate("document.getElementById('timeline-wrap').dispatchEvent(new Event('scroll'))")
+        page.evaluate("document.getElementById('timeline-wrap').scrollTop = 400")
+        page.wait_for_function("document.querySelector('#timeline rect.axis-band').getAttribute('y') === '400'")
+        band = page.evaluate("""() => {
+            const wrap = document.getElementById('timeline-wrap'), band = document.querySelector('#timeline rect.axis-band');
+            const wr = wrap.getBoundingClientRect(), br = band.getBoundingClientRect();
+            const tick = document.querySelector('#timeline text.tick').getBoundingClientRect();
+            const q = document.querySelector('#timeline text.sticky-queue');
+            return {bandTop: br.top - wr.top, tickTop: tick.top - wr.top, queue: q ? q.textContent : null};
+        }""")
+    assert abs(band["bandTop"]) <= 2 and 0 <= band["tickTop"] <= 22  # still at the top of the visible rows
+    assert band["queue"] and report.timeline["queues"][0].endswith(band["queue"])
+    assert log.errors == []
