@@ -1,5 +1,5 @@
 -- name: hol_summary
--- implements: design.md section 4 (HOL events and their share of dependency wait)
+-- implements: docs/analysis.md, "HOL definition" (HOL events and their share of dependency wait)
 -- requires: hol_events, tasks
 -- purpose: how often and how long head-of-line blocking happens, per configuration and path.
 -- definition:

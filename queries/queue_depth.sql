@@ -1,5 +1,5 @@
 -- name: queue_depth
--- implements: design.md section 3 (queue_wait, ts.enqueue/ts.dequeue/ts.complete)
+-- implements: docs/schema.md, child spans (queue_wait, ts.enqueue/ts.dequeue/ts.complete)
 -- requires: tasks
 -- purpose: the depth of every recv queue over time: how many tasks wait in the FIFO and how many are in
 --   flight (enqueued, not completed), as a step series with one row per enqueue, dequeue or completion.
