@@ -37,11 +37,6 @@ _HEADERS = {
 """Short column headers (80 columns); the JSON output keeps the SQL column names. Every time is ms."""
 
 
-def short_id(correlation_id: str) -> str:
-    """Kept for callers of the old API: ids are now shown whole (the run is part of the id)."""
-    return correlation_id
-
-
 def config_numbers(report: Report) -> dict[str | None, int]:
     """Config label -> its number in the legend (1-based, in the order of ``report.configs``)."""
     numbers: dict[str | None, int] = {}
