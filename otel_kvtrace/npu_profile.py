@@ -17,7 +17,9 @@ docs/analysis.md, "NPU timeline", lists each field and its source):
   {"Communication Time Info": {"Start Timestamp(us)", "Elapse Time(ms)", ...}}}}}``.
 
 When ``trace_view.json`` is present it is the one read (it holds the kernels and the communication);
-otherwise ``kernel_details.csv`` and ``communication.json`` are. Every skipped record is counted and
+otherwise ``kernel_details.csv`` and ``communication.json`` are; with no torch_npu output at all, msprof's
+own timeline (``PROF_*/mindstudio_profiler_output/msprof_*.json``, the events torch_npu copies into
+``trace_view.json``: ``TraceViewParser.generate_view``) is read like ``trace_view.json``. Every skipped record is counted and
 named (``file:index: reason``).
 """
 
@@ -36,6 +38,8 @@ OUTPUT_DIR = "ASCEND_PROFILER_OUTPUT"
 TRACE_VIEW = "trace_view.json"
 KERNEL_DETAILS = "kernel_details.csv"
 COMMUNICATION = "communication.json"
+MSPROF_TIMELINE = re.compile(r"^msprof_\d+(_\d+)*(_slice_\d+(_\d+)*)?\.json$")
+"""msprof's timeline file names (torch_npu ``prof_parse/_cann_file_parser.py``, ``MSPROF_TIMELINE``)."""
 
 _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 _COPY = re.compile(r"memcpy|mem_?copy|tensormove|(?<![a-z])[hd]2[hd](?![a-z])", re.IGNORECASE)
@@ -171,15 +175,20 @@ def read_communication(path: Path, profile: NpuProfile) -> None:
 
 
 def _files(path: Path) -> list[Path]:
-    """The files to read for one path: a file, an ``ASCEND_PROFILER_OUTPUT`` dir, or a dir above it."""
+    """The files to read for one path: a file, an ``ASCEND_PROFILER_OUTPUT`` dir or a dir above it, or
+    (no torch_npu output) msprof's own timeline files, which torch_npu copies into trace_view.json."""
     if path.is_file():
         return [path]
     found: list[Path] = []
-    for out in sorted({p.parent for p in path.rglob(f"{OUTPUT_DIR}/*")}) or [path]:
+    for out in sorted({p.parent for p in path.rglob(f"{OUTPUT_DIR}/*")}):
         if (out / TRACE_VIEW).is_file():
             found.append(out / TRACE_VIEW)
         else:
             found += [out / n for n in (KERNEL_DETAILS, COMMUNICATION) if (out / n).is_file()]
+    if not found:
+        found = sorted(p for p in path.rglob("msprof_*.json") if MSPROF_TIMELINE.match(p.name))
+    if not found:
+        found = [path / n for n in (TRACE_VIEW, KERNEL_DETAILS, COMMUNICATION) if (path / n).is_file()]
     return found
 
 

@@ -153,3 +153,16 @@ def test_html_report_draws_npu_slices_beside_the_tasks(synthetic_trace_dir: Path
     assert log.errors == []
     assert sorted(kinds) == ["npu npu-attention", "npu npu-communication", "npu npu-copy"]
     assert boxes["submit"] is not None and abs(boxes["attention"] - boxes["submit"]) < 0.5  # same axis
+
+
+def test_msprof_timeline_without_torch_npu_output(profiler_dirs, tmp_path: Path) -> None:
+    """A bare msprof collection (no ASCEND_PROFILER_OUTPUT): its msprof_*.json timeline holds the same
+    events torch_npu copies into trace_view.json, so it is read the same way."""
+    out = tmp_path / "PROF_000001_20261201" / "mindstudio_profiler_output"
+    out.mkdir(parents=True)
+    timeline = (profiler_dirs[0] / "ASCEND_PROFILER_OUTPUT" / "trace_view.json").read_text()
+    (out / "msprof_20261201120000.json").write_text(timeline)
+    (out / "msprof_notes.json").write_text("{}")  # not a timeline name: not read
+    profile = read_npu_profile([tmp_path])
+    assert profile.files == [str(out / "msprof_20261201120000.json")]
+    assert [e.kind for e in profile.events] == ["attention", "copy", "communication"]
