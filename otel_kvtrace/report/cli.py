@@ -123,8 +123,8 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
 @click.command("export")
 @click.argument("paths", nargs=-1, required=True)
 @click.option("--perfetto", "perfetto_path", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Write Chrome Trace Event JSON here (opens in ui.perfetto.dev, chrome://tracing, "
-                   "MindStudio Insight).")
+              help="Write Chrome Trace Event JSON here, the format ui.perfetto.dev, chrome://tracing and "
+                   "MindStudio Insight read.")
 @_cache_options
 @_npu_options
 def export_command(paths: tuple[str, ...], perfetto_path: Path, cache_dir: Path, no_cache: bool,
