@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "resend": ("otel_kvtrace.export.resend", "resend_command", "Deliver an OTLP delivery spool left on disk when the endpoint was unreachable."),
     "whatif": ("otel_kvtrace.whatif.cli", "whatif_command", "Replay recorded queues under other policies; verdict: keep FIFO or switch."),
     "experiment": ("otel_kvtrace.experiment.cli", "experiment_command", "Coverage matrix on a real server (or serve-replica), >= 3 runs per cell; --report."),
+    "export": ("otel_kvtrace.report.cli", "export_command", "Traces as a timeline file: --perfetto (Chrome Trace Event JSON for Perfetto/chrome://tracing/MindStudio Insight)."),
     "load": ("otel_kvtrace.loadgen.cli", "load_command", "Streaming load on an OpenAI-compatible server: TTFT, TPOT, ITL, throughput; vLLM bench import."),
     "report": ("otel_kvtrace.report.cli", "report", "HOL blocking from traces: stage and HOL tables, --json, --png-dir, --html."),
     "serve-replica": ("otel_kvtrace.serve.cli", "serve_replica_command", "OpenAI-compatible streaming server whose model is the threaded replica (traced)."),

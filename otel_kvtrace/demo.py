@@ -160,7 +160,7 @@ def run_demo(
     behaviour: str | None = None,
     path: str | None = None,
     scheduler: str = "fifo",
-    out: str | Path = "kvtrace-data",
+    out: str | Path | None = None,
     on_progress: Callable[[str, int, int], None] | None = None,
 ) -> DemoResult:
     """Run the preset's scenarios on real threads, traced into ``out``; returns what was written.
@@ -171,7 +171,7 @@ def run_demo(
         preset, layers=layers, buffers=buffers, prefetch=prefetch, independent=independent,
         requests=requests, steps=steps, seed=seed, behaviour=behaviour, path=path, scheduler=scheduler,
     )
-    out_dir = Path(out)
+    out_dir = Path(out if out is not None else config.data_dir())
     result = DemoResult(out_dir)
     stamp = time.strftime("%Y%m%dT%H%M%S", time.gmtime())
     for name, cfg in scenarios:
@@ -267,8 +267,27 @@ def print_demo_summary(result: DemoResult, console: Any = None) -> None:
             f"  recv tasks {sc.recv_tasks}, save tasks {sc.send_tasks}, steps {sc.replica.steps_done}, "
             f"wall {sc.wall_s:.1f} s, files: {', '.join(str(p) for p in sc.trace_files)}"
         )
-    _print_hol_report(result, console)
-    console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.")
+    if any(sc.trace_files for sc in result.scenarios):
+        _print_hol_report(result, console)
+        console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.")
+    else:
+        console.print(_where_traces_went(), markup=False, highlight=False)
+
+
+def _where_traces_went() -> str:
+    """Why no file was written: the exporter chose another sink from the environment, as any OTel SDK."""
+    from otel_kvtrace import config
+
+    if config.sdk_disabled():
+        return (f"No traces written: {config.OTEL_SDK_DISABLED}=true discards them. Unset it to get files "
+                "under --out.")
+    endpoint = config.otlp_endpoint()
+    if endpoint:
+        return (f"No trace files: the traces were sent to the OTLP endpoint {endpoint} "
+                f"({config.OTEL_EXPORTER_OTLP_ENDPOINT} or {config.OTEL_EXPORTER_OTLP_TRACES_ENDPOINT} is set), "
+                "so there is nothing local to summarise. Look there (e.g. Jaeger), or unset the variable to "
+                "write files under --out.")
+    return "No trace files were written (see the log above)."
 
 
 def _print_hol_report(result: DemoResult, console: Any) -> None:
@@ -298,11 +317,12 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 @click.option("--path", "path", type=click.Choice(["gva", "key"]), help="Recv path (default: the preset's, gva).")
 @click.option("--scheduler", type=click.Choice(list(LIVE)), default="fifo", show_default=True,
               envvar=config.OTEL_KVTRACE_SCHEDULER, help="Recv-thread policy the replica runs (env: OTEL_KVTRACE_SCHEDULER).")
-@click.option("--out", type=click.Path(file_okay=False), default="kvtrace-data", show_default=True,
-              help="Output directory (traces go to OUT/traces).")
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Output directory (traces go to OUT/traces). Default: $OTEL_KVTRACE_DATA_DIR, else "
+                   "./kvtrace-data (otel_kvtrace.config.data_dir).")
 def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch: int | None,
                  independent: str | None, requests: int | None, steps: int | None, seed: int,
-                 behaviour: str | None, path: str | None, scheduler: str, out: str) -> None:
+                 behaviour: str | None, path: str | None, scheduler: str, out: str | None) -> None:
     """Run the CPU replica of the layerwise KV pipeline, traced, and summarise it.
 
     Runs real threads on a fake NPU, instrumented exactly like vLLM-Ascend, and writes one OTLP/JSON
@@ -315,6 +335,8 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
     4, so a task of the other bucket is ready behind the head. slow-slot: the uniform layout with the
     external slot of layer 3 freed 6 ms into each step. Overrides apply to every scenario of the preset.
     The summary shows per-stage p50/p99 of the recv tasks and the HOL table of `kvtrace report`.
+    With OTEL_EXPORTER_OTLP_ENDPOINT set the traces go to that endpoint, as with any OTel SDK, and the
+    demo says so instead of summarising files it did not write.
 
     \b
     Example:

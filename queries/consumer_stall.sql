@@ -1,5 +1,5 @@
 -- name: consumer_stall
--- implements: design.md section 3 (consumer_wait: the stall TTFT pays)
+-- implements: docs/schema.md, child spans (consumer_wait: the stall TTFT pays)
 -- requires: tasks
 -- purpose: how long the forward thread waited for each layer's KV load, per step and layer, and what
 --   that wait sums to per step.

@@ -1,5 +1,5 @@
 -- name: hol_intervals
--- implements: design.md section 4 (HOL definition)
+-- implements: docs/analysis.md, "HOL definition"
 -- requires: tasks, spans
 -- purpose: every interval in which a recv queue's head task waits on a dependency while a later task of
 --   the same queue and step could legally have been served: head-of-line blocking, with the task that
@@ -23,7 +23,7 @@
 --   ts_ready_lo NULL and use ts_ready for both bounds. A waiting head with nothing ready behind it has
 --   no row. Each window is clipped to those intervals, then the pieces of one head and class are merged
 --   (gaps and islands), so a row is a maximal interval: overlapping or touching windows never produce
---   overlapping or touching rows. (design.md section 4 does not clip at ts_ready_h; docs/analysis.md
+--   overlapping or touching rows. (The original design did not clip at ts_ready_h; docs/analysis.md
 --   says why we do.)
 -- columns:
 --   queue                    VARCHAR  the recv FIFO (tasks.queue)

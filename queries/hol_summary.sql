@@ -1,6 +1,6 @@
 -- name: hol_summary
--- implements: design.md section 4 (HOL events and their share of dependency wait)
--- requires: hol_intervals, tasks
+-- implements: docs/analysis.md, "HOL definition" (HOL events and their share of dependency wait)
+-- requires: hol_events, tasks
 -- purpose: how often and how long head-of-line blocking happens, per configuration and path.
 -- definition:
 --   A HOL event is a head task with at least one row in hol_intervals (any class); a proven event has a
@@ -34,11 +34,8 @@ base AS (
            sum(dep_wait_ns) AS dep_wait_ns
     FROM per_task GROUP BY cfg_label, path
 ),
-events AS (
-    SELECT cfg_label, path, queue, head_correlation_id,
-           sum(dur_ns) AS hol_ns,
-           sum(dur_ns) FILTER (WHERE class = 'proven') AS proven_ns
-    FROM hol_intervals GROUP BY cfg_label, path, queue, head_correlation_id
+events AS (  -- one row per HOL event (hol_events.sql: the one definition of an event)
+    SELECT cfg_label, path, queue, head_correlation_id, dur_ns AS hol_ns, proven_ns FROM hol_events
 ),
 agg AS (
     SELECT cfg_label, path,

@@ -1,5 +1,5 @@
 -- name: stage_breakdown
--- implements: design.md section 3 (one child span per stage)
+-- implements: docs/schema.md, child spans (one child span per stage)
 -- requires: tasks
 -- purpose: where a recv task's time goes: count and latency percentiles of every stage, per
 --   configuration and path, plus the whole task (enqueue -> completion) as stage `task_total`.

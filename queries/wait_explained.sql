@@ -1,5 +1,5 @@
 -- name: wait_explained
--- implements: design.md section 3 (child spans cover the task)
+-- implements: docs/schema.md, child spans (child spans cover the task)
 -- requires: tasks
 -- purpose: check that the recv-thread stage spans explain each task's time; every task whose total
 --   differs from the sum of its stages by more than 1% is listed (never hidden), worst first.

@@ -32,7 +32,7 @@ def stage_breakdown(con: duckdb.DuckDBPyConnection) -> QueryResult:
 
 
 def hol_intervals(con: duckdb.DuckDBPyConnection) -> QueryResult:
-    """Every HOL interval (design.md section 4) with its head, evidence task and class."""
+    """Every HOL interval (docs/analysis.md, "HOL definition") with its head, evidence task and class."""
     return run_query(con, "hol_intervals")
 
 

@@ -65,6 +65,12 @@ class QueryResult:
         index = self.columns.index(name)
         return [row[index] for row in self.rows]
 
+    def to_frame(self) -> Any:
+        """A pandas DataFrame of the rows (pandas comes with the ``dev`` extra, for notebooks)."""
+        import pandas as pd
+
+        return pd.DataFrame.from_records(self.rows, columns=self.columns)
+
 
 def queries_dir() -> Path:
     """Directory holding the ``.sql`` files: ``$OTEL_KVTRACE_QUERIES_DIR``, else the repository's
@@ -140,8 +146,11 @@ def _ensure_views(con: duckdb.DuckDBPyConnection, doc: QueryDoc, temporary: bool
 def run_query(con: duckdb.DuckDBPyConnection, name: str) -> QueryResult:
     """Run ``queries/<name>.sql`` (after creating the queries it requires as temporary views)."""
     doc = get_query(name)
-    _ensure_views(con, doc, temporary=True, done=set())
-    cursor = con.execute(doc.sql)
+    if _is_materialized(con, name):  # computed once by materialize(): read it, do not recompute
+        cursor = con.execute(f"SELECT * FROM temp.{name}")
+    else:
+        _ensure_views(con, doc, temporary=True, done=set())
+        cursor = con.execute(doc.sql)
     columns = [d[0] for d in cursor.description]
     return QueryResult(columns, cursor.fetchall())
 

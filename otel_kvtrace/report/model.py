@@ -14,9 +14,10 @@ from typing import Any
 import duckdb
 
 from otel_kvtrace import analyse
-from otel_kvtrace.analyse.queries import QueryResult, ensure_view, materialize
+from otel_kvtrace.analyse.queries import QueryResult, materialize, run_query
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
+from otel_kvtrace.npu_profile import NpuProfile
 
 DEFAULT_TIMELINE_TASKS = 1500
 """Tasks drawn in the HTML/PNG timelines (a window around the longest HOL event of each queue)."""
@@ -34,20 +35,15 @@ class Report:
     stages: QueryResult
     hol_summary: QueryResult
     hol_intervals: QueryResult
+    hol_events: QueryResult  # one row per blocked head (queries/hol_events.sql)
     hol_overall: dict[str, Any]
     queue_depth: QueryResult  # per queue: max/mean depth and inflight
     consumer_stall: QueryResult  # per config: per-step consumer wait summary
     wait_explained: QueryResult
     wait_explained_total: int
     timeline: dict[str, Any] = field(default_factory=dict)
-    stage_samples: dict[str, list[int]] = field(default_factory=dict)  # stage -> sampled durations, ns
+    stage_samples: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # cfg -> stage -> ns
     pngs: dict[str, bytes] = field(default_factory=dict)  # rendered plots, filled by report.plots
-
-
-def _query(con: duckdb.DuckDBPyConnection, sql: str) -> QueryResult:
-    cursor = con.execute(sql)
-    columns = [d[0] for d in cursor.description]
-    return QueryResult(columns, cursor.fetchall())
 
 
 def build_report(
@@ -57,6 +53,7 @@ def build_report(
     con: duckdb.DuckDBPyConnection | None = None,
     timeline_tasks: int = DEFAULT_TIMELINE_TASKS,
     progress: Callable[[str], None] | None = None,
+    npu: NpuProfile | None = None,
 ) -> Report:
     """Load ``paths`` (or reuse a ``LoadResult``) and run every analysis of ``otel_kvtrace.analyse``.
 
@@ -72,36 +69,21 @@ def build_report(
         progress("running queries ...")
     materialize(con, "hol_intervals")  # read by the summary, the overall figures, the timeline and JSON
     try:
-        configs = _query(con, """
-            SELECT cfg_label, path, count(DISTINCT queue) AS queues, count(*) AS tasks
-            FROM tasks GROUP BY ALL ORDER BY cfg_label, path""")
+        configs = run_query(con, "configs")
         summary = analyse.hol_summary(con)
         hol_overall = _hol_overall(con, summary)
-        ensure_view(con, "queue_depth")
-        depth = _query(con, """
-            SELECT queue, any_value(cfg_label) AS cfg_label, any_value(path) AS path,
-                   max(depth) AS max_depth, avg(depth) FILTER (WHERE event = 'enqueue') AS mean_depth_at_enqueue,
-                   max(inflight) AS max_inflight
-            FROM queue_depth GROUP BY queue ORDER BY queue""")
-        ensure_view(con, "consumer_stall")
-        stall = _query(con, """
-            WITH steps AS (
-                SELECT cfg_label, path, queue, step, sum(wait_ms) AS wait_ms, sum(stall_after_ready_ms) AS after_ready_ms
-                FROM consumer_stall GROUP BY ALL)
-            SELECT cfg_label, path, count(*) AS steps, sum(wait_ms) AS total_wait_ms,
-                   sum(after_ready_ms) AS after_ready_ms,
-                   quantile_cont(wait_ms, 0.5) AS step_p50_ms, quantile_cont(wait_ms, 0.95) AS step_p95_ms,
-                   quantile_cont(wait_ms, 0.99) AS step_p99_ms, max(wait_ms) AS step_max_ms
-            FROM steps GROUP BY ALL ORDER BY cfg_label, path""")
-        ensure_view(con, "wait_explained")
-        explained_total = con.execute("SELECT count(*) FROM wait_explained").fetchall()[0][0]
-        explained = _query(con, "SELECT * FROM wait_explained LIMIT 200")
+        depth = run_query(con, "queue_depth_summary")
+        stall = run_query(con, "consumer_stall_summary")
+        unexplained = run_query(con, "wait_explained")
+        explained_total = len(unexplained.rows)
+        explained = QueryResult(unexplained.columns, unexplained.rows[:200])
         report = Report(
             stats=loaded.stats,
             configs=configs,
             stages=analyse.stage_breakdown(con),
             hol_summary=summary,
-            hol_intervals=_query(con, "SELECT * FROM hol_intervals ORDER BY queue, head_seq, start_ns"),
+            hol_intervals=run_query(con, "hol_intervals"),
+            hol_events=run_query(con, "hol_events"),
             hol_overall=hol_overall,
             queue_depth=depth,
             consumer_stall=stall,
@@ -109,38 +91,67 @@ def build_report(
             wait_explained_total=explained_total,
         )
         report.timeline = timeline_data(con, timeline_tasks)
+        report.timeline["npu"] = (npu_timeline(npu, report.timeline) if npu
+                                  else {"lanes": [], "events": [], "run": None})
         report.stage_samples = stage_samples(con)
     finally:  # a later load into this connection must not meet stale intervals
         con.execute("DROP TABLE IF EXISTS temp.hol_intervals").fetchall()
     return report
 
 
-def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE) -> dict[str, list[int]]:
-    """Up to ``per_stage`` durations (ns) of every stage, reservoir-sampled, for the CDF plots."""
-    out: dict[str, list[int]] = {}
+def npu_timeline(npu: NpuProfile, timeline: dict[str, Any]) -> dict[str, Any]:
+    """The NPU profiler's slices that overlap the tasks shown, on the axis of the run they overlap
+    most (each run's axis starts at its own 0), one lane per kind and stream/plane."""
+    spans: dict[int, list[float]] = {}
+    for t in timeline["tasks"]:
+        run = timeline["queue_runs"][t["queue"]]
+        ends = [s[2] for s in t["stages"]] + [t["enqueue"]]
+        lo, hi = spans.get(run, [float("inf"), float("-inf")])
+        spans[run] = [min(lo, t["enqueue"]), max(hi, max(ends))]
+    best, best_overlap, window = None, 0, (0, 0)
+    for run, (lo_us, hi_us) in spans.items():
+        t0 = timeline["runs"][run]["t0_ns"]
+        lo, hi = t0 + lo_us * 1e3, t0 + hi_us * 1e3
+        overlap = sum(max(0, min(e.end_ns, hi) - max(e.start_ns, lo)) + (lo <= e.start_ns <= hi) for e in npu.events)
+        if overlap > best_overlap:
+            best, best_overlap, window = run, overlap, (lo, hi)
+    if best is None:
+        return {"lanes": [], "events": [], "run": None}
+    t0 = timeline["runs"][best]["t0_ns"]
+    lanes: list[str] = []
+    events = []
+    for e in npu.events:
+        if e.end_ns < window[0] or e.start_ns > window[1]:
+            continue
+        lane = f"{e.kind} {e.lane}"
+        if lane not in lanes:
+            lanes.append(lane)
+        events.append({"lane": lanes.index(lane), "kind": e.kind, "name": e.name,
+                       "start": round((e.start_ns - t0) / 1e3, 3), "end": round((e.end_ns - t0) / 1e3, 3)})
+    return {"lanes": lanes, "events": events, "run": best}
+
+
+def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE) -> dict[str, dict[str, list[int]]]:
+    """Per configuration, up to ``per_stage`` durations (ns) of every stage (a deterministic sample by
+    the hash of the correlation id), for the per-configuration CDF plots."""
+    out: dict[str, dict[str, list[int]]] = {}
     for stage in STAGES:
         rows = con.execute(f"""
-            SELECT d FROM (SELECT {stage}_ns AS d FROM tasks WHERE {stage}_ns IS NOT NULL)
-            USING SAMPLE reservoir({per_stage} ROWS) REPEATABLE (7)""").fetchall()
-        if rows:
-            out[stage] = sorted(r[0] for r in rows)
-    return out
+            SELECT coalesce(cfg_label, '(no label)'), {stage}_ns FROM tasks WHERE {stage}_ns IS NOT NULL
+            QUALIFY row_number() OVER (PARTITION BY cfg_label ORDER BY hash(correlation_id), seq) <= $n""",
+            {"n": per_stage}).fetchall()
+        for cfg, value in rows:
+            out.setdefault(cfg, {}).setdefault(stage, []).append(value)
+    for stages in out.values():
+        for values in stages.values():
+            values.sort()
+    return dict(sorted(out.items()))
 
 
 def _hol_overall(con: duckdb.DuckDBPyConnection, summary: QueryResult) -> dict[str, Any]:
-    """HOL events over every configuration, built from ``hol_intervals`` exactly as ``hol_summary``
-    builds its per-configuration rows (an event is a head; its duration the sum of its intervals)."""
-    overall = _query(con, """
-        WITH events AS (
-            SELECT queue, head_correlation_id, sum(dur_ns) AS ns,
-                   sum(dur_ns) FILTER (WHERE class = 'proven') AS proven_ns
-            FROM hol_intervals GROUP BY ALL)
-        SELECT count(*) AS events, count(proven_ns) AS proven_events,
-               count(*) - count(proven_ns) AS possible_events,
-               coalesce(sum(ns), 0) / 1e6 AS total_ms, coalesce(sum(proven_ns), 0) / 1e6 AS proven_total_ms,
-               quantile_cont(ns, 0.5) / 1e6 AS p50_ms, quantile_cont(ns, 0.95) / 1e6 AS p95_ms,
-               quantile_cont(ns, 0.99) / 1e6 AS p99_ms, max(ns) / 1e6 AS max_ms
-        FROM events""").records()[0]
+    """HOL events over every configuration (``queries/hol_overall.sql``, from the same ``hol_events``
+    as the per-configuration summary) and the proven share of all dependency wait."""
+    overall = run_query(con, "hol_overall").records()[0]
     dep_wait = sum(r["dep_wait_ms"] or 0.0 for r in summary.records())
     overall["dep_wait_ms"] = dep_wait
     overall["share"] = overall["proven_total_ms"] / dep_wait if dep_wait > 0 else None
@@ -149,12 +160,16 @@ def _hol_overall(con: duckdb.DuckDBPyConnection, summary: QueryResult) -> dict[s
 
 def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMELINE_TASKS) -> dict[str, Any]:
     """Tasks for the timeline views: per queue, a window of consecutive tasks around its longest HOL
-    event. Times are microseconds since ``t0_ns`` (epoch ns do not fit a JavaScript number)."""
-    queues = [r[0] for r in con.execute(
-        "SELECT queue FROM tasks GROUP BY queue ORDER BY count(*) DESC, queue LIMIT $n",
+    event; queues with the most HOL first. Times are microseconds since the first task shown of the
+    task's run (``runs[i].t0_ns``): every run has its own axis starting at 0."""
+    queues = [r[0] for r in con.execute("""
+        SELECT t.queue FROM tasks AS t LEFT JOIN (SELECT queue, sum(dur_ns) AS hol_ns FROM hol_intervals
+                                                  GROUP BY queue) AS h USING (queue)
+        GROUP BY t.queue ORDER BY any_value(h.hol_ns) DESC NULLS LAST, count(*) DESC, t.queue LIMIT $n""",
         {"n": MAX_TIMELINE_QUEUES}).fetchall()]
+    empty = {"runs": [], "queues": [], "queue_runs": [], "tasks": [], "hol": [], "shown": 0, "total": 0}
     if not queues:
-        return {"t0_ns": 0, "queues": [], "tasks": [], "hol": [], "shown": 0, "total": 0}
+        return empty
     per_queue = max(20, max_tasks // len(queues))
     centers = dict(con.execute("""
         SELECT queue, arg_max(head_seq, dur_ns) FROM hol_intervals GROUP BY queue""").fetchall())
@@ -169,6 +184,8 @@ def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMEL
     dep_cols = ", ".join(f"ts_dep_{d}, ts_dep_{d}_lo, ts_dep_{d}_hi" for d in DEPS)
     cursor = con.execute(f"""
         SELECT t.queue, t.seq, t.correlation_id, t.step, t.layer_id, t.final_layer, t.outcome, t.ready_precision,
+               t.run_id, t.cfg_label, t.wait_for_save_layer, t.gate_id, t.cfg_num_shared_buffers,
+               t.cfg_num_layers, t.cfg_independent_layers, t.trace_id,
                t.ts_enqueue, t.ts_dequeue, t.ts_ready, t.ts_ready_lo, t.ts_complete, {stage_cols}, {dep_cols}
         FROM tasks AS t JOIN _kvtrace_timeline_windows AS w
           ON t.queue = w.queue AND t.seq >= w.lo AND t.seq < w.hi
@@ -177,39 +194,94 @@ def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMEL
     rows = [dict(zip(columns, row)) for row in cursor.fetchall()]
     total = con.execute("SELECT count(*) FROM tasks").fetchall()[0][0]
     if not rows:
-        return {"t0_ns": 0, "queues": queues, "tasks": [], "hol": [], "shown": 0, "total": total}
-    t0 = min(r["ts_enqueue"] for r in rows if r["ts_enqueue"] is not None)
-
-    def us(ns: int | None) -> float | None:
-        return None if ns is None else round((ns - t0) / 1e3, 3)
-
-    tasks = []
+        return {**empty, "queues": queues, "total": total}
+    runs: dict[str, dict[str, Any]] = {}
     for r in rows:
-        stages = [[s, us(r[f"{s}_start"]), us(r[f"{s}_end"])] for s in STAGES if r[f"{s}_start"] is not None]
-        deps = {}
-        for d in DEPS:
-            if r[f"ts_dep_{d}"] is not None:
-                deps[d] = us(r[f"ts_dep_{d}"])
-            elif r[f"ts_dep_{d}_lo"] is not None or r[f"ts_dep_{d}_hi"] is not None:
-                deps[d] = [us(r[f"ts_dep_{d}_lo"]), us(r[f"ts_dep_{d}_hi"])]
-        tasks.append({
-            "cid": r["correlation_id"], "queue": queues.index(r["queue"]), "seq": r["seq"], "step": r["step"],
-            "layer": r["layer_id"], "final": bool(r["final_layer"]), "outcome": r["outcome"],
-            "precision": r["ready_precision"], "enqueue": us(r["ts_enqueue"]), "dequeue": us(r["ts_dequeue"]),
-            "ready": us(r["ts_ready"]), "ready_lo": us(r["ts_ready_lo"]), "complete": us(r["ts_complete"]),
-            "stages": stages, "deps": deps,
-        })
+        if r["ts_enqueue"] is None:
+            continue
+        run = runs.setdefault(r["run_id"], {"run": r["run_id"], "cfg": r["cfg_label"], "t0_ns": r["ts_enqueue"]})
+        run["t0_ns"] = min(run["t0_ns"], r["ts_enqueue"])
+    run_ids = list(runs)
+    queue_run = {r["queue"]: r["run_id"] for r in rows}
+    tasks = [_timeline_task(r, queues.index(r["queue"]), runs[r["run_id"]]["t0_ns"]) for r in rows
+             if r["run_id"] in runs]
+    by_cid = {(t["queue"], t["cid"]): (t, r) for t, r in zip(tasks, (r for r in rows if r["run_id"] in runs))}
     hol = con.execute("""
-        SELECT h.queue, h.head_correlation_id, h.class, h.start_ns, h.end_ns, h.evidence_correlation_id
+        SELECT h.queue, h.head_correlation_id, h.class, h.start_ns, h.end_ns, h.evidence_correlation_id,
+               h.evidence_ready_ns
         FROM hol_intervals AS h JOIN _kvtrace_timeline_windows AS w
           ON h.queue = w.queue AND h.head_seq >= w.lo AND h.head_seq < w.hi
         ORDER BY h.start_ns""").fetchall()
+    hol_out = []
+    for q, head, cls, s, e, ev, ev_ready in hol:
+        t0 = runs[queue_run[q]]["t0_ns"]
+        task, row = by_cid.get((queues.index(q), head), (None, None))
+        hol_out.append({"queue": queues.index(q), "head": head, "class": cls, "start": _us(s, t0), "end": _us(e, t0),
+                        "evidence": ev, "evidence_ready": _us(ev_ready, t0),
+                        "head_ready": task["ready"] if task else None,
+                        "blocked_by": _blocked_by(row, s) if row else "unknown"})
     return {
-        "t0_ns": t0,
+        "runs": [runs[r] for r in run_ids],
         "queues": queues,
+        "queue_runs": [run_ids.index(queue_run[q]) if queue_run.get(q) in runs else 0 for q in queues],
         "tasks": tasks,
-        "hol": [{"queue": queues.index(q), "head": head, "class": cls, "start": us(s), "end": us(e), "evidence": ev}
-                for q, head, cls, s, e, ev in hol],
+        "hol": hol_out,
         "shown": len(tasks),
         "total": total,
     }
+
+
+def _us(ns: int | None, t0: int) -> float | None:
+    return None if ns is None else round((ns - t0) / 1e3, 3)
+
+
+def _timeline_task(r: dict[str, Any], queue: int, t0: int) -> dict[str, Any]:
+    stages = [[s, _us(r[f"{s}_start"], t0), _us(r[f"{s}_end"], t0)] for s in STAGES if r[f"{s}_start"] is not None]
+    deps: dict[str, Any] = {}
+    for d in DEPS:
+        if r[f"ts_dep_{d}"] is not None:
+            deps[d] = _us(r[f"ts_dep_{d}"], t0)
+        elif r[f"ts_dep_{d}_lo"] is not None or r[f"ts_dep_{d}_hi"] is not None:
+            deps[d] = [_us(r[f"ts_dep_{d}_lo"], t0), _us(r[f"ts_dep_{d}_hi"], t0)]
+    return {
+        "cid": r["correlation_id"], "queue": queue, "seq": r["seq"], "step": r["step"],
+        "layer": r["layer_id"], "final": bool(r["final_layer"]), "outcome": r["outcome"],
+        "precision": r["ready_precision"], "enqueue": _us(r["ts_enqueue"], t0), "dequeue": _us(r["ts_dequeue"], t0),
+        "ready": _us(r["ts_ready"], t0), "ready_lo": _us(r["ts_ready_lo"], t0), "complete": _us(r["ts_complete"], t0),
+        "stages": stages, "deps": deps, "trace_id": r["trace_id"],
+    }
+
+
+_BLOCKERS = {"save_cpu_wait": "save", "save_npu_sync": "save", "gate_cond_wait": "gate", "gate_npu_sync": "gate",
+             "slot_release_wait": "slot release"}
+
+
+def _blocked_by(row: dict[str, Any], at_ns: int) -> str:
+    """What the head waited for at ``at_ns``: the dependency-wait stage that holds that instant, named
+    with its layer ("save of layer 1, shared buffer 1", "gate of layer 3", "slot release")."""
+    for stage, what in _BLOCKERS.items():
+        start, end = row[f"{stage}_start"], row[f"{stage}_end"]
+        if start is None or not start <= at_ns <= end:
+            continue
+        if what == "save" and row["wait_for_save_layer"] is not None:
+            buffer = _shared_buffer(row)
+            return f"save of layer {row['wait_for_save_layer']}" + (f", shared buffer {buffer}" if buffer is not None else "")
+        if what == "gate" and row["gate_id"] is not None:
+            return f"gate of layer {row['gate_id']}"
+        return what
+    return "unknown"
+
+
+def _shared_buffer(row: dict[str, Any]) -> int | None:
+    """The shared buffer the task's layer loads into: vLLM-Ascend's simple layout gives the reused
+    (non-independent) layers the buffers round-robin (``reused[s::B]``); None when the config does not
+    say enough to tell."""
+    n, b, layer = row["cfg_num_layers"], row["cfg_num_shared_buffers"], row["layer_id"]
+    try:
+        independent = {int(x) % n for x in str(row["cfg_independent_layers"] or "").split(",") if x.strip()}
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+    reused = [i for i in range(n or 0) if i not in independent]
+    if not b or layer not in reused:
+        return None
+    return reused.index(layer) % b

@@ -36,35 +36,36 @@ HOL_COLORS = {"proven": "#ff0000", "possible": "#ffa500"}
 
 
 def stage_cdf_figure(report: Report) -> Figure:
-    """Empirical CDF of every stage's duration (log time axis)."""
-    fig = Figure(figsize=(9, 5))
-    ax = fig.subplots()
-    for stage in STAGES:
-        values = report.stage_samples.get(stage)
-        if not values:
-            continue
-        xs = [max(v, 1) / 1e6 for v in values]
-        ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        ax.step(xs, ys, where="post", label=f"{stage} (n={len(values)})", color=STAGE_COLORS[stage])
-    if not report.stage_samples:
-        ax.text(0.5, 0.5, "no stage spans", ha="center", va="center", transform=ax.transAxes, fontsize=14)
-    ax.set_xscale("log")
-    ax.set_xlabel("stage duration (ms, log)")
-    ax.set_ylabel("fraction of tasks")
-    ax.set_title("Stage duration CDFs")
-    ax.grid(True, which="both", alpha=0.3)
-    if report.stage_samples:
-        ax.legend(fontsize=7, loc="lower right")
+    """Empirical CDF of every stage's duration (log time axis), one panel per configuration: pooling
+    configurations would hide exactly the differences a sweep is run for."""
+    configs = list(report.stage_samples) or [""]
+    fig = Figure(figsize=(9, 3.6 * len(configs) + 0.6))
+    axes = fig.subplots(len(configs), 1, squeeze=False)[:, 0]
+    for ax, cfg in zip(axes, configs):
+        samples = report.stage_samples.get(cfg, {})
+        for stage in STAGES:
+            values = samples.get(stage)
+            if not values:
+                continue
+            xs = [max(v, 1) / 1e6 for v in values]
+            ys = [(i + 1) / len(xs) for i in range(len(xs))]
+            ax.step(xs, ys, where="post", label=f"{stage} (n={len(values)})", color=STAGE_COLORS[stage])
+        if not samples:
+            ax.text(0.5, 0.5, "no stage spans", ha="center", va="center", transform=ax.transAxes, fontsize=14)
+        else:
+            ax.set_xscale("log")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xlabel("stage duration (ms, log)")
+        ax.set_ylabel("fraction of tasks")
+        ax.set_title(f"Stage duration CDFs: {cfg}" if cfg else "Stage duration CDFs")
+        ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig
 
 
 def hol_event_durations_ms(report: Report) -> list[float]:
-    """Per-event HOL duration (sum of a head's intervals), ms."""
-    per_head: dict[tuple[str, str], int] = defaultdict(int)
-    for r in report.hol_intervals.records():
-        per_head[(r["queue"], r["head_correlation_id"])] += r["dur_ns"]
-    return [v / 1e6 for v in per_head.values()]
+    """Per-event HOL duration (sum of a head's intervals, ``hol_events.sql``), ms."""
+    return [ns / 1e6 for ns in report.hol_events.column("dur_ns")]
 
 
 def hol_histogram_figure(report: Report) -> Figure:

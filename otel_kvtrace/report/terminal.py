@@ -6,6 +6,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -22,47 +23,55 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-_TEXT_COLUMNS = ("cfg_label", "path", "stage", "queue", "class", "correlation_id", "head_correlation_id",
-                 "evidence_correlation_id", "reason")
-
+_TEXT_COLUMNS = ("cfg", "path", "stage", "queue", "class", "correlation_id", "intervals", "reason", "label")
 
 _HEADERS = {
-    "cfg_label": "config", "hol_events": "HOL events", "proven_events": "proven", "possible_events": "possible",
-    "hol_total_ms": "HOL ms", "hol_share": "share of dep. wait", "waiting_tasks": "waiting", "p50_ms": "p50 ms",
-    "p95_ms": "p95 ms", "p99_ms": "p99 ms", "max_ms": "max ms", "total_wait_ms": "total wait ms",
-    "after_ready_ms": "after ready ms", "step_p50_ms": "step p50 ms", "step_p99_ms": "step p99 ms",
-    "step_max_ms": "step max ms", "head_correlation_id": "head", "evidence_correlation_id": "evidence",
-    "dur_ns": "duration ns", "max_depth": "max depth", "mean_depth_at_enqueue": "mean depth at enqueue",
-    "max_inflight": "max in flight", "total_ms": "total ms", "explained_ms": "explained ms",
-    "unexplained_ms": "unexplained ms", "correlation_id": "task",
+    "cfg": "#", "hol_events": "events", "proven_events": "proven", "possible_events": "possible",
+    "hol_total_ms": "HOL ms", "hol_share_pct": "% of dep wait", "waiting_tasks": "waiting", "p50_ms": "p50",
+    "p95_ms": "p95", "p99_ms": "p99", "max_ms": "max", "total_wait_ms": "wait ms",
+    "after_ready_ms": "after ready", "step_p50_ms": "step p50", "step_p99_ms": "step p99",
+    "step_max_ms": "step max", "dur_ms": "ms", "max_depth": "max depth", "mean_depth_at_enqueue": "mean depth",
+    "max_inflight": "max in flight", "total_ms": "total ms", "explained_ms": "explained",
+    "unexplained_ms": "unexplained", "correlation_id": "task", "intervals": "head / ready behind it", "label": "config label",
 }
-"""Readable column headers; the JSON output keeps the SQL column names."""
+"""Short column headers (80 columns); the JSON output keeps the SQL column names. Every time is ms."""
 
 
-def short_id(correlation_id: str) -> str:
-    """The distinguishing tail of a correlation id (``.../gva/s12/l3``) for narrow terminals."""
-    parts = correlation_id.split("/")
-    return correlation_id if len(parts) <= 3 else ".../" + "/".join(parts[-3:])
+def config_numbers(report: Report) -> dict[str | None, int]:
+    """Config label -> its number in the legend (1-based, in the order of ``report.configs``)."""
+    numbers: dict[str | None, int] = {}
+    for label in report.configs.column("cfg_label"):
+        numbers.setdefault(label, len(numbers) + 1)
+    return numbers
 
 
-def _table(title: str, result: QueryResult, columns: list[str], limit: int | None = None) -> Table:
-    """A rich table; a config/path column with one value only moves into the title to save width."""
-    records = result.records()
-    shown = list(columns)
-    for column in ("cfg_label", "path", "queue"):
-        values = {r.get(column) for r in records}
-        if column in shown and len(values) == 1 and len(records) > 0:
-            shown.remove(column)
-            title += f" [{column}: {values.pop()}]"
-    table = Table(title=title, title_justify="left", header_style="bold")
-    for column in shown:
+def _table(title: str, records: list[dict[str, Any]], columns: list[str], limit: int | None = None) -> Table:
+    """A table that fits 80 columns: no vertical rules, ids and labels fold (never cut), numbers keep
+    their full width."""
+    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+                  pad_edge=False, padding=(0, 1))
+    rows = [[_fmt(r.get(c)) for c in columns] for r in records[:limit]]
+    for index, column in enumerate(columns):
         text = column in _TEXT_COLUMNS
-        table.add_column(_HEADERS.get(column, column), justify="left" if text else "right",
-                         ratio=3 if column == "cfg_label" else None, overflow="fold" if text else "ellipsis")
-    for record in records[:limit]:
-        table.add_row(*(short_id(record[c]) if c.endswith("correlation_id") and record[c] else _fmt(record[c])
-                        for c in shown))
+        header = _HEADERS.get(column, column)
+        widest = max([len(row[index]) for row in rows] + [1])
+        table.add_column(header, justify="left" if text else "right", overflow="fold",
+                         min_width=None if text else max(widest, min(len(header), 8)))
+    for row in rows:
+        table.add_row(*row)
     return table
+
+
+def _with_cfg(report: Report, result: QueryResult) -> list[dict[str, Any]]:
+    numbers = config_numbers(report)
+    return [{**r, "cfg": str(numbers.get(r.get("cfg_label"), "?"))} for r in result.records()]
+
+
+def _legend(report: Report) -> Table:
+    numbers = config_numbers(report)
+    records = [{"cfg": str(numbers[r["cfg_label"]]), "path": r["path"], "queues": r["queues"], "tasks": r["tasks"],
+                "label": r["cfg_label"] or "(no label)"} for r in report.configs.records()]
+    return _table("Configurations (# in the tables below)", records, ["cfg", "path", "queues", "tasks", "label"])
 
 
 def hol_headline(report: Report) -> str:
@@ -81,7 +90,7 @@ def hol_headline(report: Report) -> str:
 
 
 def render_terminal(report: Report, console: Console | None = None) -> None:
-    """Every table of the report."""
+    """Every table of the report, laid out for 80 columns (configs numbered, see the legend)."""
     console = console or Console()
     stats = report.stats
     console.print(f"[bold]Loaded[/] {stats.tasks} recv tasks, {stats.send_tasks} send tasks, {stats.spans} spans "
@@ -95,32 +104,38 @@ def render_terminal(report: Report, console: Console | None = None) -> None:
     if stats.malformed:
         console.print(f"[yellow]Skipped {stats.malformed_count} malformed line(s)/span(s):[/]")
         for item in stats.malformed[:10]:
-            console.print(f"  {item}")
+            console.print(f"  {item}", markup=False, highlight=False)
         if stats.malformed_count > 10:
             console.print(f"  ... and {stats.malformed_count - 10} more (see --json)")
-    console.print(_table("Stages (ms)", report.stages,
-                         ["cfg_label", "path", "stage", "count", "p50_ms", "p95_ms", "p99_ms", "max_ms"]))
-    console.print(_table("Head-of-line blocking (queries/hol_summary.sql)", report.hol_summary,
-                         ["cfg_label", "path", "tasks", "waiting_tasks", "hol_events", "proven_events",
-                          "possible_events", "hol_total_ms", "p50_ms", "p95_ms", "p99_ms", "hol_share"]))
+    console.print(_legend(report))
+    console.print(_table("Stages (ms)", _with_cfg(report, report.stages),
+                         ["cfg", "stage", "count", "p50_ms", "p95_ms", "p99_ms", "max_ms"]))
+    summary = [{**r, "hol_share_pct": None if r["hol_share"] is None else 100 * r["hol_share"]}
+               for r in _with_cfg(report, report.hol_summary)]
+    console.print(_table("Head-of-line blocking (queries/hol_summary.sql)", summary,
+                         ["cfg", "tasks", "waiting_tasks", "hol_events", "proven_events", "possible_events",
+                          "hol_total_ms", "hol_share_pct"]))
+    console.print(_table("HOL event duration (ms)", summary, ["cfg", "hol_events", "p50_ms", "p95_ms", "p99_ms",
+                                                               "max_ms"]))
     if report.hol_intervals.rows:
-        longest = QueryResult(report.hol_intervals.columns,
-                              sorted(report.hol_intervals.rows,
-                                     key=lambda r: -r[report.hol_intervals.columns.index("dur_ns")])[:10])
-        console.print(_table("Longest HOL intervals", longest,
-                             ["head_correlation_id", "class", "dur_ns", "evidence_correlation_id"]))
-    console.print(_table("Queue depth", report.queue_depth,
+        longest = sorted(_with_cfg(report, report.hol_intervals), key=lambda r: -r["dur_ns"])[:10]
+        rows = [{**r, "dur_ms": r["dur_ns"] / 1e6,
+                 "intervals": f"{r['head_correlation_id']}\n  ready: {r['evidence_correlation_id']}"}
+                for r in longest]
+        console.print(_table("Longest HOL intervals", rows, ["cfg", "class", "dur_ms", "intervals"]))
+    console.print(_table("Queue depth", report.queue_depth.records(),
                          ["queue", "max_depth", "mean_depth_at_enqueue", "max_inflight"]))
-    console.print(_table("Consumer stall per step (ms)", report.consumer_stall,
-                         ["cfg_label", "path", "steps", "total_wait_ms", "after_ready_ms", "step_p50_ms",
-                          "step_p99_ms", "step_max_ms"]))
+    console.print(_table("Consumer stall per step (ms)", _with_cfg(report, report.consumer_stall),
+                         ["cfg", "steps", "total_wait_ms", "after_ready_ms", "step_p50_ms", "step_p99_ms",
+                          "step_max_ms"]))
     if report.wait_explained_total:
-        console.print(_table(f"Tasks not explained by their stages within 1% ({report.wait_explained_total})",
-                             report.wait_explained,
-                             ["correlation_id", "total_ms", "explained_ms", "unexplained_ms", "reason"], limit=10))
+        console.print(_table(f"Tasks not explained by their stages within 1% ({report.wait_explained_total}; "
+                             "gap: time no stage covers, overlap: stages claim the same time)",
+                             report.wait_explained.records(),
+                             ["correlation_id", "total_ms", "unexplained_ms", "reason"], limit=10))
     else:
         console.print("Every task's stages explain its total time within 1%.")
-    console.print(f"[bold]{hol_headline(report)}[/]")
+    console.print(f"[bold]{hol_headline(report)}[/]", highlight=False)
 
 
 def print_summary(source: Iterable[str | Path] | str | Path | LoadResult | Report,
@@ -129,8 +144,8 @@ def print_summary(source: Iterable[str | Path] | str | Path | LoadResult | Repor
     ``LoadResult`` or a built ``Report``. Returns the report."""
     console = console or Console()
     report = source if isinstance(source, Report) else build_report(source)
-    console.print(_table("Head-of-line blocking", report.hol_summary,
-                         ["cfg_label", "path", "tasks", "hol_events", "proven_events", "hol_total_ms",
-                          "p50_ms", "p99_ms"]))
+    console.print(_legend(report))
+    console.print(_table("Head-of-line blocking (ms)", _with_cfg(report, report.hol_summary),
+                         ["cfg", "tasks", "hol_events", "proven_events", "hol_total_ms", "p50_ms", "p99_ms"]))
     console.print(hol_headline(report))
     return report

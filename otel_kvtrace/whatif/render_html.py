@@ -9,6 +9,7 @@ import html
 from collections.abc import Sequence
 from pathlib import Path
 
+from otel_kvtrace.report.html_safety import csp_meta
 from otel_kvtrace.whatif.render import (
     DETAIL_LIMIT,
     VerdictReport,
@@ -160,7 +161,7 @@ def render_html(report: VerdictReport, *, pngs: Sequence[str | Path] = ()) -> st
     limited = ("" if len(report.verdicts) <= DETAIL_LIMIT else
                f"<p>{len(report.verdicts)} configurations: details only for those with HOL.</p>")
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>{_e(report.title)}</title>
+<html lang="en"><head><meta charset="utf-8">{csp_meta((), [_CSS])}<title>{_e(report.title)}</title>
 <style>{_CSS}</style></head>
 <body>
 <h1>{_e(report.title)}</h1>

@@ -51,7 +51,7 @@ def test_fifo_optimal_preset_yields_no_hol(demo, tmp_path: Path) -> None:
     assert any(r["waiting_tasks"] > 0 for r in doc["hol"]["by_config"])  # heads did wait: nothing was ready
 
 
-def test_notebook_executes_on_demo_output(demo, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_executes_on_demo_output(demo, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """queries/notebooks/hol_statistics.ipynb runs top to bottom on what `kvtrace demo` wrote."""
     import nbformat
     from nbclient import NotebookClient
@@ -61,10 +61,35 @@ def test_notebook_executes_on_demo_output(demo, monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setenv("KVTRACE_TRACES", str(trace_dir))
     nb = nbformat.read(notebook, as_version=4)
     NotebookClient(nb, timeout=120, kernel_name="python3",
-                   resources={"metadata": {"path": str(notebook.parent)}}).execute()
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     assert not [o for o in outputs if o.get("output_type") == "error"]
     text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
     recv_tasks = sum(s.recv_tasks for s in demo.scenarios)
-    assert f"{recv_tasks} recv tasks" in text and "HOL events:" in text
+    assert f"{recv_tasks} recv tasks" in text
+    markdown = "".join(o.get("data", {}).get("text/markdown", "") for o in outputs)
+    assert "**Answer:** HOL blocking found" in markdown
     assert len([o for o in outputs if "image/png" in o.get("data", {})]) >= 5
+
+
+def test_perfetto_export_of_the_demo_is_valid_trace_event_json(demo, tmp_path: Path) -> None:
+    """The real replica's traces (all scenarios) exported: the format holds and every HOL event has its
+    one flow, so the viewers draw an arrow from each head to the ready task behind it."""
+    from collections import Counter
+
+    from otel_kvtrace.analyse import run_query
+    from otel_kvtrace.load import load_traces
+
+    from .trace_event_format import check_trace
+
+    files = [f for s in demo.scenarios for f in s.trace_files]
+    out = tmp_path / "demo.perfetto.json"
+    result = CliRunner().invoke(main, ["export", "--no-cache", "--perfetto", str(out), *map(str, files)])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(out.read_text())
+    assert check_trace(doc) == []
+    events = run_query(load_traces(files).con, "hol_events").rows
+    flows = Counter(e["ph"] for e in doc["traceEvents"] if e["ph"] in ("s", "f"))
+    assert events and flows == {"s": len(events), "f": len(events)}
+    threads = {e["args"]["name"].split()[0] for e in doc["traceEvents"] if e.get("name") == "thread_name"}
+    assert {"recv", "forward", "send", "HOL"} <= threads

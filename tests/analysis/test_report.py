@@ -95,3 +95,58 @@ def test_traces_with_only_send_tasks_report_plainly(tmp_path: Path) -> None:
                                        "--png-dir", str(tmp_path / "png")])
     assert result.exit_code == 0, result.output
     assert "No recv tasks in these traces (4 send tasks" in " ".join(result.output.split())
+
+
+def test_timelines_start_with_the_queue_with_most_hol_and_cdfs_are_per_config(tmp_path: Path) -> None:
+    """The PNG timeline of queue 0 is the HOL queue even when a calm queue sorts first by name and is
+    larger; the stage CDF samples are kept per configuration, not pooled."""
+    from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json
+
+    calm = QueueSpec(run_id="aaa-calm", pid=1, cfg_label="calm")
+    busy = QueueSpec(run_id="zzz-hol", pid=2, cfg_label="hol")
+    path = write_otlp_json(tmp_path / "t.jsonl", [(calm, simulate_queue(calm, 300, seed=4, hol_probability=0.0)),
+                                                  (busy, simulate_queue(busy, 100, seed=5, hol_probability=0.3))])
+    report = build_report([path], timeline_tasks=200)
+    hol_by_queue: dict[str, int] = {}
+    for r in report.hol_intervals.records():
+        hol_by_queue[r["queue"]] = hol_by_queue.get(r["queue"], 0) + r["dur_ns"]
+    assert report.timeline["queues"][0] == max(hol_by_queue, key=hol_by_queue.get) == busy.queue_id
+    assert set(report.stage_samples) == {"calm", "hol"}
+    assert sum(len(v) for v in report.stage_samples["calm"].values()) > sum(
+        len(v) for v in report.stage_samples["hol"].values())
+
+
+def test_report_fits_80_columns_when_piped(synthetic_trace_dir: Path) -> None:
+    """`COLUMNS=80 kvtrace report ... | cat`: no line over 80 characters, nothing cut to `…`, full task
+    ids (the run stays visible), one unit (ms) and shares in %."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80"}
+    proc = subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", "report", str(synthetic_trace_dir), "--no-cache"],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert max(len(line) for line in lines) <= 80, max(lines, key=len)
+    assert "…" not in proc.stdout
+    report = build_report([synthetic_trace_dir])
+    longest = max(report.hol_intervals.records(), key=lambda r: r["dur_ns"])
+    assert longest["head_correlation_id"] in proc.stdout and longest["evidence_correlation_id"] in proc.stdout
+    assert f"{longest['dur_ns'] / 1e6:.3f}" in proc.stdout  # the duration in ms, not ns
+    assert "% of dep wait" in proc.stdout and " ns" not in proc.stdout
+    for label in report.configs.column("cfg_label"):
+        assert label in proc.stdout  # in the legend, whole
+
+
+def test_one_call_report_api_writes_each_output(synthetic_trace_dir: Path, tmp_path: Path) -> None:
+    from otel_kvtrace.report import report
+
+    written: list[Path] = []
+    result = report([synthetic_trace_dir], json=tmp_path / "r.json", html=tmp_path / "r.html",
+                    png_dir=tmp_path / "png", written=written, timeline_tasks=100)
+    assert {p.name for p in written} >= {"r.json", "r.html", "stage_cdf.png"}
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["hol"]["events"] == result.hol_overall["events"] == len(result.hol_events.rows) > 0
+    result = CliRunner().invoke(main, ["report", str(synthetic_trace_dir), "--no-cache", "--jaeger-url", "ftp://x"])
+    assert result.exit_code != 0 and "http(s) URL" in result.output
