@@ -9,8 +9,10 @@ patched, no thread started, nothing allocated.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
+import weakref
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
 from otel_kvtrace.instrument.wrappers import release
 from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, Recorder
+from otel_kvtrace.record.ring import REASON_SHUTDOWN
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -54,6 +57,8 @@ class TracingSession:
         self._installed = installed
         self._closed = False
         self._untraced = 0  # counted over detached queues too
+        # At interpreter exit: release records held for a consumer wait (flagged), then drain.
+        atexit.register(_weak_shutdown(weakref.ref(self)))
 
     @property
     def run_id(self) -> str:
@@ -72,7 +77,7 @@ class TracingSession:
                 held = list(state.step_records.values())
                 state.step_records.clear()
                 for rec in held:
-                    release(self.runtime, rec)
+                    release(self.runtime, rec, REASON_SHUTDOWN)
         for state in self.runtime.queues:
             self._untraced += state.untraced
             attach.detach(state)
@@ -99,13 +104,23 @@ class TracingSession:
 
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
-        return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        dropped = self.recorder.dropped + int(getattr(self.exporter, "lost", 0))  # + lost in the agent
+        return SessionStats(self.recorder.submitted, dropped, self.recorder.disabled_reason, untraced)
 
     def __enter__(self) -> TracingSession:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+
+def _weak_shutdown(ref: weakref.ref[TracingSession]) -> Callable[[], None]:
+    def at_exit() -> None:
+        session = ref()
+        if session is not None:
+            session.shutdown()
+
+    return at_exit
 
 
 def start_tracing(
@@ -138,28 +153,33 @@ def start_tracing(
         npu_event_class=targets.npu_event_class,
     )
     recorder.npu_resolver = runtime.resolve
-    installed = patches.install(targets, runtime)
-    if not installed:
-        raise RuntimeError(
-            "these classes are already instrumented by another tracing session; "
-            "shut it down (session.shutdown()) before starting a new one"
-        )
     resource_attrs = dict(resource or {})
     resource_attrs.setdefault("kvtrace.run_id", runtime.run_id)
     resource_attrs.setdefault("kvtrace.source", targets.source)
     if targets.version:
         resource_attrs.setdefault("vllm_ascend.version", targets.version)
-    export_worker = None
-    try:
-        if exporter == "auto":
+    # The exporter first: with the agent, records must find the ring attached from the first task on.
+    export_worker = exporter
+    if exporter in ("auto", config.EXPORTER_AGENT, config.EXPORTER_THREAD):
+        mode = config.exporter_mode() if exporter == "auto" else exporter
+        if mode == config.EXPORTER_AGENT:
+            from otel_kvtrace.export.agent_link import create_agent_exporter
+
+            export_worker = create_agent_exporter(
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+            )
+        else:
             from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK
 
             export_worker = create_exporter(
                 recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
             )
-        else:
-            export_worker = exporter
-    except BaseException:
-        patches.uninstall(installed)
-        raise
+    installed = patches.install(targets, runtime)
+    if not installed:
+        if export_worker is not None:
+            export_worker.shutdown(1.0)
+        raise RuntimeError(
+            "these classes are already instrumented by another tracing session; "
+            "shut it down (session.shutdown()) before starting a new one"
+        )
     return TracingSession(targets, recorder, runtime, installed, export_worker)

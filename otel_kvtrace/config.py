@@ -51,6 +51,15 @@ OTEL_KVTRACE_EXPORT_TIMEOUT_MS = "OTEL_KVTRACE_EXPORT_TIMEOUT_MS"
 OTEL_KVTRACE_DROP_LOG_INTERVAL_S = "OTEL_KVTRACE_DROP_LOG_INTERVAL_S"
 """Minimum seconds between two "records dropped" warnings. Default: 10."""
 
+OTEL_KVTRACE_EXPORTER = "OTEL_KVTRACE_EXPORTER"
+"""Where spans are built: ``agent`` (a separate exporter process per serving process drains a
+shared-memory ring; nothing but a fixed-size binary write per task happens in the serving process) or
+``thread`` (the in-process background exporter thread). Default: ``agent``, falling back to ``thread``
+with one log line when the agent cannot start."""
+
+EXPORTER_AGENT = "agent"
+EXPORTER_THREAD = "thread"
+
 DEFAULT_DATA_DIR = "./kvtrace-data"
 DEFAULT_EXPORT_INTERVAL_MS = 200
 DEFAULT_EXPORT_BATCH_SIZE = 256
@@ -155,3 +164,13 @@ def run_id(environ: Mapping[str, str] | None = None) -> str:
     """``OTEL_KVTRACE_RUN_ID`` or ``{host}-{pid}-{start_epoch_s}`` (see docs/schema.md)."""
     env = os.environ if environ is None else environ
     return env.get(OTEL_KVTRACE_RUN_ID, "").strip() or f"{socket.gethostname()}-{os.getpid()}-{_PROCESS_START_S}"
+
+
+def exporter_mode() -> str:
+    """``OTEL_KVTRACE_EXPORTER``: ``agent`` (default) or ``thread``; anything else warns and uses ``agent``."""
+    value = os.environ.get(OTEL_KVTRACE_EXPORTER, "").strip().lower() or EXPORTER_AGENT
+    if value not in (EXPORTER_AGENT, EXPORTER_THREAD):
+        logger.warning("otel-kvtrace: %s=%r is not supported (use agent or thread); using agent",
+                       OTEL_KVTRACE_EXPORTER, value)
+        return EXPORTER_AGENT
+    return value

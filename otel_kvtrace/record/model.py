@@ -73,6 +73,24 @@ class Outcome(IntEnum):
 OUTCOME_NAMES: tuple[str, ...] = ("ok", "empty", "error")
 
 
+CONSUMER_RELEASE_NAMES: tuple[str, ...] = ("", "step_boundary", "shutdown", "producer_died")
+"""``kvtrace.consumer_wait_missing`` values: the record was awaited by the forward's consumer wait but
+released without it at the next step boundary, at shutdown/exit, or when the serving process died."""
+
+
+class ShippedError(Exception):
+    """A task's exception as the exporter agent received it (type name, message, formatted stack)."""
+
+    def __init__(self, type_name: str, message: str, stack: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.message = message
+        self.stack = stack
+
+    def __str__(self) -> str:
+        return self.message
+
+
 class BackendResultError(RuntimeError):
     """A backend copy returned a non-zero result code without raising (vLLM-Ascend 0.23 logs and goes on).
 
@@ -157,6 +175,8 @@ class TaskRecord:
     npu_marks: list[tuple[int, Any]] = field(default_factory=list)
     # Completion hand-off between the recv thread and the forward's consumer wait.
     holds: list[int] = field(default_factory=list)
+    # Why the forward's consumer wait is absent although it was awaited (``CONSUMER_RELEASE_NAMES``).
+    consumer_release: int = 0
 
     def reset(self) -> None:
         """Return to a blank state so the record can be reused from the pool."""
@@ -178,6 +198,7 @@ class TaskRecord:
         self.transfer_tasks = None
         self.npu_marks.clear()
         self.holds.clear()
+        self.consumer_release = 0
 
     # -- dependency helpers (cheap: list index writes) -------------------------------------------
     def need(self, dep: int) -> None:
