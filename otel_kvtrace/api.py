@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import weakref
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -58,7 +57,7 @@ class TracingSession:
         self._closed = False
         self._untraced = 0  # counted over detached queues too
         # At interpreter exit: release records held for a consumer wait (flagged), then drain.
-        atexit.register(_weak_shutdown(weakref.ref(self)))
+        atexit.register(self.shutdown)
 
     @property
     def run_id(self) -> str:
@@ -97,6 +96,7 @@ class TracingSession:
         """Uninstrument, drain and stop the exporter. Idempotent."""
         if not self._closed:
             self._closed = True
+            atexit.unregister(self.shutdown)
             self.uninstrument()
             if self.exporter is not None:
                 self.exporter.shutdown(timeout_s)
@@ -112,15 +112,6 @@ class TracingSession:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
-
-
-def _weak_shutdown(ref: weakref.ref[TracingSession]) -> Callable[[], None]:
-    def at_exit() -> None:
-        session = ref()
-        if session is not None:
-            session.shutdown()
-
-    return at_exit
 
 
 def start_tracing(

@@ -26,13 +26,14 @@ from collections import OrderedDict
 from typing import Any
 
 from otel_kvtrace.export.spans import SpanBuilder, TransferSummary
-from otel_kvtrace.record.model import NUM_DEPS, QueueInfo, ShippedError, TaskRecord
+from otel_kvtrace.record.model import NUM_DEPS, QueueInfo, ShippedError, Stage, TaskRecord
 from otel_kvtrace.record.recorder import ClockAnchor
 from otel_kvtrace.record import ring as R
 
 logger = logging.getLogger("otel_kvtrace")
 
 READY = b"kvtrace-agent ready\n"
+_CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
 MAX_AWAITING = 65536
 MAX_ERRORS = 1024
 
@@ -66,6 +67,8 @@ class Decoder:
             qidx, seq, reason, n = R.CWAIT_FIXED.unpack_from(body)
             rec = self.awaiting.pop((qidx, seq), None)
             if rec is not None:
+                if n:  # the authoritative consumer wait: drop any partial copy shipped with the task
+                    rec.stages[:] = _without_consumer_wait(rec.stages)
                 rec.stages.extend(R._INTS[n].unpack_from(body, R.CWAIT_FIXED.size))
                 rec.consumer_release = reason
                 out.append(rec)
@@ -136,6 +139,14 @@ class _QueuedRecord(TaskRecord):
     """A decoded record that remembers its ring queue index (to match its consumer wait)."""
 
     __slots__ = ("queue_index",)
+
+
+def _without_consumer_wait(stages: list[int]) -> list[int]:
+    out: list[int] = []
+    for i in range(0, len(stages) - 2, 3):
+        if stages[i] != _CONSUMER_WAIT:
+            out += stages[i : i + 3]
+    return out
 
 
 def _strings(body: bytes, off: int, lens: list[int]) -> list[str]:

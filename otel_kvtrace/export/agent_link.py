@@ -108,6 +108,7 @@ class AgentExporter:
             with contextlib.suppress(Exception):
                 os.close(parent.stdin.fileno())  # else the parent's agent never sees its EOF
         self._proc = None
+        self.recorder.after_fork()
         if self._shutdown_done:
             return
         self._settings["resource"] = {**self._settings["resource"], "process.pid": os.getpid()}
@@ -131,8 +132,14 @@ class AgentExporter:
 
     @property
     def lost(self) -> int:
-        """Tasks the agent lost (sink failures; writes cut short by the death of this process)."""
-        return int(self.writer.hdr[R.H_AGENT_LOST])
+        """Tasks shipped to the ring but not exported: the agent's count (sink failures, torn writes),
+        or, once the agent is gone, everything it did not export (``submitted = exported + lost``)."""
+        hdr = self.writer.hdr
+        lost = int(hdr[R.H_AGENT_LOST])
+        proc = self._proc
+        if proc is not None and proc.poll() is not None:
+            lost = max(lost, self.recorder.submitted - int(hdr[R.H_EXPORTED]))
+        return lost
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the agent has exported everything written so far. True if it did in time."""

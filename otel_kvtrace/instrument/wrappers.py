@@ -46,15 +46,22 @@ def release_recv(rt: Runtime, rec: Any) -> None:
 
     ``holds`` is ``[_HOLD_RECV]`` or ``[_HOLD_RECV, _HOLD_CONSUMER]``; ``list.pop`` is atomic under the
     GIL, so exactly one of two racing holders pops ``_HOLD_RECV`` (the last one), whatever the order.
+    While the consumer still holds the record, the task is shipped *before* this thread drops its hold:
+    the forward, once last, only adds its consumer wait, and never recycles a record still being written.
     """
+    holds = rec.holds
+    recorder = rt.recorder
+    if len(holds) < 2:  # the consumer is done (or never held it): this thread is the last holder
+        if holds and holds.pop() == _HOLD_RECV:
+            recorder.submit(rec)
+        return
+    recorder.submit_first(rec)  # the forward's consumer wait follows (or its absence, with a reason)
     try:
-        last = rec.holds.pop() == _HOLD_RECV
+        last = holds.pop() == _HOLD_RECV
     except IndexError:
         return
-    if last:
-        rt.recorder.submit(rec)
-    else:
-        rt.recorder.submit_first(rec)  # the forward's consumer wait follows (or its absence, with a reason)
+    if last:  # the forward released it while the task was being shipped
+        recorder.submit_consumer(rec, REASON_WAITED)
 
 
 def release(rt: Runtime, rec: Any, reason: int = REASON_WAITED) -> None:

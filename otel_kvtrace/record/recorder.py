@@ -81,6 +81,12 @@ class Recorder:
         self._summarize = summarize_transfer_tasks
         self.ring = writer
 
+    def after_fork(self) -> None:
+        """In a forked child: the parent's pending records and counts are not this process's."""
+        self._ready.clear()
+        self._drops = itertools.count()
+        self._submitted = itertools.count()
+
     # ---- hot path -------------------------------------------------------------------------------
     def new_record(self) -> TaskRecord:
         """A blank record, from the pool when one is free."""

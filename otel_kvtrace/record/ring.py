@@ -214,7 +214,7 @@ class RingWriter:
         k = self._claim()
         if k < 0:
             return False
-        stages = rec.stages
+        stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
         if len(stages) > MAX_STAGE_INTS:
             stages = fold_stages(stages)
             flags |= F_STAGES_FOLDED
@@ -275,7 +275,7 @@ def consumer_stages(stages: list[int]) -> list[int]:
     return out
 
 
-def fold_stages(stages: list[int]) -> list[int]:
+def fold_stages(stages: Any) -> list[int]:
     """Repeated stages merged (first start, last end) so a record fits a slot; the builder does the same."""
     first: dict[int, list[int]] = {}
     it = iter(stages)
