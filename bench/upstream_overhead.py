@@ -10,7 +10,9 @@ main's NPU sync, gate wait, address build, stagger, batch_copy, completion). The
 Modes, interleaved in rounds so that drift hits all of them alike:
   untraced        the upstream classes as they are
   traced          start_tracing(..., exporter=None): wrappers + recorder, records drained between rounds
-  traced+export   start_tracing(..., out_dir=tmp): the background exporter writes OTLP/JSON lines
+  traced+agent    start_tracing(..., exporter="agent"): records go through the shared-memory ring to the
+                  exporter agent process, which writes OTLP/JSON lines (the default)
+  traced+thread   start_tracing(..., exporter="thread"): the in-process background exporter thread
 
 Usage::
 
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("untraced", "traced", "traced+export")
+MODES = ("untraced", "traced", "traced+agent", "traced+thread")
+CPU_MODES = ("untraced", "traced", "traced+agent")
 
 
 def _load_harness() -> Any:
@@ -78,8 +81,8 @@ def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> 
                 session = None
                 if mode == "traced":
                     session = start_tracing(targets, exporter=None, run_id="bench")
-                elif mode == "traced+export":
-                    session = start_tracing(targets, out_dir=out, run_id="bench")
+                elif mode in ("traced+agent", "traced+thread"):
+                    session = start_tracing(targets, out_dir=out, run_id="bench", exporter=mode.split("+")[1])
                 env = up.gva_thread(num_layers, h.FakeBackend())
                 _run_tasks(h, up, env, 50, num_layers, blocks)  # warm-up: attach, pools, caches
                 if session is not None:
@@ -131,17 +134,22 @@ def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[s
     from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
-    out: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
-    with h.upstream_session(h.upstream_source_dir()) as up:
+    out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in CPU_MODES}
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-cpu-") as tmp:
         targets = up.binding.to_targets()
         for _ in range(rounds):
             for mode in out:
-                session = start_tracing(targets, exporter=None, run_id="bench-cpu") if mode == "traced" else None
+                session = None
+                if mode == "traced":
+                    session = start_tracing(targets, exporter=None, run_id="bench-cpu")
+                elif mode == "traced+agent":
+                    session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
                 _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
                 out[mode].append(_cpu_per_call(up, env, tasks, num_layers, blocks))
                 if session is not None:
-                    session.recorder.drain(1 << 20)
+                    if session.exporter is None:
+                        session.recorder.drain(1 << 20)
                     session.shutdown()
     return out
 
@@ -178,13 +186,18 @@ def main() -> None:
               f"{min(ratios):6.2f}-{max(ratios):<6.2f}")
     print("(added us and ratio: median over rounds of the per-round difference / ratio to untraced)")
     cpu = measure_cpu(max(args.tasks, 1000), max(3, args.rounds // 3), args.layers, args.blocks)
-    added_enqueue = statistics.median(t[0] - u[0] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
-    added_handle = statistics.median(t[1] - u[1] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
     base_handle = statistics.median(u[1] for u in cpu["untraced"])
-    print(f"\nCPU per task on the calling thread (synchronous, GC off): add_request +{added_enqueue / 1e3:.1f} us "
-          f"(forward), _handle_request +{added_handle / 1e3:.1f} us on {base_handle / 1e3:.1f} us (recv)")
+    print("\nCPU per task on the calling thread (synchronous, GC off), median over rounds of the added CPU:")
+    added: dict[str, tuple[float, float]] = {}
+    for mode in CPU_MODES[1:]:
+        enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        handle = statistics.median(t[1] - u[1] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        added[mode] = (enq, handle)
+        print(f"  {mode:13} add_request +{enq / 1e3:.1f} us (forward), _handle_request +{handle / 1e3:.1f} us "
+              f"on {base_handle / 1e3:.1f} us (recv)")
+    added_enqueue, added_handle = added["traced+agent"]
     latency_added = statistics.median(
-        m - b for m, b in zip(round_medians["traced+export"], round_medians["untraced"], strict=True))
+        m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "
           f"added_recv_cpu_us={added_handle / 1e3:.1f}")
 

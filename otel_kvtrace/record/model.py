@@ -62,6 +62,7 @@ class Dep(IntEnum):
 
 DEP_NAMES: tuple[str, ...] = ("save_cpu", "save_npu", "gate_record", "gate_npu", "slot_release")
 NUM_DEPS = len(DEP_NAMES)
+_BLANK_DEPS = (NO_TIME,) * (2 * NUM_DEPS)
 
 
 class Outcome(IntEnum):
@@ -188,9 +189,7 @@ class TaskRecord:
         self.queue_depth_at_enqueue = self.inflight_at_enqueue = 0
         self.t_enqueue = self.t_dequeue = self.t_backend_return = self.t_complete = NO_TIME
         self.stages.clear()
-        deps = self.deps
-        for i in range(len(deps)):
-            deps[i] = NO_TIME
+        self.deps[:] = _BLANK_DEPS
         self.has_dep = 0
         self.outcome = Outcome.OK
         self.error = None

@@ -58,6 +58,8 @@ VERSION = 1
 HEADER_BYTES = 128
 SLOT_SIZE = 1024
 SLOT_HEAD = struct.Struct("<qIHH")
+_COMMIT = struct.Struct("<q")
+_CRC_KIND_LEN = struct.Struct("<IHH")
 BODY_BYTES = SLOT_SIZE - SLOT_HEAD.size
 DEFAULT_SLOTS = 8192  # 8 MiB per serving process
 CLAIM_MARGIN = 64
@@ -151,9 +153,9 @@ class RingWriter:
     def _commit(self, k: int, kind: int, length: int) -> None:
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         body = off + SLOT_HEAD.size
-        crc = zlib.crc32(self._buf[body : body + length])
-        struct.pack_into("<IHH", self._mem, off + 8, crc, kind, length)
-        struct.pack_into("<q", self._mem, off, k + 1)  # last: publishes the slot
+        mem = self._mem
+        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + length]), kind, length)
+        _COMMIT.pack_into(mem, off, k + 1)  # last: publishes the slot
 
     def _write(self, kind: int, payload: bytes) -> bool:
         k = self._claim()
@@ -201,7 +203,8 @@ class RingWriter:
     # -- per task -----------------------------------------------------------------------------------
     def write_task(self, rec: Any, awaiting: bool, summary: Any) -> bool:
         """One task record (``summary``: group ids, request ids, block count of its transfer tasks)."""
-        qidx = self.queue_index(rec.queue)
+        entry = self._queues.get(id(rec.queue))
+        qidx = entry[1] if entry is not None and entry[0] is rec.queue else self.queue_index(rec.queue)
         if rec.error is not None:
             self._write_error(qidx, rec.seq, rec.error)
         reqs = summary.request_ids
