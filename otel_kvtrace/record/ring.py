@@ -33,6 +33,7 @@ Messages (body ``struct`` formats):
 - ``MSG_ERROR``  ``<IqHHH`` + 3 utf-8 strings: the exception of a failed task (sent just before it).
 - ``MSG_RESOURCE`` ``marshal`` of one ``(key, value)`` resource attribute.
 - ``MSG_CLOSE``  empty: the producer shut down cleanly.
+- ``MSG_VOID``   empty: a claimed slot whose write failed (an instrumentation bug; tracing is disabled).
 
 Concurrency: several recording threads of one process write; a claim is ``next()`` on an
 ``itertools.count`` (atomic under the GIL), so no lock is taken. The room check reads the agent's
@@ -67,7 +68,7 @@ CLAIM_MARGIN = 64
 (H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE, H_HEAD, H_READ, H_DROPPED, H_PRODUCER_PID, H_AGENT_PID,
  H_EXPORTED, H_AGENT_LOST) = range(11)
 
-MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE = range(1, 8)
+MSG_VOID, MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE = range(8)
 
 # TASK_FIXED fields, in order.
 TASK_FIELDS = (
@@ -94,6 +95,17 @@ REASON_PRODUCER_DIED = 3  # the serving process died before releasing it (agent 
 assert CONSUMER_RELEASE_NAMES[REASON_PRODUCER_DIED] == "producer_died"
 
 _INTS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGE_INTS + 1)]
+_TASK_LAYOUTS: dict[tuple[int, int, int], struct.Struct] = {}
+
+
+def _task_struct(n_stage_ints: int, n_groups: int, n_reqs: int) -> struct.Struct:
+    """``TASK_FIXED`` plus its variable parts as one ``Struct`` (one ``pack_into`` per task), cached."""
+    key = (n_stage_ints, n_groups, n_reqs)
+    layout = _TASK_LAYOUTS.get(key)
+    if layout is None:
+        layout = struct.Struct(f"{TASK_FIXED.format}{n_stage_ints + n_groups}q{n_reqs}I")
+        _TASK_LAYOUTS[key] = layout  # bounded: at most 67 * 17 * 33 shapes
+    return layout
 _U32S = [struct.Struct(f"<{n}I") for n in range(MAX_REQS + 1)]
 assert TASK_FIXED.size + 8 * (MAX_STAGE_INTS + MAX_GROUPS) + 4 * MAX_REQS <= BODY_BYTES
 
@@ -228,22 +240,20 @@ class RingWriter:
             flags |= F_SRC
         if gate is not None:
             flags |= F_GATE
-        mem = self._mem
-        body = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE + SLOT_HEAD.size
-        TASK_FIXED.pack_into(
-            mem, body, qidx, rec.kind, rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id,
-            src or 0, gate or 0, rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue,
-            rec.t_dequeue, rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep,
-            *rec.deps, len(stages), len(groups), len(reqs), summary.num_blocks & 0xFFFFFFFF,
-        )
-        off = body + TASK_FIXED.size
-        _INTS[len(stages)].pack_into(mem, off, *stages)
-        off += 8 * len(stages)
-        _INTS[len(groups)].pack_into(mem, off, *groups)
-        off += 8 * len(groups)
-        _U32S[len(req_ids)].pack_into(mem, off, *req_ids)
-        off += 4 * len(req_ids)
-        self._commit(k, MSG_TASK, off - body)
+        layout = _task_struct(len(stages), len(groups), len(req_ids))
+        try:
+            layout.pack_into(
+                self._mem, HEADER_BYTES + (k % self.nslots) * SLOT_SIZE + SLOT_HEAD.size, qidx, rec.kind,
+                rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
+                rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
+                rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
+                len(stages), len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF, *stages, *groups,
+                *req_ids,
+            )
+        except BaseException:
+            self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
+            raise
+        self._commit(k, MSG_TASK, layout.size)
         return True
 
     def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:

@@ -156,3 +156,25 @@ def test_more_stages_than_a_slot_holds_are_folded_like_the_builder(make_record) 
     names = lambda spans: {(s["name"], s["startTimeUnixNano"], s["endTimeUnixNano"]) for s in spans}  # noqa: E731
     assert names(builder.build(decoded)) == names(builder.build(rec))
     assert struct.calcsize("<q") * R.MAX_STAGE_INTS < R.BODY_BYTES
+
+
+def test_the_documented_layout_is_the_code_layout() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    assert f"`{R.TASK_FIXED.format}`" in doc
+    assert f"{R.DEFAULT_SLOTS} slots of {R.SLOT_SIZE} bytes" in doc
+    assert f"up to {R.MAX_STAGE_INTS // 3} stage triples (int64), {R.MAX_GROUPS} group ids (int64), {R.MAX_REQS}" in doc
+    assert f"{R.HEADER_BYTES} bytes" in doc and f"{R.CLAIM_MARGIN} slots are kept spare" in doc
+
+
+def test_a_write_that_fails_after_its_claim_still_frees_the_slot(make_record) -> None:
+    writer, reader = _ring()
+    bad = make_record()
+    bad.seq = 1 << 70  # does not fit int64: pack_into raises after the slot was claimed
+    with pytest.raises(struct.error):
+        writer.write_task(bad, False, summarize_transfer_tasks(bad.transfer_tasks))
+    good = make_record(seq=5)
+    writer.write_task(good, False, summarize_transfer_tasks(good.transfer_tasks))
+    (decoded,) = _decode(reader)  # the reader went past the failed slot
+    assert decoded.seq == 5
