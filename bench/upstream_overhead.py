@@ -129,6 +129,45 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     return enqueue_ns / count, handle_ns / count
 
 
+def frames_per_task(tasks: int, num_layers: int, blocks: int) -> tuple[float, float]:
+    """Python frames of otel_kvtrace entered per task (deterministic): (add_request side, _handle_request side)."""
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    counts = [0, 0]
+    phase = [0]
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "otel_kvtrace" in frame.f_code.co_filename:
+            counts[phase[0]] += 1
+
+    with h.upstream_session(h.upstream_source_dir()) as up:
+        session = start_tracing(up.binding.to_targets(), exporter=None, run_id="bench-frames")
+        env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
+        _cpu_per_call(up, env, 20, num_layers, blocks)  # warm-up: attach
+        request = up.request("r-bench", blocks)
+        for i in range(tasks):
+            layer = 1 + i % (num_layers - 1)
+            gate = up.gate_class()
+            gate.record()
+            env.save_done[layer - 1].set()
+            task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+            phase[0] = 0
+            sys.setprofile(profiler)
+            env.thread.add_request(task)
+            sys.setprofile(None)
+            item = env.thread.request_queue.get()
+            phase[0] = 1
+            sys.setprofile(profiler)
+            env.thread._handle_request(item)
+            sys.setprofile(None)
+            env.load_done[layer].clear()
+            env.save_done[layer - 1].clear()
+        session.recorder.drain(1 << 20)
+        session.shutdown()
+    return counts[0] / tasks, counts[1] / tasks
+
+
 def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[tuple[float, float]]]:
     """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
     from otel_kvtrace.api import start_tracing
@@ -196,6 +235,8 @@ def main() -> None:
         print(f"  {mode:13} add_request +{enq / 1e3:.1f} us (forward), _handle_request +{handle / 1e3:.1f} us "
               f"on {base_handle / 1e3:.1f} us (recv)")
     added_enqueue, added_handle = added["traced+agent"]
+    enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks)
+    print(f"otel_kvtrace Python frames per task: add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
     latency_added = statistics.median(
         m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "

@@ -202,6 +202,8 @@ def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
 
 def _as_int(value: Any) -> int | None:
     """``value`` as an int when it is an integer (including numpy integers), else ``None``."""
+    if type(value) is int:
+        return value
     if value is None or isinstance(value, bool):
         return None
     try:
@@ -211,7 +213,9 @@ def _as_int(value: Any) -> int | None:
 
 
 def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]) -> int:
-    group_id = _as_int(getattr(task, "group_id", None))
+    group_id = getattr(task, "group_id", None)
+    if type(group_id) is not int:  # the common case needs no helper call (this runs on recv threads)
+        group_id = _as_int(group_id)
     if group_id is not None and group_id not in group_ids:
         group_ids.append(group_id)
     shared = getattr(task, "shared_block_data", None)
@@ -231,8 +235,10 @@ def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]
             req_id = getattr(getattr(block_range, "request", None), "req_id", None)
             if req_id is not None:
                 request_ids[str(req_id)] = None
-            start = _as_int(getattr(block_range, "start_block", None))
-            end = _as_int(getattr(block_range, "end_block", None))
+            start = getattr(block_range, "start_block", None)
+            end = getattr(block_range, "end_block", None)
+            if type(start) is not int or type(end) is not int:
+                start, end = _as_int(start), _as_int(end)
             if start is not None and end is not None and end > start:
                 range_blocks += end - start
     return shared_blocks if shared_blocks is not None else range_blocks

@@ -153,8 +153,9 @@ class Recorder:
                     "otel-kvtrace: exporter agent ring full (agent dead or behind): task records are dropped "
                     "and counted; recording threads are not blocked"
                 )
-        if not awaiting:
-            self._recycle_one(record)
+        if not awaiting and len(self._pool) < self.capacity:  # _recycle_one, inlined
+            record.reset()
+            self._pool.append(record)
 
     def _recycle_one(self, rec: TaskRecord) -> None:
         if len(self._pool) < self.capacity:

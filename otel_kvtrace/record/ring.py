@@ -224,11 +224,20 @@ class RingWriter:
         if len(reqs) > MAX_REQS:
             reqs = reqs[:MAX_REQS]
             flags |= F_REQS_TRUNCATED
-        req_index = self.req_index  # definitions are written before the task that uses them
-        req_ids = [req_index(r) for r in reqs]
-        k = self._claim()
-        if k < 0:
+        known = self._req_ids  # definitions are written before the task that uses them
+        req_ids = []
+        for r in reqs:
+            i = known.get(r)
+            req_ids.append(self.req_index(r) if i is None else i & 0xFFFFFFFF)
+        # _claim(), inlined (this runs once per task on a recording thread)
+        hdr = self.hdr
+        if self._head - hdr[H_READ] >= self._limit:
+            hdr[H_DROPPED] += 1
             return False
+        k = next(self._claims)
+        self._head = k + 1
+        if k >= hdr[H_HEAD]:
+            hdr[H_HEAD] = k + 1
         stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
         if len(stages) > MAX_STAGE_INTS:
             stages = fold_stages(stages)
@@ -240,10 +249,15 @@ class RingWriter:
             flags |= F_SRC
         if gate is not None:
             flags |= F_GATE
-        layout = _task_struct(len(stages), len(groups), len(req_ids))
+        layout = _TASK_LAYOUTS.get((len(stages), len(groups), len(req_ids)))
+        if layout is None:
+            layout = _task_struct(len(stages), len(groups), len(req_ids))
+        off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
+        body = off + SLOT_HEAD.size
+        mem = self._mem
         try:
             layout.pack_into(
-                self._mem, HEADER_BYTES + (k % self.nslots) * SLOT_SIZE + SLOT_HEAD.size, qidx, rec.kind,
+                mem, body, qidx, rec.kind,
                 rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
                 rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
                 rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
@@ -253,7 +267,9 @@ class RingWriter:
         except BaseException:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
-        self._commit(k, MSG_TASK, layout.size)
+        n = layout.size  # _commit(), inlined
+        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + n]), MSG_TASK, n)
+        _COMMIT.pack_into(mem, off, k + 1)
         return True
 
     def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:
