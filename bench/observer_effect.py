@@ -23,7 +23,6 @@ Last line: ``forward_slowdown_pct=<median>``: the agent mode at the smallest ``-
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import sys
@@ -33,18 +32,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upstream_overhead import _load_harness  # noqa: E402  (one loader of the upstream harness)
+
 MODES = ("off", "agent", "thread")
-
-
-def _load_harness() -> Any:
-    path = REPO / "tests" / "upstream" / "harness.py"
-    spec = importlib.util.spec_from_file_location("kvtrace_upstream_harness", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _burn(us: int) -> None:

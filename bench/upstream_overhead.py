@@ -46,16 +46,21 @@ def _load_harness() -> Any:
     return module
 
 
+def _ready_task(up: Any, env: Any, request: Any, i: int, num_layers: int) -> tuple[Any, int]:
+    """Task ``i`` with its dependencies already met: gate recorded, source layer's save done."""
+    layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
+    gate = up.gate_class()
+    gate.record()  # the forward already passed attention: the gate is open
+    env.save_done[layer - 1].set()
+    return up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate), layer
+
+
 def _run_tasks(h: Any, up: Any, env: Any, count: int, num_layers: int, blocks: int) -> list[int]:
     """``count`` tasks through the real thread, one at a time; per-task latency in ns."""
     latencies = []
     request = up.request("r-bench", blocks)
     for i in range(count):
-        layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
-        gate = up.gate_class()
-        gate.record()  # the forward already passed attention: the gate is open
-        env.save_done[layer - 1].set()  # the source layer's save is done
-        task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+        task, layer = _ready_task(up, env, request, i, num_layers)
         t0 = time.perf_counter_ns()
         env.thread.add_request(task)
         env.load_done[layer].wait()
@@ -108,11 +113,7 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     gc.disable()
     try:
         for i in range(count):
-            layer = 1 + i % (num_layers - 1)
-            gate = up.gate_class()
-            gate.record()
-            env.save_done[layer - 1].set()
-            task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+            task, layer = _ready_task(up, env, request, i, num_layers)
             t0 = time.thread_time_ns()
             thread.add_request(task)
             t1 = time.thread_time_ns()
@@ -129,8 +130,10 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     return enqueue_ns / count, handle_ns / count
 
 
-def frames_per_task(tasks: int, num_layers: int, blocks: int) -> tuple[float, float]:
-    """Python frames of otel_kvtrace entered per task (deterministic): (add_request side, _handle_request side)."""
+def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | None = None) -> tuple[float, float]:
+    """Python frames of otel_kvtrace entered per task (deterministic): (add_request side, _handle_request side).
+
+    ``exporter=None`` counts the recording alone; ``"agent"`` includes shipping each task into the ring."""
     from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
@@ -141,17 +144,13 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int) -> tuple[float, fl
         if event == "call" and "otel_kvtrace" in frame.f_code.co_filename:
             counts[phase[0]] += 1
 
-    with h.upstream_session(h.upstream_source_dir()) as up:
-        session = start_tracing(up.binding.to_targets(), exporter=None, run_id="bench-frames")
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-f-") as tmp:
+        session = start_tracing(up.binding.to_targets(), exporter=exporter, out_dir=tmp, run_id="bench-frames")
         env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
         _cpu_per_call(up, env, 20, num_layers, blocks)  # warm-up: attach
         request = up.request("r-bench", blocks)
         for i in range(tasks):
-            layer = 1 + i % (num_layers - 1)
-            gate = up.gate_class()
-            gate.record()
-            env.save_done[layer - 1].set()
-            task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+            task, layer = _ready_task(up, env, request, i, num_layers)
             phase[0] = 0
             sys.setprofile(profiler)
             env.thread.add_request(task)
@@ -163,7 +162,8 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int) -> tuple[float, fl
             sys.setprofile(None)
             env.load_done[layer].clear()
             env.save_done[layer - 1].clear()
-        session.recorder.drain(1 << 20)
+        if exporter is None:
+            session.recorder.drain(1 << 20)
         session.shutdown()
     return counts[0] / tasks, counts[1] / tasks
 
@@ -235,8 +235,10 @@ def main() -> None:
         print(f"  {mode:13} add_request +{enq / 1e3:.1f} us (forward), _handle_request +{handle / 1e3:.1f} us "
               f"on {base_handle / 1e3:.1f} us (recv)")
     added_enqueue, added_handle = added["traced+agent"]
-    enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks)
-    print(f"otel_kvtrace Python frames per task: add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
+    for exporter in (None, "agent"):
+        enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks, exporter)
+        print(f"otel_kvtrace Python frames per task ({'recording only' if exporter is None else 'with the ring write'}):"
+              f" add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
     latency_added = statistics.median(
         m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "

@@ -118,3 +118,32 @@ def test_forked_child_exports_through_its_own_agent(tmp_path: Path) -> None:
     child_file = f"kvtrace-agent-fork-{child_pid}.jsonl"
     assert sum(1 for r in roots if r["file"] == child_file) == child_submitted
     assert all(r["file"] == child_file for r in roots)  # the parent recorded nothing
+
+
+def test_a_dead_agent_never_blocks_the_serving_threads(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from otel_kvtrace.api import start_tracing
+    from otel_kvtrace.demo import scenario_configs
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record import ring as R
+    from otel_kvtrace.replica.threaded import replica_targets, run_threaded
+
+    ((_, cfg),) = scenario_configs("hol", steps=20)
+    reference = start_tracing(replica_targets(cfg.behaviour), exporter=None, run_id="dead-agent-ref")
+    run_threaded(cfg)
+    all_tasks = reference.shutdown().submitted  # tasks of the complete run (in-process, nothing dropped)
+    session = start_tracing(replica_targets(cfg.behaviour), exporter=None, run_id="dead-agent")
+    exporter = AgentExporter(session.recorder, build_resource({}), out_dir=tmp_path, nslots=R.CLAIM_MARGIN + 64)
+    os.kill(int(exporter.writer.hdr[R.H_AGENT_PID]), signal.SIGKILL)
+    try:
+        with caplog.at_level("WARNING", logger="otel_kvtrace"):
+            result = run_threaded(cfg)
+    finally:
+        stats = session.shutdown()
+        exporter.shutdown(1.0)
+    assert result.error is None and result.clean_shutdown and stats.disabled_reason is None
+    recorder = session.recorder
+    assert recorder.submitted <= 64 and recorder.dropped > 0  # the ring filled, the rest was counted
+    assert recorder.submitted + recorder.dropped == all_tasks  # every task written or counted
+    assert [r.message for r in caplog.records if "ring full" in r.message] and \
+        len([r for r in caplog.records if "ring full" in r.message]) == 1
