@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FAR_FUTURE = 1 << 62
-MAX_SCAN = 256
+MAX_SCAN = 64
 MAX_EVENTS_PER_LOG = 1 << 16
 """A step records 2 events per layer; a log this long means no step boundary is being seen (no
 instrumented ``start_load_kv``): start a new one so memory stays bounded (bounds only lose reach)."""
