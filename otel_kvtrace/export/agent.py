@@ -48,6 +48,7 @@ class Decoder:
         self.awaiting: OrderedDict[tuple[int, int], TaskRecord] = OrderedDict()
         self.resource_updates: dict[str, Any] = {}
         self.closed = False
+        self.undecodable = 0
 
     def feed(self, msg: R.Message, out: list[TaskRecord]) -> None:
         """Decode one message; append every record it finishes to ``out``."""
@@ -55,6 +56,7 @@ class Decoder:
         if kind == R.MSG_TASK:
             rec, awaiting = self._task(body)
             if rec is None:
+                self.undecodable += 1  # its queue definition was dropped (ring full): counted as lost
                 return
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
@@ -213,6 +215,10 @@ class Agent:
                     update(dict(decoder.resource_updates))
                 decoder.resource_updates.clear()
         self._export(out)
+        if decoder.undecodable:
+            self.lost += decoder.undecodable
+            decoder.undecodable = 0
+            self.reader.hdr[R.H_AGENT_LOST] = self.lost
         self.reader.consumed()
         return True
 

@@ -189,8 +189,8 @@ class RingWriter:
         payload = QUEUE_FIXED.pack(
             idx, info.pid, info.dp, info.pp, info.tp, info.pcp, info.dcp, info.num_layers, *map(len, names)
         ) + b"".join(names)
-        self._write(MSG_QUEUE, payload)
-        self._queues[id(info)] = (info, idx)
+        if self._write(MSG_QUEUE, payload):  # not remembered when the ring was full: sent again next time
+            self._queues[id(info)] = (info, idx)
         return idx
 
     def req_index(self, req_id: str) -> int:
@@ -200,8 +200,8 @@ class RingWriter:
                 self._req_ids.clear()  # bounded; ids seen again are re-sent under a new index
             idx = next(self._next_req)
             raw = _utf8(req_id, BODY_BYTES - REQ_FIXED.size)
-            self._write(MSG_REQ, REQ_FIXED.pack(idx & 0xFFFFFFFF, len(raw)) + raw)
-            self._req_ids[req_id] = idx
+            if self._write(MSG_REQ, REQ_FIXED.pack(idx & 0xFFFFFFFF, len(raw)) + raw):
+                self._req_ids[req_id] = idx
         return idx & 0xFFFFFFFF
 
     def resource(self, key: str, value: Any) -> None:

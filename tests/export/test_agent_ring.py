@@ -178,3 +178,17 @@ def test_a_write_that_fails_after_its_claim_still_frees_the_slot(make_record) ->
     writer.write_task(good, False, summarize_transfer_tasks(good.transfer_tasks))
     (decoded,) = _decode(reader)  # the reader went past the failed slot
     assert decoded.seq == 5
+
+
+def test_a_queue_definition_lost_to_a_full_ring_is_sent_again(make_record) -> None:
+    writer, reader = _ring(nslots=R.CLAIM_MARGIN + 4)
+    rec = make_record()
+    summary = summarize_transfer_tasks(rec.transfer_tasks)
+    for _ in range(4):
+        writer.write_task(rec, False, summary)  # fills the ring (queue def + 3 request ids)
+    other = make_record(queue=QueueInfo(run_id="r2", path="key", thread_name="t", pid=9), seq=8)
+    assert not writer.write_task(other, False, summary)  # ring full: its queue definition was dropped too
+    _decode(reader)
+    assert writer.write_task(other, False, summary)  # room again: definition and task both written
+    (decoded,) = _decode(reader)
+    assert decoded.queue.run_id == "r2" and decoded.seq == 8
