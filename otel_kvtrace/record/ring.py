@@ -147,6 +147,7 @@ class RingWriter:
         self._queues: dict[int, tuple[Any, int]] = {}
         self._req_ids: dict[str, int] = {}
         self._next_req = itertools.count()
+        self._next_queue = itertools.count()
         self.overflow_logged = False
 
     # -- slots ------------------------------------------------------------------------------------
@@ -184,7 +185,7 @@ class RingWriter:
         entry = self._queues.get(id(info))
         if entry is not None and entry[0] is info:
             return entry[1]
-        idx = len(self._queues)
+        idx = next(self._next_queue)  # atomic: two threads registering their queues at once get two indices
         names = [_utf8(str(s), 250) for s in (info.run_id, info.path, info.thread_name)]
         payload = QUEUE_FIXED.pack(
             idx, info.pid, info.dp, info.pp, info.tp, info.pcp, info.dcp, info.num_layers, *map(len, names)
