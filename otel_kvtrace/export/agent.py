@@ -246,8 +246,14 @@ def main() -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     stdin = sys.stdin.buffer
-    settings = pickle.load(stdin)
-    fd = settings["fd"]
+    try:
+        if sys.stdin.isatty():
+            raise ValueError("stdin is a terminal")
+        settings = pickle.load(stdin)  # from AgentExporter, our own parent: trusted
+        fd = int(settings["fd"])
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write(f"otel_kvtrace.export.agent is started by start_tracing, not by hand ({exc!r})\n")
+        return 2
     mem = mmap.mmap(fd, R.ring_bytes(settings["nslots"]))
     os.close(fd)
     reader = R.RingReader(mem)
