@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_kvtrace import config
+from otel_kvtrace.export.worker import _weak_callback  # one weak at-fork/atexit callback helper
 from otel_kvtrace.record import ring as R
 from otel_kvtrace.record.recorder import Recorder
 
@@ -66,9 +67,10 @@ class AgentExporter:
         self._shutdown_done = False
         self.writer = self._spawn(start_timeout_s, wait=True)
         recorder.attach_ring(self.writer)
+        self._final: tuple[int, int] | None = None  # (exported, lost) once shut down and unmapped
         atexit.register(self.shutdown)
-        if hasattr(os, "register_at_fork"):
-            os.register_at_fork(after_in_child=self._after_fork_in_child)
+        if hasattr(os, "register_at_fork"):  # weakly: a shut-down exporter (and its ring) can be freed
+            os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
 
     # ---- lifecycle ------------------------------------------------------------------------------
     def _spawn(self, timeout_s: float, *, wait: bool) -> R.RingWriter:
@@ -112,9 +114,11 @@ class AgentExporter:
         if self._shutdown_done:
             return
         self._settings["resource"] = {**self._settings["resource"], "process.pid": os.getpid()}
+        inherited = self.writer
         try:
             self.writer = self._spawn(0.0, wait=False)
             self.recorder.attach_ring(self.writer)
+            inherited.release()  # the parent's ring: unmapped in this process
         except Exception as exc:  # noqa: BLE001
             self.recorder.attach_ring(None)
             logger.warning("otel-kvtrace: exporter agent for forked child %d not started (%s): exporting in-process",
@@ -123,17 +127,23 @@ class AgentExporter:
 
     def update_resource(self, attributes: Mapping[str, Any]) -> None:
         """Merge ``attributes`` into the resource of everything the agent exports from now on."""
+        if self._final is not None:
+            return
         for key, value in attributes.items():
             self.writer.resource(str(key), value)
 
     @property
     def exported_tasks(self) -> int:
+        if self._final is not None:
+            return self._final[0]
         return int(self.writer.hdr[R.H_EXPORTED])
 
     @property
     def lost(self) -> int:
         """Tasks shipped to the ring but not exported: the agent's count (sink failures, torn writes),
         or, once the agent is gone, everything it did not export (``submitted = exported + lost``)."""
+        if self._final is not None:
+            return self._final[1]
         hdr = self.writer.hdr
         lost = int(hdr[R.H_AGENT_LOST])
         proc = self._proc
@@ -143,6 +153,8 @@ class AgentExporter:
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the agent has exported everything written so far. True if it did in time."""
+        if self._final is not None:  # shut down: everything that could be was exported
+            return True
         hdr = self.writer.hdr
         target = hdr[R.H_HEAD]
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
@@ -166,6 +178,7 @@ class AgentExporter:
         with contextlib.suppress(Exception):
             assert proc.stdin is not None
             proc.stdin.close()
+        finished = True
         try:
             proc.wait(self.timeout_s if timeout_s is None else timeout_s)
         except subprocess.TimeoutExpired:
@@ -173,13 +186,18 @@ class AgentExporter:
             proc.kill()
             with contextlib.suppress(Exception):
                 proc.wait(1.0)
-            return False
+            finished = False
         finally:
             with contextlib.suppress(Exception):
                 assert proc.stdout is not None
                 proc.stdout.close()
         hdr = self.writer.hdr
-        return hdr[R.H_READ] >= hdr[R.H_HEAD] and hdr[R.H_AGENT_LOST] == 0
+        finished = finished and hdr[R.H_READ] >= hdr[R.H_HEAD] and hdr[R.H_AGENT_LOST] == 0
+        self._final = (self.exported_tasks, self.lost)
+        if self.recorder.ring is self.writer:
+            self.recorder.attach_ring(None)  # later records (tracing stopped) stay in the bounded hand-off
+        self.writer.release()
+        return finished
 
 
 def _await_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:

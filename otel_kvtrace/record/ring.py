@@ -213,6 +213,12 @@ class RingWriter:
     def close(self) -> None:
         self._write(MSG_CLOSE, b"")
 
+    def release(self) -> None:
+        """Unmap the ring (after the agent is done with it, or in a forked child for the parent's ring)."""
+        self.hdr.release()
+        self._buf.release()
+        self._mem.close()
+
     # -- per task -----------------------------------------------------------------------------------
     def write_task(self, rec: Any, awaiting: bool, summary: Any) -> bool:
         """One task record (``summary``: group ids, request ids, block count of its transfer tasks)."""

@@ -147,3 +147,23 @@ def test_a_dead_agent_never_blocks_the_serving_threads(tmp_path: Path, caplog: p
     assert recorder.submitted + recorder.dropped == all_tasks  # every task written or counted
     assert [r.message for r in caplog.records if "ring full" in r.message] and \
         len([r for r in caplog.records if "ring full" in r.message]) == 1
+
+
+def test_a_shut_down_agent_exporter_and_its_ring_are_freed(tmp_path: Path) -> None:
+    import gc
+    import weakref
+
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record.recorder import Recorder
+
+    recorder = Recorder()
+    exporter = AgentExporter(recorder, build_resource({}), out_dir=tmp_path)
+    ring = weakref.ref(exporter.writer)
+    assert recorder.ring is exporter.writer
+    exporter.shutdown()
+    assert recorder.ring is None and exporter.lost == 0 and exporter.force_flush()
+    ref = weakref.ref(exporter)
+    del exporter
+    gc.collect()
+    assert ref() is None and ring() is None  # no at-fork or atexit hook keeps 8 MiB per session alive
