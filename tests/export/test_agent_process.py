@@ -167,3 +167,25 @@ def test_a_shut_down_agent_exporter_and_its_ring_are_freed(tmp_path: Path) -> No
     del exporter
     gc.collect()
     assert ref() is None and ring() is None  # no at-fork or atexit hook keeps 8 MiB per session alive
+
+
+def test_without_an_agent_tracing_falls_back_to_the_in_process_exporter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from otel_kvtrace.api import start_tracing
+    from otel_kvtrace.demo import scenario_configs
+    from otel_kvtrace.export import agent_link
+    from otel_kvtrace.export.worker import BackgroundExporter
+    from otel_kvtrace.replica.threaded import replica_targets, run_threaded
+
+    monkeypatch.setattr(agent_link, "AGENT_MODULE", "otel_kvtrace.no_such_agent")  # the agent dies at start
+    ((_, cfg),) = scenario_configs("hol", steps=3)
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        session = start_tracing(replica_targets(cfg.behaviour), out_dir=tmp_path, run_id="fallback")
+    try:
+        assert run_threaded(cfg).error is None
+    finally:
+        stats = session.shutdown()
+    assert isinstance(session.exporter, BackgroundExporter) and session.recorder.ring is None
+    assert len([r for r in caplog.records if "exporter agent unavailable" in r.message]) == 1
+    assert stats.dropped == 0 and len(_roots(tmp_path)) == stats.submitted > 0
