@@ -84,6 +84,7 @@ class AgentExporter:
                 stdout=subprocess.PIPE,
                 pass_fds=(fd,),
                 close_fds=True,
+                env=_agent_env(),
             )
             assert proc.stdin is not None and proc.stdout is not None
             proc.stdin.write(pickle.dumps({**self._settings, "fd": fd, "producer_pid": os.getpid()}))
@@ -198,6 +199,17 @@ class AgentExporter:
             self.recorder.attach_ring(None)  # later records (tracing stopped) stay in the bounded hand-off
         self.writer.release()
         return finished
+
+
+def _agent_env() -> dict[str, str]:
+    """This environment, with the directory this package was imported from first on ``PYTHONPATH``
+    (the serving process may have found it through a ``sys.path`` the agent would not inherit)."""
+    import otel_kvtrace
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(otel_kvtrace.__file__)))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def _await_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
