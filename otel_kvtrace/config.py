@@ -57,6 +57,12 @@ shared-memory ring; nothing but a fixed-size binary write per task happens in th
 ``thread`` (the in-process background exporter thread). Default: ``agent``, falling back to ``thread``
 with one log line when the agent cannot start."""
 
+OTEL_KVTRACE_AGENT_NICE = "OTEL_KVTRACE_AGENT_NICE"
+"""Niceness increment of the exporter agent process (``os.nice``): its span building yields the CPU to
+the serving process's threads. ``0`` gives it equal priority (delivery first when CPUs are scarce).
+Default: 10."""
+
+DEFAULT_AGENT_NICE = 10
 EXPORTER_AGENT = "agent"
 EXPORTER_THREAD = "thread"
 

@@ -254,6 +254,8 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"otel_kvtrace.export.agent is started by start_tracing, not by hand ({exc!r})\n")
         return 2
+    with contextlib.suppress(OSError):
+        os.nice(int(settings.get("nice", 0)))  # background work: the serving process's threads come first
     mem = mmap.mmap(fd, R.ring_bytes(settings["nslots"]))
     os.close(fd)
     reader = R.RingReader(mem)

@@ -61,6 +61,7 @@ class AgentExporter:
             "interval_s": config.env_int(config.OTEL_KVTRACE_EXPORT_INTERVAL_MS, config.DEFAULT_EXPORT_INTERVAL_MS)
             / 1000,
             "batch_size": config.env_int(config.OTEL_KVTRACE_EXPORT_BATCH_SIZE, config.DEFAULT_EXPORT_BATCH_SIZE),
+            "nice": config.env_int(config.OTEL_KVTRACE_AGENT_NICE, config.DEFAULT_AGENT_NICE, minimum=0),
         }
         self.timeout_s = config.env_int(config.OTEL_KVTRACE_EXPORT_TIMEOUT_MS, config.DEFAULT_EXPORT_TIMEOUT_MS) / 1000
         self._proc: subprocess.Popen[bytes] | None = None
