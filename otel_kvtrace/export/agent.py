@@ -269,8 +269,9 @@ def main() -> int:
     agent = Agent(reader, sink, SpanBuilder(anchor), settings["producer_pid"], settings["interval_s"],
                   settings["batch_size"])
     out = sys.stdout.buffer
-    out.write(READY)
-    out.flush()
+    with contextlib.suppress(OSError):  # a producer that already died cannot read it: drain anyway
+        out.write(READY)
+        out.flush()
     try:
         agent.run(stdin)
     finally:
@@ -279,6 +280,8 @@ def main() -> int:
     with contextlib.suppress(Exception):
         out.write(f"exported={reader.hdr[R.H_EXPORTED]} lost={agent.lost}\n".encode())
         out.flush()
+    with contextlib.suppress(OSError):  # the producer may be gone: no broken-pipe noise at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
     return 0
 
 

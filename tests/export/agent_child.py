@@ -8,7 +8,8 @@ Prints ``ready <agent_pid>`` once tracing is on, then per finished step ``step <
 - ``run``     steps until killed (the parent sends SIGKILL or SIGTERM mid-run).
 - ``nowait``  one step whose loads are submitted without ``wait_for_layer_load`` (records stay held for
               a consumer wait that never comes), then ``os._exit(0)`` (argv[3] == "exit") or a normal exit.
-- ``fork``    starts tracing, forks; the child runs 3 steps and exits normally; the parent waits.
+- ``fork``    starts tracing, forks; the child runs 3 steps and exits normally (or ``os._exit``, argv[3]
+              == "exit"); the parent waits.
 """
 
 from __future__ import annotations
@@ -45,7 +46,10 @@ def main() -> None:
         pid = os.fork()
         if pid == 0:
             run_threaded(cfg)
-            _say(f"child {os.getpid()} {session.recorder.submitted}")
+            _say(f"child {os.getpid()} {session.recorder.submitted} "
+                 f"{session.exporter._proc.pid}")  # its agent (may not have mapped the ring yet)
+            if len(sys.argv) > 3 and sys.argv[3] == "exit":
+                os._exit(0)  # no atexit: the child's agent notices its producer is gone and drains
             sys.exit(0)  # normal exit: atexit flushes the child's own agent
         _, status = os.waitpid(pid, 0)
         _say(f"parent {os.getpid()} {session.recorder.submitted} {status}")

@@ -107,13 +107,16 @@ def test_driver_without_wait_for_layer_load_still_exports(tmp_path: Path, how: s
     assert [_attr(r, "kvtrace.consumer_wait_missing") for r in recv] == [reason] * len(recv)
 
 
-def test_forked_child_exports_through_its_own_agent(tmp_path: Path) -> None:
-    proc = _start(tmp_path, "fork")
+@pytest.mark.parametrize("how", ["normal", "exit"])
+def test_forked_child_exports_through_its_own_agent(tmp_path: Path, how: str) -> None:
+    proc = _start(tmp_path, "fork", how)
     out, _ = proc.communicate(timeout=120)
     lines = dict((line.split()[0], line.split()[1:]) for line in out.splitlines())
     child_pid, child_submitted = int(lines["child"][0]), int(lines["child"][1])
+    child_agent = int(lines["child"][2])
     assert child_submitted > 0 and lines["parent"][2] == "0"
-    time.sleep(0.5)
+    assert child_agent != int(lines["ready"][0])  # its own agent, not the parent's
+    _wait_gone(child_agent)
     roots = _roots(tmp_path)
     child_file = f"kvtrace-agent-fork-{child_pid}.jsonl"
     assert sum(1 for r in roots if r["file"] == child_file) == child_submitted
