@@ -137,6 +137,10 @@ class QueueInfo:
         return f"dp{self.dp}.pp{self.pp}.tp{self.tp}.pcp{self.pcp}.dcp{self.dcp}"
 
 
+_RECV = int(TaskKind.RECV)
+_OK = int(Outcome.OK)
+
+
 @dataclass(slots=True)
 class TaskRecord:
     """One recv (or send) task: identity, stamps, dependency times, outcome.
@@ -150,7 +154,7 @@ class TaskRecord:
     """
 
     queue: QueueInfo | None = None
-    kind: int = TaskKind.RECV
+    kind: int = _RECV  # plain ints, not the IntEnum members: cheaper to reset and to pack
     seq: int = 0
     step: int = 0
     layer_id: int = 0
@@ -166,7 +170,7 @@ class TaskRecord:
     stages: list[int] = field(default_factory=list)
     deps: list[int] = field(default_factory=lambda: [NO_TIME] * (2 * NUM_DEPS))
     has_dep: int = 0  # bitmask of Dep the task depends on
-    outcome: int = Outcome.OK
+    outcome: int = _OK
     error: BaseException | None = None
     nbytes: int = 0
     backend_result: int = 0
@@ -182,7 +186,7 @@ class TaskRecord:
     def reset(self) -> None:
         """Return to a blank state so the record can be reused from the pool."""
         self.queue = None
-        self.kind = TaskKind.RECV
+        self.kind = _RECV
         self.seq = self.step = self.layer_id = 0
         self.final_layer = False
         self.wait_for_save_layer = self.gate_id = None
@@ -191,7 +195,7 @@ class TaskRecord:
         self.stages.clear()
         self.deps[:] = _BLANK_DEPS
         self.has_dep = 0
-        self.outcome = Outcome.OK
+        self.outcome = _OK
         self.error = None
         self.nbytes = self.backend_result = 0
         self.transfer_tasks = None

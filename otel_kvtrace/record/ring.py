@@ -118,7 +118,9 @@ def create_memfd(nslots: int) -> tuple[int, mmap.mmap]:
     """A fresh ring in an anonymous memfd: ``(fd, mapping)``; the fd is what the agent maps."""
     fd = os.memfd_create("kvtrace-ring", 0)  # type: ignore[attr-defined]  # Linux only; callers check
     os.ftruncate(fd, ring_bytes(nslots))
-    mem = mmap.mmap(fd, ring_bytes(nslots))
+    # Pre-faulted: otherwise the first write into each 4 KiB page takes a page fault on a recording thread.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mem = mmap.mmap(fd, ring_bytes(nslots), flags=flags)
     hdr = memoryview(mem)[:HEADER_BYTES].cast("q")
     hdr[H_MAGIC], hdr[H_VERSION], hdr[H_NSLOTS], hdr[H_SLOT_SIZE] = MAGIC, VERSION, nslots, SLOT_SIZE
     hdr[H_PRODUCER_PID] = os.getpid()
