@@ -10,7 +10,9 @@ main's NPU sync, gate wait, address build, stagger, batch_copy, completion). The
 Modes, interleaved in rounds so that drift hits all of them alike:
   untraced        the upstream classes as they are
   traced          start_tracing(..., exporter=None): wrappers + recorder, records drained between rounds
-  traced+export   start_tracing(..., out_dir=tmp): the background exporter writes OTLP/JSON lines
+  traced+agent    start_tracing(..., exporter="agent"): records go through the shared-memory ring to the
+                  exporter agent process, which writes OTLP/JSON lines (the default)
+  traced+thread   start_tracing(..., exporter="thread"): the in-process background exporter thread
 
 Usage::
 
@@ -30,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("untraced", "traced", "traced+export")
+MODES = ("untraced", "traced", "traced+agent", "traced+thread")
+CPU_MODES = ("untraced", "traced", "traced+agent")
 
 
 def _load_harness() -> Any:
@@ -43,16 +46,21 @@ def _load_harness() -> Any:
     return module
 
 
+def _ready_task(up: Any, env: Any, request: Any, i: int, num_layers: int) -> tuple[Any, int]:
+    """Task ``i`` with its dependencies already met: gate recorded, source layer's save done."""
+    layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
+    gate = up.gate_class()
+    gate.record()  # the forward already passed attention: the gate is open
+    env.save_done[layer - 1].set()
+    return up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate), layer
+
+
 def _run_tasks(h: Any, up: Any, env: Any, count: int, num_layers: int, blocks: int) -> list[int]:
     """``count`` tasks through the real thread, one at a time; per-task latency in ns."""
     latencies = []
     request = up.request("r-bench", blocks)
     for i in range(count):
-        layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
-        gate = up.gate_class()
-        gate.record()  # the forward already passed attention: the gate is open
-        env.save_done[layer - 1].set()  # the source layer's save is done
-        task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+        task, layer = _ready_task(up, env, request, i, num_layers)
         t0 = time.perf_counter_ns()
         env.thread.add_request(task)
         env.load_done[layer].wait()
@@ -62,8 +70,13 @@ def _run_tasks(h: Any, up: Any, env: Any, count: int, num_layers: int, blocks: i
     return latencies
 
 
+PROCESS_CPU: dict[str, list[float]] = {}
+"""Per mode, per round: CPU ns of the whole serving process (all its threads, not the agent process)
+per task, from the first enqueue until the round's tasks were exported (``session.flush()``)."""
+
+
 def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[list[int]]]:
-    """Per mode, one list of per-task latencies (ns) per round."""
+    """Per mode, one list of per-task latencies (ns) per round (process CPU per task into ``PROCESS_CPU``)."""
     from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
@@ -78,13 +91,17 @@ def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> 
                 session = None
                 if mode == "traced":
                     session = start_tracing(targets, exporter=None, run_id="bench")
-                elif mode == "traced+export":
-                    session = start_tracing(targets, out_dir=out, run_id="bench")
+                elif mode in ("traced+agent", "traced+thread"):
+                    session = start_tracing(targets, out_dir=out, run_id="bench", exporter=mode.split("+")[1])
                 env = up.gva_thread(num_layers, h.FakeBackend())
                 _run_tasks(h, up, env, 50, num_layers, blocks)  # warm-up: attach, pools, caches
                 if session is not None:
                     session.recorder.drain(1 << 20) if mode == "traced" else session.flush()
+                cpu0 = time.process_time_ns()
                 results[mode].append(_run_tasks(h, up, env, tasks_per_round, num_layers, blocks))
+                if session is not None and session.exporter is not None:
+                    session.flush(60.0)  # in-process exporter: its span building counts; agent: it waits
+                PROCESS_CPU.setdefault(mode, []).append((time.process_time_ns() - cpu0) / tasks_per_round)
                 if session is not None:
                     stats = session.shutdown()
                     if stats.disabled_reason:
@@ -105,11 +122,7 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     gc.disable()
     try:
         for i in range(count):
-            layer = 1 + i % (num_layers - 1)
-            gate = up.gate_class()
-            gate.record()
-            env.save_done[layer - 1].set()
-            task = up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate)
+            task, layer = _ready_task(up, env, request, i, num_layers)
             t0 = time.thread_time_ns()
             thread.add_request(task)
             t1 = time.thread_time_ns()
@@ -126,22 +139,65 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     return enqueue_ns / count, handle_ns / count
 
 
+def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | None = None) -> tuple[float, float]:
+    """Python frames of otel_kvtrace entered per task (deterministic): (add_request side, _handle_request side).
+
+    ``exporter=None`` counts the recording alone; ``"agent"`` includes shipping each task into the ring."""
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    counts = [0, 0]
+    phase = [0]
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and "otel_kvtrace" in frame.f_code.co_filename:
+            counts[phase[0]] += 1
+
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-f-") as tmp:
+        session = start_tracing(up.binding.to_targets(), exporter=exporter, out_dir=tmp, run_id="bench-frames")
+        env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
+        _cpu_per_call(up, env, 20, num_layers, blocks)  # warm-up: attach
+        request = up.request("r-bench", blocks)
+        for i in range(tasks):
+            task, layer = _ready_task(up, env, request, i, num_layers)
+            phase[0] = 0
+            sys.setprofile(profiler)
+            env.thread.add_request(task)
+            sys.setprofile(None)
+            item = env.thread.request_queue.get()
+            phase[0] = 1
+            sys.setprofile(profiler)
+            env.thread._handle_request(item)
+            sys.setprofile(None)
+            env.load_done[layer].clear()
+            env.save_done[layer - 1].clear()
+        if exporter is None:
+            session.recorder.drain(1 << 20)
+        session.shutdown()
+    return counts[0] / tasks, counts[1] / tasks
+
+
 def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[tuple[float, float]]]:
     """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
     from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
-    out: dict[str, list[tuple[float, float]]] = {"untraced": [], "traced": []}
-    with h.upstream_session(h.upstream_source_dir()) as up:
+    out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in CPU_MODES}
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-cpu-") as tmp:
         targets = up.binding.to_targets()
         for _ in range(rounds):
             for mode in out:
-                session = start_tracing(targets, exporter=None, run_id="bench-cpu") if mode == "traced" else None
+                session = None
+                if mode == "traced":
+                    session = start_tracing(targets, exporter=None, run_id="bench-cpu")
+                elif mode == "traced+agent":
+                    session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
                 _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
                 out[mode].append(_cpu_per_call(up, env, tasks, num_layers, blocks))
                 if session is not None:
-                    session.recorder.drain(1 << 20)
+                    if session.exporter is None:
+                        session.recorder.drain(1 << 20)
                     session.shutdown()
     return out
 
@@ -177,14 +233,28 @@ def main() -> None:
               f"{statistics.median(added) / 1e3:9.1f} {statistics.median(ratios):6.2f} "
               f"{min(ratios):6.2f}-{max(ratios):<6.2f}")
     print("(added us and ratio: median over rounds of the per-round difference / ratio to untraced)")
+    base_cpu = PROCESS_CPU["untraced"]
+    print("serving-process CPU per task, all its threads, until exported (the GIL budget tracing takes):")
+    for mode in MODES[1:]:
+        added_cpu = statistics.median(m - b for m, b in zip(PROCESS_CPU[mode], base_cpu, strict=True))
+        print(f"  {mode:15} +{added_cpu / 1e3:.1f} us on {statistics.median(base_cpu) / 1e3:.1f} us")
     cpu = measure_cpu(max(args.tasks, 1000), max(3, args.rounds // 3), args.layers, args.blocks)
-    added_enqueue = statistics.median(t[0] - u[0] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
-    added_handle = statistics.median(t[1] - u[1] for t, u in zip(cpu["traced"], cpu["untraced"], strict=True))
     base_handle = statistics.median(u[1] for u in cpu["untraced"])
-    print(f"\nCPU per task on the calling thread (synchronous, GC off): add_request +{added_enqueue / 1e3:.1f} us "
-          f"(forward), _handle_request +{added_handle / 1e3:.1f} us on {base_handle / 1e3:.1f} us (recv)")
+    print("\nCPU per task on the calling thread (synchronous, GC off), median over rounds of the added CPU:")
+    added: dict[str, tuple[float, float]] = {}
+    for mode in CPU_MODES[1:]:
+        enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        handle = statistics.median(t[1] - u[1] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        added[mode] = (enq, handle)
+        print(f"  {mode:13} add_request +{enq / 1e3:.1f} us (forward), _handle_request +{handle / 1e3:.1f} us "
+              f"on {base_handle / 1e3:.1f} us (recv)")
+    added_enqueue, added_handle = added["traced+agent"]
+    for exporter in (None, "agent"):
+        enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks, exporter)
+        print(f"otel_kvtrace Python frames per task ({'recording only' if exporter is None else 'with the ring write'}):"
+              f" add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
     latency_added = statistics.median(
-        m - b for m, b in zip(round_medians["traced+export"], round_medians["untraced"], strict=True))
+        m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "
           f"added_recv_cpu_us={added_handle / 1e3:.1f}")
 

@@ -9,6 +9,7 @@ patched, no thread started, nothing allocated.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import time
@@ -22,6 +23,7 @@ from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
 from otel_kvtrace.instrument.wrappers import release
 from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, Recorder
+from otel_kvtrace.record.ring import REASON_SHUTDOWN
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -56,6 +58,8 @@ class TracingSession:
         self._installed = installed
         self._closed = False
         self._untraced = 0  # counted over detached queues too
+        # At interpreter exit: release records held for a consumer wait (flagged), then drain.
+        atexit.register(self.shutdown)
 
     @property
     def run_id(self) -> str:
@@ -74,7 +78,7 @@ class TracingSession:
                 held = list(state.step_records.values())
                 state.step_records.clear()
                 for rec in held:
-                    release(self.runtime, rec)
+                    release(self.runtime, rec, REASON_SHUTDOWN)
         for state in self.runtime.queues:
             self._untraced += state.untraced
             attach.detach(state)
@@ -94,6 +98,7 @@ class TracingSession:
         """Uninstrument, drain and stop the exporter. Idempotent."""
         if not self._closed:
             self._closed = True
+            atexit.unregister(self.shutdown)
             self.uninstrument()
             if self.exporter is not None:
                 self.exporter.shutdown(timeout_s)
@@ -102,8 +107,14 @@ class TracingSession:
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
         export_stats = getattr(self.exporter, "stats", None)
-        if export_stats is None:  # no exporter (tests drain the recorder themselves)
-            return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
+        if export_stats is None:
+            # The agent (or no exporter: tests drain the recorder themselves). Records the agent's sink
+            # accepted (file written, or in its OTLP spool) count as delivered; its own shutdown line
+            # splits delivered and spooled. Lost = dropped at the ring + lost in the agent.
+            lost = int(getattr(self.exporter, "lost", 0))
+            exported = int(getattr(self.exporter, "exported_tasks", 0))
+            return SessionStats(self.recorder.submitted, self.recorder.dropped + lost, self.recorder.disabled_reason,
+                                untraced, exported)
         e = export_stats()
         return SessionStats(self.recorder.submitted, e.dropped, self.recorder.disabled_reason, untraced,
                             e.delivered, e.spooled)
@@ -147,29 +158,34 @@ def start_tracing(
         npu_event_class=targets.npu_event_class,
     )
     recorder.npu_resolver = runtime.resolve
-    installed = patches.install(targets, runtime)
-    if not installed:
-        raise RuntimeError(
-            "these classes are already instrumented by another tracing session; "
-            "shut it down (session.shutdown()) before starting a new one"
-        )
     resource_attrs = dict(resource or {})
     resource_attrs.setdefault("kvtrace.run_id", runtime.run_id)
     resource_attrs.setdefault("kvtrace.source", targets.source)
     if targets.version:
         resource_attrs.setdefault("vllm_ascend.version", targets.version)
-    export_worker = None
-    try:
-        if exporter == "auto":
+    # The exporter first: with the agent, records must find the ring attached from the first task on.
+    export_worker = exporter
+    if exporter in ("auto", config.EXPORTER_AGENT, config.EXPORTER_THREAD):
+        mode = config.exporter_mode() if exporter == "auto" else exporter
+        if mode == config.EXPORTER_AGENT:
+            from otel_kvtrace.export.agent_link import create_agent_exporter
+
+            export_worker = create_agent_exporter(
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+            )
+        else:
             from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK
 
             export_worker = create_exporter(
                 recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol,
                 meter_provider=meter_provider,
             )
-        else:
-            export_worker = exporter
-    except BaseException:
-        patches.uninstall(installed)
-        raise
+    installed = patches.install(targets, runtime)
+    if not installed:
+        if export_worker is not None:
+            export_worker.shutdown(1.0)
+        raise RuntimeError(
+            "these classes are already instrumented by another tracing session; "
+            "shut it down (session.shutdown()) before starting a new one"
+        )
     return TracingSession(targets, recorder, runtime, installed, export_worker)

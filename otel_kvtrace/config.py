@@ -70,6 +70,21 @@ OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES = "OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES"
 """Largest OTLP request sent, in bytes (serialized, before compression); bigger batches are split by
 trace. A receiver that still answers "too large" halves it. Default: 4194304 (gRPC's receive limit)."""
 
+OTEL_KVTRACE_EXPORTER = "OTEL_KVTRACE_EXPORTER"
+"""Where spans are built: ``agent`` (a separate exporter process per serving process drains a
+shared-memory ring; nothing but a fixed-size binary write per task happens in the serving process) or
+``thread`` (the in-process background exporter thread). Default: ``agent``, falling back to ``thread``
+with one log line when the agent cannot start."""
+
+OTEL_KVTRACE_AGENT_NICE = "OTEL_KVTRACE_AGENT_NICE"
+"""Niceness increment of the exporter agent process (``os.nice``): its span building yields the CPU to
+the serving process's threads. ``0`` gives it equal priority (delivery first when CPUs are scarce).
+Default: 10."""
+
+DEFAULT_AGENT_NICE = 10
+EXPORTER_AGENT = "agent"
+EXPORTER_THREAD = "thread"
+
 DEFAULT_DATA_DIR = "./kvtrace-data"
 DEFAULT_EXPORT_INTERVAL_MS = 200
 DEFAULT_EXPORT_BATCH_SIZE = 256
@@ -183,3 +198,13 @@ def spool_dir(environ: Mapping[str, str] | None = None) -> str:
     """``OTEL_KVTRACE_SPOOL_DIR`` or ``{data_dir}/spool``: the root of every process's delivery spool."""
     env = os.environ if environ is None else environ
     return env.get(OTEL_KVTRACE_SPOOL_DIR, "").strip() or os.path.join(data_dir(env), DEFAULT_SPOOL_SUBDIR)
+
+
+def exporter_mode() -> str:
+    """``OTEL_KVTRACE_EXPORTER``: ``agent`` (default) or ``thread``; anything else warns and uses ``agent``."""
+    value = os.environ.get(OTEL_KVTRACE_EXPORTER, "").strip().lower() or EXPORTER_AGENT
+    if value not in (EXPORTER_AGENT, EXPORTER_THREAD):
+        logger.warning("otel-kvtrace: %s=%r is not supported (use agent or thread); using agent",
+                       OTEL_KVTRACE_EXPORTER, value)
+        return EXPORTER_AGENT
+    return value

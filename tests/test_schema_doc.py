@@ -27,6 +27,7 @@ def _full_record(kind: int, bounded: bool) -> TaskRecord:
             rec.dep_exact(int(dep), 150)
     rec.outcome = Outcome.ERROR
     rec.error = RuntimeError("copy failed")
+    rec.consumer_release = 1  # released at a step boundary without its consumer wait
     return rec
 
 

@@ -79,6 +79,7 @@ class JsonLinesFileSink:
         self._resource = resource_text(resource)
         self._file: IO[bytes] | None = None
         self._pid = -1
+        self.name_pid: int | None = None  # the exporter agent names the file after its serving process
         self.path = trace_file_path(self.directory, run_id, os.getpid())
 
     def update_resource(self, attributes: Mapping[str, Any]) -> None:
@@ -100,7 +101,7 @@ class JsonLinesFileSink:
         if self._file is not None and pid == self._pid:
             return
         self._file = None  # after a fork the parent's handle is not ours to close
-        self.path = trace_file_path(self.directory, self.run_id, pid)
+        self.path = trace_file_path(self.directory, self.run_id, self.name_pid or pid)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
         self._pid = pid

@@ -34,7 +34,9 @@ from otel_kvtrace.record.model import (
     SEND_ROOT_SPAN,
     STAGE_SPAN_NAMES,
     Outcome,
+    CONSUMER_RELEASE_NAMES,
     QueueInfo,
+    ShippedError,
     Stage,
     TaskKind,
     TaskRecord,
@@ -113,6 +115,7 @@ _PRECISION_EXACT = _str_attr_text("kvtrace.ready_precision", "exact")
 _PRECISION_BOUNDED = _str_attr_text("kvtrace.ready_precision", "bounded")
 _FINAL_TEXT = (_bool_attr_text("kvtrace.final_layer", False), _bool_attr_text("kvtrace.final_layer", True))
 _THREAD_FORWARD = _str_attr_text("kvtrace.thread", "forward")
+_CONSUMER_MISSING_TEXT = tuple(_str_attr_text("kvtrace.consumer_wait_missing", n) for n in CONSUMER_RELEASE_NAMES)
 # Child span: f'{head}{span_id}{_CHILD_NAME}{name}{_TIMES}{start}{_END_TIME}{end}{_ATTRS}{attrs}{_CLOSE}';
 _CHILD_NAME = '","name":"'
 _TIMES = '","kind":1,"startTimeUnixNano":"'
@@ -199,6 +202,8 @@ def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
 
 def _as_int(value: Any) -> int | None:
     """``value`` as an int when it is an integer (including numpy integers), else ``None``."""
+    if type(value) is int:
+        return value
     if value is None or isinstance(value, bool):
         return None
     try:
@@ -208,7 +213,9 @@ def _as_int(value: Any) -> int | None:
 
 
 def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]) -> int:
-    group_id = _as_int(getattr(task, "group_id", None))
+    group_id = getattr(task, "group_id", None)
+    if type(group_id) is not int:  # the common case needs no helper call (this runs on recv threads)
+        group_id = _as_int(group_id)
     if group_id is not None and group_id not in group_ids:
         group_ids.append(group_id)
     shared = getattr(task, "shared_block_data", None)
@@ -228,8 +235,10 @@ def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]
             req_id = getattr(getattr(block_range, "request", None), "req_id", None)
             if req_id is not None:
                 request_ids[str(req_id)] = None
-            start = _as_int(getattr(block_range, "start_block", None))
-            end = _as_int(getattr(block_range, "end_block", None))
+            start = getattr(block_range, "start_block", None)
+            end = getattr(block_range, "end_block", None)
+            if type(start) is not int or type(end) is not int:
+                start, end = _as_int(start), _as_int(end)
             if start is not None and end is not None and end > start:
                 range_blocks += end - start
     return shared_blocks if shared_blocks is not None else range_blocks
@@ -387,7 +396,8 @@ class SpanBuilder:
         if root_end < root_start:
             root_end = root_start
 
-        summary = summarize_transfer_tasks(record.transfer_tasks)
+        tt = record.transfer_tasks
+        summary = tt if isinstance(tt, TransferSummary) else summarize_transfer_tasks(tt)
         groups = ",".join([f'{{"intValue":"{g}"}}' for g in summary.group_ids])
         reqs = ",".join([f'{{"stringValue":{_quote(r)}}}' for r in summary.request_ids])
         attrs = (
@@ -411,6 +421,8 @@ class SpanBuilder:
         attrs = f"{attrs},{_ready_and_deps_text(record, offset)}"
         if t_done != NO_TIME:
             attrs = f"{attrs},{_K_TS_COMPLETE}{t_done + offset}{_INT_END}"
+        if record.consumer_release:
+            attrs = f"{attrs},{_CONSUMER_MISSING_TEXT[record.consumer_release]}"
 
         name = SEND_ROOT_SPAN if record.kind == _KIND_SEND else RECV_ROOT_SPAN
         tail = _CLOSE
@@ -434,9 +446,12 @@ def _error_tail(error: BaseException | None, event_time: int) -> str:
     ``exception`` event (OTel semantic conventions)."""
     if error is None:
         return '],"status":{"code":2,"message":"task raised"}}'
-    type_name = type(error).__qualname__
-    message = str(error)
-    stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    if isinstance(error, ShippedError):  # formatted in the serving process, decoded by the agent
+        type_name, message, stack = error.type_name, error.message, error.stack
+    else:
+        type_name = type(error).__qualname__
+        message = str(error)
+        stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     status_message = f"{type_name}: {message}" if message else type_name
     return (
         f'],"status":{{"code":{STATUS_CODE_ERROR},"message":{_quote(status_message)}}},'

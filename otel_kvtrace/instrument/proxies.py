@@ -52,15 +52,15 @@ class _Proxy:
 
 
 class _EventProxy(_Proxy):
-    """A ``threading.Event`` stand-in: ``clear``/``is_set`` pass straight through."""
+    """A ``threading.Event`` stand-in: ``clear``/``is_set`` are the inner event's own bound methods
+    (slots, so calling them runs no Python frame of ours)."""
 
-    __slots__ = ()
+    __slots__ = ("clear", "is_set")
 
-    def clear(self) -> None:
-        self._inner.clear()
-
-    def is_set(self) -> bool:
-        return self._inner.is_set()
+    def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
+        super().__init__(inner, rt, st)
+        object.__setattr__(self, "clear", inner.clear)
+        object.__setattr__(self, "is_set", inner.is_set)
 
 
 class TracedSaveEvent(_EventProxy):

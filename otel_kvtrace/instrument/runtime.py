@@ -9,7 +9,7 @@ from typing import Any
 
 from otel_kvtrace import config
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+from otel_kvtrace.instrument.stream_order import FAR_FUTURE, MAX_SCAN, StreamLog, StreamPosition
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import Recorder
 
@@ -48,12 +48,16 @@ class Runtime:
         which are clamped into the bounds.
         """
         timing_marks = []
+        deps = record.deps
         for dep, mark in record.npu_marks:
-            if isinstance(mark, StreamPosition):
-                lo, hi = record.dep_lo(dep), record.dep_hi(dep)
-                bound = mark.upper_bound()
-                if bound < hi:
-                    record.dep_bounds(dep, lo, max(bound, lo))
+            if type(mark) is StreamPosition:  # inlined StreamLog.upper_bound: this may run on a recv thread
+                p = mark.position
+                later = mark.log.done_by[p : p + MAX_SCAN]
+                bound = min(later) if later else FAR_FUTURE
+                lo = deps[2 * dep]
+                if bound < deps[2 * dep + 1]:
+                    record.has_dep |= 1 << dep
+                    deps[2 * dep + 1] = bound if bound > lo else lo
             else:
                 timing_marks.append((dep, mark))
         record.npu_marks[:] = timing_marks

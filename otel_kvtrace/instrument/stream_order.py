@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 FAR_FUTURE = 1 << 62
+MAX_SCAN = 64
 MAX_EVENTS_PER_LOG = 1 << 16
 """A step records 2 events per layer; a log this long means no step boundary is being seen (no
 instrumented ``start_load_kv``): start a new one so memory stays bounded (bounds only lose reach)."""
@@ -43,8 +44,12 @@ class StreamLog:
             self.done_by[position] = done_at
 
     def upper_bound(self, position: int) -> int:
-        """Earliest observed completion of this event or of any event recorded after it."""
-        later = self.done_by[position:]
+        """Earliest observed completion of this event or of any of the next ``MAX_SCAN`` recorded after it.
+
+        The scan is capped so its cost stays flat when no step boundary is seen (a smaller window only
+        gives a looser, still valid bound); a real step records 2 events per layer, well inside it.
+        """
+        later = self.done_by[position : position + MAX_SCAN]
         return min(later) if later else FAR_FUTURE
 
 

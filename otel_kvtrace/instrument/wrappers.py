@@ -19,6 +19,7 @@ from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.instrument.stream_order import StreamLog, next_position
+from otel_kvtrace.record.ring import REASON_STEP_BOUNDARY, REASON_WAITED
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
 
 GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
@@ -40,17 +41,37 @@ def _mark(wrapper: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def release(rt: Runtime, rec: Any) -> None:
-    """Drop one hold on a record; whoever drops the first-taken hold hands it to the exporter.
+def release_recv(rt: Runtime, rec: Any) -> None:
+    """The recv (or send) thread is done with a record; the last of the two holders hands it on.
 
     ``holds`` is ``[_HOLD_RECV]`` or ``[_HOLD_RECV, _HOLD_CONSUMER]``; ``list.pop`` is atomic under the
-    GIL, so exactly one of two racing holders pops ``_HOLD_RECV``, whatever the order.
+    GIL, so exactly one of two racing holders pops ``_HOLD_RECV`` (the last one), whatever the order.
+    While the consumer still holds the record, the task is shipped *before* this thread drops its hold:
+    the forward, once last, only adds its consumer wait, and never recycles a record still being written.
     """
+    holds = rec.holds
+    recorder = rt.recorder
+    if len(holds) < 2:  # the consumer is done (or never held it): this thread is the last holder
+        if holds and holds.pop() == _HOLD_RECV:
+            recorder.submit(rec)
+        return
+    recorder.submit_first(rec)  # the forward's consumer wait follows (or its absence, with a reason)
     try:
-        if rec.holds.pop() == _HOLD_RECV:
-            rt.recorder.submit(rec)
+        last = holds.pop() == _HOLD_RECV
     except IndexError:
-        pass
+        return
+    if last:  # the forward released it while the task was being shipped
+        recorder.submit_consumer(rec, REASON_WAITED)
+
+
+def release(rt: Runtime, rec: Any, reason: int = REASON_WAITED) -> None:
+    """The forward side drops its hold (after its consumer wait, or for ``reason`` without one)."""
+    try:
+        last = rec.holds.pop() == _HOLD_RECV
+    except IndexError:
+        return
+    if last:
+        rt.recorder.submit_consumer(rec, reason)
 
 
 # ---- recv / send thread ---------------------------------------------------------------------------
@@ -181,7 +202,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                             rec.error = BackendResultError(rec.backend_result)
                     if rec.t_complete == NO_TIME:
                         rec.t_complete = t_exit
-                    release(rt, rec)
+                    release_recv(rt, rec)
                 except Exception as exc:
                     rt.fail(exc)
         return result
@@ -337,7 +358,7 @@ def wrap_start_load_kv(original: Callable, rt: Runtime) -> Callable:
                 leftovers = list(ws.step_records.values())
                 ws.step_records.clear()
                 for rec in leftovers:  # the forward never waited for these: stop holding them
-                    release(rt, rec)
+                    release(rt, rec, REASON_STEP_BOUNDARY)
             except Exception as exc:
                 rt.fail(exc)
         return original(self, *args, **kwargs)
@@ -361,9 +382,12 @@ def wrap_wait_for_layer_load(original: Callable, rt: Runtime) -> Callable:
             return original(self, *args, **kwargs)
         finally:
             if ws is not None:
-                rec = ws.step_records.pop(layer, None)
-                if rec is not None:
-                    release(rt, rec)
+                try:
+                    rec = ws.step_records.pop(layer, None)
+                    if rec is not None:
+                        release(rt, rec)
+                except Exception as exc:
+                    rt.fail(exc)
 
     return _mark(wait_for_layer_load, original)
 

@@ -62,6 +62,7 @@ class Dep(IntEnum):
 
 DEP_NAMES: tuple[str, ...] = ("save_cpu", "save_npu", "gate_record", "gate_npu", "slot_release")
 NUM_DEPS = len(DEP_NAMES)
+_BLANK_DEPS = (NO_TIME,) * (2 * NUM_DEPS)
 
 
 class Outcome(IntEnum):
@@ -71,6 +72,24 @@ class Outcome(IntEnum):
 
 
 OUTCOME_NAMES: tuple[str, ...] = ("ok", "empty", "error")
+
+
+CONSUMER_RELEASE_NAMES: tuple[str, ...] = ("", "step_boundary", "shutdown", "producer_died")
+"""``kvtrace.consumer_wait_missing`` values: the record was awaited by the forward's consumer wait but
+released without it at the next step boundary, at shutdown/exit, or when the serving process died."""
+
+
+class ShippedError(Exception):
+    """A task's exception as the exporter agent received it (type name, message, formatted stack)."""
+
+    def __init__(self, type_name: str, message: str, stack: str) -> None:
+        super().__init__(message)
+        self.type_name = type_name
+        self.message = message
+        self.stack = stack
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class BackendResultError(RuntimeError):
@@ -118,6 +137,10 @@ class QueueInfo:
         return f"dp{self.dp}.pp{self.pp}.tp{self.tp}.pcp{self.pcp}.dcp{self.dcp}"
 
 
+_RECV = int(TaskKind.RECV)
+_OK = int(Outcome.OK)
+
+
 @dataclass(slots=True)
 class TaskRecord:
     """One recv (or send) task: identity, stamps, dependency times, outcome.
@@ -131,7 +154,7 @@ class TaskRecord:
     """
 
     queue: QueueInfo | None = None
-    kind: int = TaskKind.RECV
+    kind: int = _RECV  # plain ints, not the IntEnum members: cheaper to reset and to pack
     seq: int = 0
     step: int = 0
     layer_id: int = 0
@@ -147,7 +170,7 @@ class TaskRecord:
     stages: list[int] = field(default_factory=list)
     deps: list[int] = field(default_factory=lambda: [NO_TIME] * (2 * NUM_DEPS))
     has_dep: int = 0  # bitmask of Dep the task depends on
-    outcome: int = Outcome.OK
+    outcome: int = _OK
     error: BaseException | None = None
     nbytes: int = 0
     backend_result: int = 0
@@ -157,27 +180,28 @@ class TaskRecord:
     npu_marks: list[tuple[int, Any]] = field(default_factory=list)
     # Completion hand-off between the recv thread and the forward's consumer wait.
     holds: list[int] = field(default_factory=list)
+    # Why the forward's consumer wait is absent although it was awaited (``CONSUMER_RELEASE_NAMES``).
+    consumer_release: int = 0
 
     def reset(self) -> None:
         """Return to a blank state so the record can be reused from the pool."""
         self.queue = None
-        self.kind = TaskKind.RECV
+        self.kind = _RECV
         self.seq = self.step = self.layer_id = 0
         self.final_layer = False
         self.wait_for_save_layer = self.gate_id = None
         self.queue_depth_at_enqueue = self.inflight_at_enqueue = 0
         self.t_enqueue = self.t_dequeue = self.t_backend_return = self.t_complete = NO_TIME
         self.stages.clear()
-        deps = self.deps
-        for i in range(len(deps)):
-            deps[i] = NO_TIME
+        self.deps[:] = _BLANK_DEPS
         self.has_dep = 0
-        self.outcome = Outcome.OK
+        self.outcome = _OK
         self.error = None
         self.nbytes = self.backend_result = 0
         self.transfer_tasks = None
         self.npu_marks.clear()
         self.holds.clear()
+        self.consumer_release = 0
 
     # -- dependency helpers (cheap: list index writes) -------------------------------------------
     def need(self, dep: int) -> None:

@@ -15,8 +15,10 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from otel_kvtrace.record.model import TaskRecord
+from otel_kvtrace.record.ring import consumer_stages as _consumer_stages
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -67,6 +69,24 @@ class Recorder:
         self.npu_resolver: Callable[[TaskRecord], None] | None = None
         self._disable_lock = threading.Lock()
 
+        # Set by ``attach_ring``: records leave the process through a shared-memory ring to the
+        # exporter agent instead of the in-process hand-off.
+        self.ring: Any = None
+        self._summarize: Callable[[Any], Any] | None = None
+
+    def attach_ring(self, writer: Any) -> None:
+        """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process."""
+        from otel_kvtrace.export.spans import summarize_transfer_tasks
+
+        self._summarize = summarize_transfer_tasks
+        self.ring = writer
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's pending records and counts are not this process's."""
+        self._ready.clear()
+        self._drops = itertools.count()
+        self._submitted = itertools.count()
+
     # ---- hot path -------------------------------------------------------------------------------
     def new_record(self) -> TaskRecord:
         """A blank record, from the pool when one is free."""
@@ -81,11 +101,66 @@ class Recorder:
         The length check and the append are not one atomic step, so with k recording threads the
         hand-off can hold at most ``capacity + k - 1`` records: still bounded, and lock-free.
         """
+        if self.ring is not None:
+            self._ship(record, False)
+            return
         if len(self._ready) >= self.capacity:
             next(self._drops)
             return
         self._ready.append(record)
         next(self._submitted)
+
+    def submit_first(self, record: TaskRecord) -> None:
+        """The recv thread finished a task the forward's consumer wait still holds.
+
+        With a ring the task leaves now (flagged as awaiting its consumer wait, which follows in a
+        small message from ``submit_consumer``), so the forward thread never packs a whole task.
+        In-process, nothing happens until the last holder calls ``submit_consumer``.
+        """
+        if self.ring is not None:
+            self._ship(record, True)
+
+    def submit_consumer(self, record: TaskRecord, reason: int) -> None:
+        """The forward released a task after ``submit_first``: its consumer wait, or ``reason`` it has none."""
+        ring = self.ring
+        if ring is None:
+            record.consumer_release = reason
+            self.submit(record)
+            return
+        try:
+            ring.write_cwait(record, reason, _consumer_stages(record.stages))
+        except Exception as exc:  # noqa: BLE001 - never into the host thread
+            self.disable(f"ring write failed: {exc!r}")
+        self._recycle_one(record)
+
+    def _ship(self, record: TaskRecord, awaiting: bool) -> None:
+        try:
+            resolver = self.npu_resolver
+            if record.npu_marks and resolver is not None:
+                resolver(record)  # what the producer knows now: stream-order bounds, device marks
+            ok = self.ring.write_task(record, awaiting, self._summarize(record.transfer_tasks))  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - never into the host thread
+            self.disable(f"ring write failed: {exc!r}")
+            ok = False
+        if ok:
+            next(self._submitted)
+        else:
+            next(self._drops)
+            ring = self.ring
+            if ring is not None and not ring.overflow_logged:
+                ring.overflow_logged = True
+                logger.warning(
+                    "otel-kvtrace: exporter agent ring full (agent dead or behind): task records are dropped "
+                    "and counted; recording threads are not blocked"
+                )
+        if not awaiting and len(self._pool) < self.capacity:  # _recycle_one, inlined
+            record.reset()
+            self._pool.append(record)
+
+    def _recycle_one(self, rec: TaskRecord) -> None:
+        if len(self._pool) < self.capacity:
+            rec.reset()
+            self._pool.append(rec)
 
     # ---- exporter side --------------------------------------------------------------------------
     def drain(self, limit: int) -> list[TaskRecord]:

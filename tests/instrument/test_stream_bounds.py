@@ -69,3 +69,34 @@ def test_a_log_without_step_boundaries_stays_bounded() -> None:
     assert holder.stream_log is not first and len(holder.stream_log.done_by) == 10
     positions[-1].log.observe(positions[-1].position, 5)
     assert positions[-1].upper_bound() == 5
+
+
+def test_bounds_applied_at_completion_equal_bounds_applied_later() -> None:
+    """The exporter agent applies stream bounds when a task is shipped (the serving process's log is not
+    shared); the in-process exporter applies them at drain time. Same records, both ways: same bounds."""
+    cfg = dataclasses.replace(PRESETS["hol"], steps=20)
+    session = start_tracing(replica_targets(cfg.behaviour), exporter=None, run_id="bounds-early")
+    resolve = session.runtime.resolve
+    session.recorder.npu_resolver = None  # the drain must not resolve: we compare by hand
+    early: dict[int, list[int]] = {}
+    submit = session.recorder.submit
+
+    def submit_and_resolve_a_copy(rec) -> None:  # what the ring path does at submit, on a shadow record
+        shadow = dataclasses.replace(rec, deps=list(rec.deps), npu_marks=list(rec.npu_marks), stages=[], holds=[])
+        resolve(shadow)
+        early[id(rec)] = shadow.deps
+        submit(rec)
+
+    session.recorder.submit = submit_and_resolve_a_copy
+    try:
+        assert run_threaded(cfg).error is None
+    finally:
+        session.shutdown()
+    records = session.recorder.drain(100_000)
+    tightened = 0
+    for rec in records:
+        before = list(rec.deps)
+        resolve(rec)  # late: after the whole run, every completion observed
+        assert early[id(rec)] == rec.deps, f"{TaskKind(rec.kind).name} layer {rec.layer_id} step {rec.step}"
+        tightened += before != rec.deps
+    assert len(records) > 100 and tightened > 50

@@ -1,0 +1,289 @@
+"""The exporter agent: a separate process that drains one serving process's ring and ships its spans.
+
+Started by ``AgentExporter`` (``export/agent_link.py``) as ``python -m otel_kvtrace.export.agent``, one
+per serving process (and per forked child). It reads its settings from stdin, maps the ring from the
+file descriptor it inherited, decodes messages (``record/ring.py``) back into ``TaskRecord``s, builds
+spans with the one ``SpanBuilder`` and hands batches to the sink ``create_sink`` selects, exactly as
+the in-process exporter would. All span building, JSON, protobuf and network I/O happen here.
+
+It notices that its producer died (stdin EOF, or the parent pid changed) and then drains everything
+committed in the ring: a SIGKILL or ``os._exit`` of the serving process loses only messages whose write
+was cut short (counted in ``H_AGENT_LOST``). Tasks still awaiting their consumer wait are exported with
+``kvtrace.consumer_wait_missing``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import marshal
+import mmap
+import os
+import pickle
+import select
+import sys
+from collections import OrderedDict
+from typing import Any
+
+from otel_kvtrace.export.spans import SpanBuilder, TransferSummary
+from otel_kvtrace.record.model import NUM_DEPS, QueueInfo, ShippedError, Stage, TaskRecord
+from otel_kvtrace.record.recorder import ClockAnchor
+from otel_kvtrace.record import ring as R
+
+logger = logging.getLogger("otel_kvtrace")
+
+READY = b"kvtrace-agent ready\n"
+_CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
+MAX_AWAITING = 65536
+MAX_ERRORS = 1024
+
+
+class Decoder:
+    """Turns ring messages into finished ``TaskRecord``s; keeps the side tables (queues, request ids)."""
+
+    def __init__(self) -> None:
+        self.queues: dict[int, QueueInfo] = {}
+        self.req_ids: dict[int, str] = {}
+        self.errors: dict[tuple[int, int], ShippedError] = {}
+        self.awaiting: OrderedDict[tuple[int, int], TaskRecord] = OrderedDict()
+        self.resource_updates: dict[str, Any] = {}
+        self.closed = False
+        self.undecodable = 0
+
+    def feed(self, msg: R.Message, out: list[TaskRecord]) -> None:
+        """Decode one message; append every record it finishes to ``out``."""
+        kind, body = msg.kind, msg.body
+        if kind == R.MSG_TASK:
+            rec, awaiting = self._task(body)
+            if rec is None:
+                self.undecodable += 1  # its queue definition was dropped (ring full): counted as lost
+                return
+            if awaiting:
+                key = (self._qidx(rec), rec.seq)
+                self.awaiting[key] = rec
+                if len(self.awaiting) > MAX_AWAITING:  # bounded: export the oldest without its wait
+                    out.append(self.awaiting.popitem(last=False)[1])
+            else:
+                out.append(rec)
+        elif kind == R.MSG_CWAIT:
+            qidx, seq, reason, n = R.CWAIT_FIXED.unpack_from(body)
+            rec = self.awaiting.pop((qidx, seq), None)
+            if rec is not None:
+                if n:  # the authoritative consumer wait: drop any partial copy shipped with the task
+                    rec.stages[:] = _without_consumer_wait(rec.stages)
+                rec.stages.extend(R._INTS[n].unpack_from(body, R.CWAIT_FIXED.size))
+                rec.consumer_release = reason
+                out.append(rec)
+        elif kind == R.MSG_QUEUE:
+            self._queue(body)
+        elif kind == R.MSG_REQ:
+            idx, n = R.REQ_FIXED.unpack_from(body)
+            self.req_ids[idx] = body[R.REQ_FIXED.size : R.REQ_FIXED.size + n].decode("utf-8", "replace")
+            if len(self.req_ids) > 2 * 65536:
+                for old in sorted(self.req_ids)[:65536]:
+                    del self.req_ids[old]
+        elif kind == R.MSG_ERROR:
+            qidx, seq, *lens = R.ERROR_FIXED.unpack_from(body)
+            texts = _strings(body, R.ERROR_FIXED.size, lens)
+            if len(self.errors) >= MAX_ERRORS:
+                self.errors.clear()
+            self.errors[(qidx, seq)] = ShippedError(*texts)
+        elif kind == R.MSG_RESOURCE:
+            key, value = marshal.loads(body)
+            self.resource_updates[str(key)] = value
+        elif kind == R.MSG_CLOSE:
+            self.closed = True
+
+    def release_awaiting(self, reason: int, out: list[TaskRecord]) -> None:
+        """Every task still waiting for its consumer wait, flagged with ``reason``."""
+        while self.awaiting:
+            rec = self.awaiting.popitem(last=False)[1]
+            rec.consumer_release = reason
+            out.append(rec)
+
+    def _qidx(self, rec: TaskRecord) -> int:
+        return rec.queue_index  # type: ignore[attr-defined]
+
+    def _queue(self, body: bytes) -> None:
+        idx, pid, dp, pp, tp, pcp, dcp, layers, *lens = R.QUEUE_FIXED.unpack_from(body)
+        run_id, path, thread = _strings(body, R.QUEUE_FIXED.size, lens)
+        self.queues[idx] = QueueInfo(run_id, path, thread, pid, dp, pp, tp, pcp, dcp, layers)
+
+    def _task(self, body: bytes) -> tuple[TaskRecord | None, bool]:
+        v = R.TASK_FIXED.unpack_from(body)
+        (qidx, kind, final, outcome, flags, seq, step, layer, src, gate, qdepth, inflight, t_enq, t_deq,
+         t_ret, t_done, nbytes, bres, has_dep) = v[:19]
+        deps = list(v[19 : 19 + 2 * NUM_DEPS])
+        n_st, n_gr, n_rq, num_blocks = v[19 + 2 * NUM_DEPS :]
+        queue = self.queues.get(qidx)
+        if queue is None:  # its queue definition was lost (ring overflow): cannot be named
+            return None, False
+        off = R.TASK_FIXED.size
+        stages = list(R._INTS[n_st].unpack_from(body, off))
+        off += 8 * n_st
+        groups = list(R._INTS[n_gr].unpack_from(body, off))
+        off += 8 * n_gr
+        reqs = [self.req_ids.get(i, f"#{i}") for i in R._U32S[n_rq].unpack_from(body, off)]
+        rec = _QueuedRecord(
+            queue=queue, kind=kind, seq=seq, step=step, layer_id=layer, final_layer=bool(final),
+            wait_for_save_layer=src if flags & R.F_SRC else None, gate_id=gate if flags & R.F_GATE else None,
+            queue_depth_at_enqueue=qdepth, inflight_at_enqueue=inflight, t_enqueue=t_enq, t_dequeue=t_deq,
+            t_backend_return=t_ret, t_complete=t_done, stages=stages, deps=deps, has_dep=has_dep,
+            outcome=outcome, nbytes=nbytes, backend_result=bres,
+            transfer_tasks=TransferSummary(groups, reqs, num_blocks),
+        )
+        rec.queue_index = qidx
+        rec.error = self.errors.pop((qidx, seq), None)
+        return rec, bool(flags & R.F_AWAITING)
+
+
+class _QueuedRecord(TaskRecord):
+    """A decoded record that remembers its ring queue index (to match its consumer wait)."""
+
+    __slots__ = ("queue_index",)
+
+
+def _without_consumer_wait(stages: list[int]) -> list[int]:
+    out: list[int] = []
+    for i in range(0, len(stages) - 2, 3):
+        if stages[i] != _CONSUMER_WAIT:
+            out += stages[i : i + 3]
+    return out
+
+
+def _strings(body: bytes, off: int, lens: list[int]) -> list[str]:
+    out = []
+    for n in lens:
+        out.append(body[off : off + n].decode("utf-8", "replace"))
+        off += n
+    return out
+
+
+class Agent:
+    """The drain loop: ring -> records -> spans -> sink, until the producer closes or dies."""
+
+    def __init__(self, reader: R.RingReader, sink: Any, builder: SpanBuilder, producer_pid: int,
+                 interval_s: float, batch_size: int) -> None:
+        self.reader = reader
+        self.sink = sink
+        self.builder = builder
+        self.producer_pid = producer_pid
+        self.interval_s = interval_s
+        self.batch_size = batch_size
+        self.decoder = Decoder()
+        self.lost = 0
+
+    def run(self, control: Any) -> None:
+        producer_gone = False
+        while not self.decoder.closed and not producer_gone:
+            ready, _, _ = select.select([control], [], [], self.interval_s)
+            if ready and not os.read(control.fileno(), 4096):
+                producer_gone = True  # stdin EOF: the producer closed its end or died
+            if os.getppid() != self.producer_pid:
+                producer_gone = True
+            while self._cycle(self.reader.poll(self.batch_size)):
+                pass
+        # Final drain: everything committed, then what a dead producer claimed but never finished.
+        while self._cycle(self.reader.poll(self.batch_size)):
+            pass
+        if not self.decoder.closed:
+            msgs, torn = self.reader.skip_to_head()
+            self.lost += torn
+            self._cycle(msgs)
+        out: list[TaskRecord] = []
+        self.decoder.release_awaiting(R.REASON_SHUTDOWN if self.decoder.closed else R.REASON_PRODUCER_DIED, out)
+        self._export(out)
+        self.reader.consumed()
+        self.reader.hdr[R.H_AGENT_LOST] = self.lost
+        if self.lost:
+            logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write or sink failed)",
+                           self.lost)
+
+    def _cycle(self, msgs: list[R.Message]) -> bool:
+        if not msgs:
+            return False
+        out: list[TaskRecord] = []
+        decoder = self.decoder
+        for msg in msgs:
+            if msg.kind == R.MSG_RESOURCE and out:  # attributes apply to what comes after them
+                self._export(out)
+                out = []
+            decoder.feed(msg, out)
+            if decoder.resource_updates:
+                update = getattr(self.sink, "update_resource", None)
+                if update is not None:
+                    update(dict(decoder.resource_updates))
+                decoder.resource_updates.clear()
+        self._export(out)
+        if decoder.undecodable:
+            self.lost += decoder.undecodable
+            decoder.undecodable = 0
+            self.reader.hdr[R.H_AGENT_LOST] = self.lost
+        self.reader.consumed()
+        return True
+
+    def _export(self, records: list[TaskRecord]) -> None:
+        if not records:
+            return
+        texts = [self.builder.build_json(rec) for rec in records]
+        hdr = self.reader.hdr
+        ok = False
+        try:
+            ok = bool(self.sink.export(texts, hdr[R.H_DROPPED] + self.lost))
+        except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only (counted)
+            logger.debug("otel-kvtrace agent: export failed: %r", exc)
+        if ok:
+            hdr[R.H_EXPORTED] += len(records)
+        else:
+            self.lost += len(records)
+            hdr[R.H_AGENT_LOST] = self.lost
+
+
+def main() -> int:
+    """Entry point: settings (a pickled dict) on stdin, then stdin stays open as the liveness pipe."""
+    from otel_kvtrace.export.sinks import JsonLinesFileSink
+    from otel_kvtrace.export.worker import create_sink
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    stdin = sys.stdin.buffer
+    try:
+        if sys.stdin.isatty():
+            raise ValueError("stdin is a terminal")
+        settings = pickle.load(stdin)  # from AgentExporter, our own parent: trusted
+        fd = int(settings["fd"])
+    except Exception as exc:  # noqa: BLE001
+        sys.stderr.write(f"otel_kvtrace.export.agent is started by start_tracing, not by hand ({exc!r})\n")
+        return 2
+    with contextlib.suppress(OSError):
+        os.nice(int(settings.get("nice", 0)))  # background work: the serving process's threads come first
+    mem = mmap.mmap(fd, R.ring_bytes(settings["nslots"]))
+    os.close(fd)
+    reader = R.RingReader(mem)
+    reader.hdr[R.H_AGENT_PID] = os.getpid()
+    resource = settings["resource"]
+    sink = create_sink(resource, out_dir=settings["out_dir"], endpoint=settings["endpoint"],
+                       protocol=settings["protocol"])
+    if isinstance(sink, JsonLinesFileSink):
+        sink.name_pid = settings["producer_pid"]  # the file is the serving process's, not ours
+    anchor = ClockAnchor(*settings["anchor"])
+    agent = Agent(reader, sink, SpanBuilder(anchor), settings["producer_pid"], settings["interval_s"],
+                  settings["batch_size"])
+    out = sys.stdout.buffer
+    with contextlib.suppress(OSError):  # a producer that already died cannot read it: drain anyway
+        out.write(READY)
+        out.flush()
+    try:
+        agent.run(stdin)
+    finally:
+        with contextlib.suppress(Exception):
+            sink.shutdown()
+    with contextlib.suppress(Exception):
+        out.write(f"exported={reader.hdr[R.H_EXPORTED]} lost={agent.lost}\n".encode())
+        out.flush()
+    with contextlib.suppress(OSError):  # the producer may be gone: no broken-pipe noise at exit
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,390 @@
+"""The shared-memory ring between a serving process (producer) and its exporter agent (consumer).
+
+Perfetto's producer/service split (https://perfetto.dev/docs/concepts/buffers): the serving process
+only stamps and copies one fixed-size binary message per task into a bounded ring; the agent process
+(``otel_kvtrace.export.agent``) decodes, builds spans and ships them. The memory is a ``memfd`` (no
+name in ``/dev/shm``, nothing to leak when either side is killed) passed to the agent by file descriptor.
+
+Layout (little-endian; ``docs/export.md`` has the same table)::
+
+    header  HEADER_BYTES = 128: 16 signed 64-bit words, index H_*
+            H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE,
+            H_HEAD      claims made by the producer (hint; the slot commit words are authoritative)
+            H_READ      slots consumed (decoded and exported) by the agent
+            H_DROPPED   messages the producer dropped because the ring was full (agent dead or slow)
+            H_PRODUCER_PID, H_AGENT_PID, H_EXPORTED (tasks the agent handed to its sink),
+            H_AGENT_LOST (tasks the agent lost: sink failure, torn slot of a killed producer)
+    slot i  at HEADER_BYTES + (i % nslots) * slot_size:
+            commit  q   i + 1 once the slot's message is complete (written last)
+            crc     I   zlib.crc32 of the body (a torn or reordered write is never decoded)
+            kind    H   MSG_*
+            length  H   body bytes
+            body        kind-specific, below
+
+Messages (body ``struct`` formats):
+
+- ``MSG_QUEUE``  ``<IqiiiiiiHHH`` + 3 utf-8 strings: queue index, pid, dp, pp, tp, pcp, dcp, num_layers,
+  lengths of run_id, path, thread_name. Sent once per queue, before its first task.
+- ``MSG_REQ``    ``<IH`` + utf-8: one request id string and its index (the side table of variable ids:
+  a task carries only ``u32`` indices). Sent once per distinct id.
+- ``MSG_TASK``   ``TASK_FIXED`` then ``n_stage_ints`` ``q``, ``n_groups`` ``q``, ``n_reqs`` ``I``: one task.
+- ``MSG_CWAIT``  ``<IqBH`` + ``q``s: the forward's consumer wait of a task sent earlier with
+  ``F_AWAITING`` (or why it is absent: ``REASON_*``).
+- ``MSG_ERROR``  ``<IqHHH`` + 3 utf-8 strings: the exception of a failed task (sent just before it).
+- ``MSG_RESOURCE`` ``marshal`` of one ``(key, value)`` resource attribute.
+- ``MSG_CLOSE``  empty: the producer shut down cleanly.
+- ``MSG_VOID``   empty: a claimed slot whose write failed (an instrumentation bug; tracing is disabled).
+
+Concurrency: several recording threads of one process write; a claim is ``next()`` on an
+``itertools.count`` (atomic under the GIL), so no lock is taken. The room check reads the agent's
+``H_READ`` and keeps ``CLAIM_MARGIN`` slots spare for threads racing between check and claim. When full
+the message is dropped and counted in ``H_DROPPED``; the producer never waits.
+"""
+
+from __future__ import annotations
+
+import itertools
+import marshal
+import mmap
+import os
+import struct
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage
+
+MAGIC = 0x4B56545249524E47  # "KVTRIRNG"
+VERSION = 1
+HEADER_BYTES = 128
+SLOT_SIZE = 1024
+SLOT_HEAD = struct.Struct("<qIHH")
+_COMMIT = struct.Struct("<q")
+_CRC_KIND_LEN = struct.Struct("<IHH")
+BODY_BYTES = SLOT_SIZE - SLOT_HEAD.size
+DEFAULT_SLOTS = 8192  # 8 MiB per serving process
+CLAIM_MARGIN = 64
+
+(H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE, H_HEAD, H_READ, H_DROPPED, H_PRODUCER_PID, H_AGENT_PID,
+ H_EXPORTED, H_AGENT_LOST) = range(11)
+
+MSG_VOID, MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE = range(8)
+
+# TASK_FIXED fields, in order.
+TASK_FIELDS = (
+    "qidx", "kind", "final_layer", "outcome", "flags", "seq", "step", "layer_id", "src", "gate",
+    "qdepth", "inflight", "t_enqueue", "t_dequeue", "t_backend_return", "t_complete", "nbytes",
+    "backend_result", "has_dep", *(f"dep{i}" for i in range(10)), "n_stage_ints", "n_groups", "n_reqs",
+    "num_blocks",
+)
+TASK_FIXED = struct.Struct("<IBBBBqqiiqiiqqqqqqI10qHBBI")
+F_SRC, F_GATE, F_AWAITING, F_STAGES_FOLDED, F_REQS_TRUNCATED = 1, 2, 4, 8, 16
+MAX_STAGE_INTS = 3 * 22
+MAX_GROUPS = 16
+MAX_REQS = 32
+CWAIT_FIXED = struct.Struct("<IqBH")
+MAX_CWAIT_INTS = 3 * 8
+QUEUE_FIXED = struct.Struct("<IqiiiiiiHHH")
+REQ_FIXED = struct.Struct("<IH")
+ERROR_FIXED = struct.Struct("<IqHHH")
+
+REASON_WAITED = 0
+REASON_STEP_BOUNDARY = 1  # released at the next start_load_kv: the forward never waited for it
+REASON_SHUTDOWN = 2  # released when tracing shut down (or the process exited normally)
+REASON_PRODUCER_DIED = 3  # the serving process died before releasing it (agent side)
+assert CONSUMER_RELEASE_NAMES[REASON_PRODUCER_DIED] == "producer_died"
+
+_INTS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGE_INTS + 1)]
+_TASK_LAYOUTS: dict[tuple[int, int, int], struct.Struct] = {}
+
+
+def _task_struct(n_stage_ints: int, n_groups: int, n_reqs: int) -> struct.Struct:
+    """``TASK_FIXED`` plus its variable parts as one ``Struct`` (one ``pack_into`` per task), cached."""
+    key = (n_stage_ints, n_groups, n_reqs)
+    layout = _TASK_LAYOUTS.get(key)
+    if layout is None:
+        layout = struct.Struct(f"{TASK_FIXED.format}{n_stage_ints + n_groups}q{n_reqs}I")
+        _TASK_LAYOUTS[key] = layout  # bounded: at most 67 * 17 * 33 shapes
+    return layout
+_U32S = [struct.Struct(f"<{n}I") for n in range(MAX_REQS + 1)]
+assert TASK_FIXED.size + 8 * (MAX_STAGE_INTS + MAX_GROUPS) + 4 * MAX_REQS <= BODY_BYTES
+
+
+def ring_bytes(nslots: int) -> int:
+    return HEADER_BYTES + nslots * SLOT_SIZE
+
+
+def create_memfd(nslots: int) -> tuple[int, mmap.mmap]:
+    """A fresh ring in an anonymous memfd: ``(fd, mapping)``; the fd is what the agent maps."""
+    fd = os.memfd_create("kvtrace-ring", 0)  # type: ignore[attr-defined]  # Linux only; callers check
+    os.ftruncate(fd, ring_bytes(nslots))
+    # Pre-faulted: otherwise the first write into each 4 KiB page takes a page fault on a recording thread.
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    mem = mmap.mmap(fd, ring_bytes(nslots), flags=flags)
+    hdr = memoryview(mem)[:HEADER_BYTES].cast("q")
+    hdr[H_MAGIC], hdr[H_VERSION], hdr[H_NSLOTS], hdr[H_SLOT_SIZE] = MAGIC, VERSION, nslots, SLOT_SIZE
+    hdr[H_PRODUCER_PID] = os.getpid()
+    hdr.release()
+    return fd, mem
+
+
+def _utf8(text: str, limit: int) -> bytes:
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= limit:
+        return raw
+    return raw[:limit].decode("utf-8", "ignore").encode()
+
+
+class RingWriter:
+    """Producer side: one per serving process (per fork). Every method is safe on a host thread."""
+
+    def __init__(self, mem: mmap.mmap) -> None:
+        self._mem = mem
+        self._buf = memoryview(mem)
+        self.hdr = self._buf[:HEADER_BYTES].cast("q")
+        self.nslots = self.hdr[H_NSLOTS]
+        self._limit = self.nslots - CLAIM_MARGIN
+        self._claims = itertools.count()
+        self._head = 0
+        self._queues: dict[int, tuple[Any, int]] = {}
+        self._req_ids: dict[str, int] = {}
+        self._next_req = itertools.count()
+        self._next_queue = itertools.count()
+        self.overflow_logged = False
+
+    # -- slots ------------------------------------------------------------------------------------
+    def _claim(self) -> int:
+        """A slot index, or -1 when the ring is full (counted). Lock-free."""
+        hdr = self.hdr
+        if self._head - hdr[H_READ] >= self._limit:
+            hdr[H_DROPPED] += 1  # a lost increment under a race undercounts by one at worst
+            return -1
+        k = next(self._claims)
+        self._head = k + 1
+        if k >= hdr[H_HEAD]:
+            hdr[H_HEAD] = k + 1
+        return k
+
+    def _commit(self, k: int, kind: int, length: int) -> None:
+        off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
+        body = off + SLOT_HEAD.size
+        mem = self._mem
+        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + length]), kind, length)
+        _COMMIT.pack_into(mem, off, k + 1)  # last: publishes the slot
+
+    def _write(self, kind: int, payload: bytes) -> bool:
+        k = self._claim()
+        if k < 0:
+            return False
+        body = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE + SLOT_HEAD.size
+        n = len(payload)
+        self._buf[body : body + n] = payload
+        self._commit(k, kind, n)
+        return True
+
+    # -- side tables --------------------------------------------------------------------------------
+    def queue_index(self, info: Any) -> int:
+        entry = self._queues.get(id(info))
+        if entry is not None and entry[0] is info:
+            return entry[1]
+        idx = next(self._next_queue)  # atomic: two threads registering their queues at once get two indices
+        names = [_utf8(str(s), 250) for s in (info.run_id, info.path, info.thread_name)]
+        payload = QUEUE_FIXED.pack(
+            idx, info.pid, info.dp, info.pp, info.tp, info.pcp, info.dcp, info.num_layers, *map(len, names)
+        ) + b"".join(names)
+        if self._write(MSG_QUEUE, payload):  # not remembered when the ring was full: sent again next time
+            self._queues[id(info)] = (info, idx)
+        return idx
+
+    def req_index(self, req_id: str) -> int:
+        idx = self._req_ids.get(req_id)
+        if idx is None:
+            if len(self._req_ids) >= 65536:
+                self._req_ids.clear()  # bounded; ids seen again are re-sent under a new index
+            idx = next(self._next_req)
+            raw = _utf8(req_id, BODY_BYTES - REQ_FIXED.size)
+            if self._write(MSG_REQ, REQ_FIXED.pack(idx & 0xFFFFFFFF, len(raw)) + raw):
+                self._req_ids[req_id] = idx
+        return idx & 0xFFFFFFFF
+
+    def resource(self, key: str, value: Any) -> None:
+        payload = marshal.dumps((key, value))
+        if len(payload) <= BODY_BYTES:
+            self._write(MSG_RESOURCE, payload)
+
+    def close(self) -> None:
+        self._write(MSG_CLOSE, b"")
+
+    def release(self) -> None:
+        """Unmap the ring (after the agent is done with it, or in a forked child for the parent's ring)."""
+        self.hdr.release()
+        self._buf.release()
+        self._mem.close()
+
+    # -- per task -----------------------------------------------------------------------------------
+    def write_task(self, rec: Any, awaiting: bool, summary: Any) -> bool:
+        """One task record (``summary``: group ids, request ids, block count of its transfer tasks)."""
+        entry = self._queues.get(id(rec.queue))
+        qidx = entry[1] if entry is not None and entry[0] is rec.queue else self.queue_index(rec.queue)
+        if rec.error is not None:
+            self._write_error(qidx, rec.seq, rec.error)
+        reqs = summary.request_ids
+        flags = F_AWAITING if awaiting else 0
+        if len(reqs) > MAX_REQS:
+            reqs = reqs[:MAX_REQS]
+            flags |= F_REQS_TRUNCATED
+        known = self._req_ids  # definitions are written before the task that uses them
+        req_ids = []
+        for r in reqs:
+            i = known.get(r)
+            req_ids.append(self.req_index(r) if i is None else i & 0xFFFFFFFF)
+        # _claim(), inlined (this runs once per task on a recording thread)
+        hdr = self.hdr
+        if self._head - hdr[H_READ] >= self._limit:
+            hdr[H_DROPPED] += 1
+            return False
+        k = next(self._claims)
+        self._head = k + 1
+        if k >= hdr[H_HEAD]:
+            hdr[H_HEAD] = k + 1
+        stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
+        if len(stages) > MAX_STAGE_INTS:
+            stages = fold_stages(stages)
+            flags |= F_STAGES_FOLDED
+        groups = summary.group_ids[:MAX_GROUPS]
+        src = rec.wait_for_save_layer
+        gate = rec.gate_id
+        if src is not None:
+            flags |= F_SRC
+        if gate is not None:
+            flags |= F_GATE
+        layout = _TASK_LAYOUTS.get((len(stages), len(groups), len(req_ids)))
+        if layout is None:
+            layout = _task_struct(len(stages), len(groups), len(req_ids))
+        off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
+        body = off + SLOT_HEAD.size
+        mem = self._mem
+        try:
+            layout.pack_into(
+                mem, body, qidx, rec.kind,
+                rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
+                rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
+                rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
+                len(stages), len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF, *stages, *groups,
+                *req_ids,
+            )
+        except BaseException:
+            self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
+            raise
+        n = layout.size  # _commit(), inlined
+        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + n]), MSG_TASK, n)
+        _COMMIT.pack_into(mem, off, k + 1)
+        return True
+
+    def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:
+        """The consumer-wait stages of a task sent earlier with ``awaiting`` (or the reason they are absent)."""
+        entry = self._queues.get(id(rec.queue))
+        if entry is None:
+            return False
+        n = min(len(stages), MAX_CWAIT_INTS)
+        return self._write(MSG_CWAIT, CWAIT_FIXED.pack(entry[1], rec.seq, reason, n) + _INTS[n].pack(*stages[:n]))
+
+    def _write_error(self, qidx: int, seq: int, error: BaseException) -> None:
+        # Failed tasks only (rare): the text must leave this process, so it is formatted here.
+        import traceback
+
+        type_name = type(error).__qualname__
+        stack = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+        parts = [_utf8(type_name, 100), _utf8(str(error), 300)]
+        room = BODY_BYTES - ERROR_FIXED.size - sum(map(len, parts))
+        parts.append(_utf8(stack[-room:] if len(stack) > room else stack, room))
+        self._write(MSG_ERROR, ERROR_FIXED.pack(qidx, seq, *map(len, parts)) + b"".join(parts))
+
+
+_CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
+
+
+def consumer_stages(stages: list[int]) -> list[int]:
+    """The ``consumer_wait`` triples of a record's flat stage list (what ``MSG_CWAIT`` carries)."""
+    out: list[int] = []
+    for i in range(0, len(stages) - 2, 3):
+        if stages[i] == _CONSUMER_WAIT:
+            out += stages[i : i + 3]
+    return out
+
+
+def fold_stages(stages: Any) -> list[int]:
+    """Repeated stages merged (first start, last end) so a record fits a slot; the builder does the same."""
+    first: dict[int, list[int]] = {}
+    it = iter(stages)
+    for stage, start, end in zip(it, it, it):
+        cur = first.get(stage)
+        if cur is None:
+            first[stage] = [stage, start, end]
+        else:
+            cur[1] = min(cur[1], start)
+            cur[2] = max(cur[2], end)
+    return [x for triple in first.values() for x in triple][:MAX_STAGE_INTS]
+
+
+@dataclass(slots=True)
+class Message:
+    index: int
+    kind: int
+    body: bytes
+
+
+class RingReader:
+    """Agent side: reads committed slots in order, without ever writing a slot."""
+
+    def __init__(self, mem: mmap.mmap) -> None:
+        self._mem = mem
+        self._buf = memoryview(mem)
+        self.hdr = self._buf[:HEADER_BYTES].cast("q")
+        if self.hdr[H_MAGIC] != MAGIC or self.hdr[H_VERSION] != VERSION:
+            raise ValueError("not a kvtrace ring (magic/version mismatch)")
+        self.nslots = self.hdr[H_NSLOTS]
+        self.next = self.hdr[H_READ]
+
+    def poll(self, limit: int) -> list[Message]:
+        """Up to ``limit`` complete messages from ``next`` on; stops at the first slot not yet committed."""
+        out: list[Message] = []
+        while len(out) < limit:
+            msg = self._read(self.next)
+            if msg is None:
+                break
+            out.append(msg)
+            self.next += 1
+        return out
+
+    def _read(self, k: int) -> Message | None:
+        off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
+        commit, crc, kind, length = SLOT_HEAD.unpack_from(self._mem, off)
+        if commit != k + 1 or length > BODY_BYTES:
+            return None
+        body = bytes(self._buf[off + SLOT_HEAD.size : off + SLOT_HEAD.size + length])
+        if zlib.crc32(body) != crc:
+            return None  # still being written (or torn): read again later
+        return Message(k, kind, body)
+
+    def skip_to_head(self) -> tuple[list[Message], int]:
+        """After the producer died: every committed message up to its last claim; the rest count as lost."""
+        head = max(self.hdr[H_HEAD], self.next)
+        out: list[Message] = []
+        lost = 0
+        k = self.next
+        while True:
+            msg = self._read(k)
+            if msg is None:
+                if k >= head:
+                    break
+                lost += 1  # claimed, never committed: the writer died mid-write
+            else:
+                out.append(msg)
+            k += 1
+        self.next = k
+        return out, lost
+
+    def consumed(self) -> None:
+        """Free the slots read so far for the producer (after they were exported)."""
+        self.hdr[H_READ] = self.next

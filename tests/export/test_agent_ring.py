@@ -1,0 +1,222 @@
+"""The ring between serving process and exporter agent: what goes in comes out as the same spans.
+
+Records are written with ``RingWriter`` (the serving side), read back with ``RingReader`` + the agent's
+``Decoder`` and built with the one ``SpanBuilder``; the spans must equal those built from the original
+record in-process. Plus the two loss paths: a full ring drops and counts (never blocks), a torn slot
+is never decoded and is counted as lost once its producer is gone.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from export_records import ANCHOR, QUEUE
+
+from otel_kvtrace.export.agent import Decoder
+from otel_kvtrace.export.spans import SpanBuilder, summarize_transfer_tasks
+from otel_kvtrace.record import ring as R
+from otel_kvtrace.record.model import Outcome, QueueInfo, Stage, TaskKind, TaskRecord
+
+
+def _ring(nslots: int = 256) -> tuple[R.RingWriter, R.RingReader]:
+    fd, mem = R.create_memfd(nslots)
+    import os
+
+    os.close(fd)
+    return R.RingWriter(mem), R.RingReader(mem)
+
+
+def _decode(reader: R.RingReader) -> list[TaskRecord]:
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in reader.poll(10_000):
+        decoder.feed(msg, out)
+    reader.consumed()
+    return out
+
+
+def _raise() -> None:
+    raise RuntimeError("copy failed: \"bad\" <addr>")
+
+
+def _error() -> BaseException:
+    try:
+        _raise()
+    except RuntimeError as exc:
+        return exc
+    raise AssertionError
+
+
+VARIANTS = {
+    "full": {},
+    "no_src_no_gate": {"src_layer": None, "gate_id": None},
+    "exact_npu": {"bounded_npu": False},
+    "send": {"kind": TaskKind.SEND, "src_layer": None, "gate_id": None, "consumer_wait": False},
+    "error": {"outcome": Outcome.ERROR, "error": _error()},
+    "many_calls": {"save_cpu_calls": 9},
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_a_task_through_the_ring_builds_the_same_spans(make_record, variant: str) -> None:
+    writer, reader = _ring()
+    original = make_record(**VARIANTS[variant])
+    assert writer.write_task(original, False, summarize_transfer_tasks(original.transfer_tasks))
+    (decoded,) = _decode(reader)
+    builder = SpanBuilder(ANCHOR)
+    assert builder.build(decoded) == builder.build(original)
+
+
+def test_awaited_task_joins_its_consumer_wait_sent_later(make_record) -> None:
+    writer, reader = _ring()
+    complete = make_record()  # with its consumer_wait stage
+    partial = make_record(consumer_wait=False)
+    assert writer.write_task(partial, True, summarize_transfer_tasks(partial.transfer_tasks))
+    # The forward records its wait after the recv thread shipped the task.
+    partial.stages.extend(complete.stages[-3:])
+    assert writer.write_cwait(partial, R.REASON_WAITED, R.consumer_stages(partial.stages))
+    (decoded,) = _decode(reader)
+    builder = SpanBuilder(ANCHOR)
+    assert builder.build(decoded) == builder.build(complete)
+
+
+def _root_attrs(builder: SpanBuilder, rec: TaskRecord) -> dict[str, object]:
+    root = builder.build(rec)[0]
+    return {a["key"]: next(iter(a["value"].values())) for a in root["attributes"]}
+
+
+def test_released_without_consumer_wait_says_why(make_record) -> None:
+    writer, reader = _ring()
+    rec = make_record(consumer_wait=False)
+    writer.write_task(rec, True, summarize_transfer_tasks(rec.transfer_tasks))
+    writer.write_cwait(rec, R.REASON_STEP_BOUNDARY, [])
+    other = make_record(consumer_wait=False, seq=4, layer_id=6)
+    writer.write_task(other, True, summarize_transfer_tasks(other.transfer_tasks))
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in reader.poll(100):
+        decoder.feed(msg, out)
+    assert len(out) == 1  # the second still awaits its consumer
+    decoder.release_awaiting(R.REASON_PRODUCER_DIED, out)
+    builder = SpanBuilder(ANCHOR)
+    reasons = [_root_attrs(builder, r)["kvtrace.consumer_wait_missing"] for r in out]
+    assert reasons == ["step_boundary", "producer_died"]
+    assert all(s["name"] != "consumer_wait" for r in out for s in builder.build(r))
+
+
+def test_queue_and_request_ids_are_sent_once_and_survive_escaping(make_record) -> None:
+    writer, reader = _ring()
+    queue = QueueInfo(run_id='run "q"\u00e9', path="key", thread_name="t\n1", pid=7, dp=1, tp=3, num_layers=4)
+    for seq in range(3):
+        rec = make_record(queue=queue, seq=seq)
+        writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))
+    kinds = [m.kind for m in reader.poll(100)]
+    assert kinds.count(R.MSG_QUEUE) == 1 and kinds.count(R.MSG_REQ) == 3 and kinds.count(R.MSG_TASK) == 3
+    reader.next = 0
+    decoded = _decode(reader)
+    assert [r.queue for r in decoded] == [queue] * 3
+    assert decoded[0].transfer_tasks.request_ids == ["reqA", "reqB", "reqC"]
+
+
+def test_full_ring_drops_and_counts_without_blocking(make_record) -> None:
+    writer, reader = _ring(nslots=R.CLAIM_MARGIN + 16)
+    rec = make_record()
+    summary = summarize_transfer_tasks(rec.transfer_tasks)
+    results = [writer.write_task(rec, False, summary) for _ in range(100)]
+    written = sum(results)
+    assert 0 < written <= 16 and writer.hdr[R.H_DROPPED] == 100 - written + 0
+    got = _decode(reader)
+    assert len(got) == written
+    assert writer.write_task(rec, False, summary)  # room again once the agent consumed
+
+
+def test_a_torn_slot_is_never_decoded_and_counts_as_lost(make_record) -> None:
+    writer, reader = _ring()
+    rec = make_record()
+    summary = summarize_transfer_tasks(rec.transfer_tasks)
+    writer.write_task(rec, False, summary)  # queue def, 3 request ids, task: slots 0..4
+    writer.write_task(rec, False, summary)  # slot 5
+    torn = R.HEADER_BYTES + 4 * R.SLOT_SIZE + R.SLOT_HEAD.size + 20
+    writer._mem[torn] ^= 0xFF  # a write cut short / seen out of order
+    msgs = reader.poll(100)
+    assert [m.kind for m in msgs] == [R.MSG_QUEUE, R.MSG_REQ, R.MSG_REQ, R.MSG_REQ]
+    after, lost = reader.skip_to_head()  # the producer died
+    assert lost == 1 and [m.kind for m in after] == [R.MSG_TASK]
+
+
+def test_more_stages_than_a_slot_holds_are_folded_like_the_builder(make_record) -> None:
+    writer, reader = _ring()
+    rec = make_record()
+    for i in range(40):
+        rec.stages.extend((Stage.H2D_STAGGER, rec.t_dequeue + i, rec.t_dequeue + i + 1))
+    writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))
+    (decoded,) = _decode(reader)
+    builder = SpanBuilder(ANCHOR)
+    names = lambda spans: {(s["name"], s["startTimeUnixNano"], s["endTimeUnixNano"]) for s in spans}  # noqa: E731
+    assert names(builder.build(decoded)) == names(builder.build(rec))
+    assert struct.calcsize("<q") * R.MAX_STAGE_INTS < R.BODY_BYTES
+
+
+def test_the_documented_layout_is_the_code_layout() -> None:
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
+    assert f"`{R.TASK_FIXED.format}`" in doc
+    assert f"{R.DEFAULT_SLOTS} slots of {R.SLOT_SIZE} bytes" in doc
+    assert f"up to {R.MAX_STAGE_INTS // 3} stage triples (int64), {R.MAX_GROUPS} group ids (int64), {R.MAX_REQS}" in doc
+    assert f"{R.HEADER_BYTES} bytes" in doc and f"{R.CLAIM_MARGIN} slots are kept spare" in doc
+
+
+def test_a_write_that_fails_after_its_claim_still_frees_the_slot(make_record) -> None:
+    writer, reader = _ring()
+    bad = make_record()
+    bad.seq = 1 << 70  # does not fit int64: pack_into raises after the slot was claimed
+    with pytest.raises(struct.error):
+        writer.write_task(bad, False, summarize_transfer_tasks(bad.transfer_tasks))
+    good = make_record(seq=5)
+    writer.write_task(good, False, summarize_transfer_tasks(good.transfer_tasks))
+    (decoded,) = _decode(reader)  # the reader went past the failed slot
+    assert decoded.seq == 5
+
+
+def test_a_queue_definition_lost_to_a_full_ring_is_sent_again(make_record) -> None:
+    writer, reader = _ring(nslots=R.CLAIM_MARGIN + 4)
+    rec = make_record()
+    summary = summarize_transfer_tasks(rec.transfer_tasks)
+    for _ in range(4):
+        writer.write_task(rec, False, summary)  # fills the ring (queue def + 3 request ids)
+    other = make_record(queue=QueueInfo(run_id="r2", path="key", thread_name="t", pid=9), seq=8)
+    assert not writer.write_task(other, False, summary)  # ring full: its queue definition was dropped too
+    _decode(reader)
+    assert writer.write_task(other, False, summary)  # room again: definition and task both written
+    (decoded,) = _decode(reader)
+    assert decoded.queue.run_id == "r2" and decoded.seq == 8
+
+
+def test_shipping_through_the_ring_leaves_no_garbage_for_the_cyclic_gc(make_record) -> None:
+    """With the ring, a recorded task (and the upstream objects it references) is freed as soon as it is
+    written, so recording never builds up the young generation that makes the GC pause the recording
+    thread; the in-process hand-off keeps records until export, and the GC runs."""
+    import gc
+
+    from export_records import fill_record
+
+    from otel_kvtrace.record.recorder import Recorder
+
+    def young_collections(ring: bool) -> int:
+        recorder = Recorder(capacity=20_000)
+        if ring:
+            writer, _reader = _ring(nslots=8192)  # room for every task: nobody drains during the count
+            recorder.attach_ring(writer)
+        gc.collect()
+        before = gc.get_stats()[0]["collections"]
+        for i in range(5000):
+            rec = recorder.new_record()
+            fill_record(rec, seq=i)
+            recorder.submit(rec)
+        assert recorder.dropped == 0
+        return gc.get_stats()[0]["collections"] - before
+
+    assert young_collections(ring=True) == 0
+    assert young_collections(ring=False) > 0
