@@ -107,14 +107,8 @@ class TracingSession:
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)
         export_stats = getattr(self.exporter, "stats", None)
-        if export_stats is None:
-            # The agent (or no exporter: tests drain the recorder themselves). Records the agent's sink
-            # accepted (file written, or in its OTLP spool) count as delivered; its own shutdown line
-            # splits delivered and spooled. Lost = dropped at the ring + lost in the agent.
-            lost = int(getattr(self.exporter, "lost", 0))
-            exported = int(getattr(self.exporter, "exported_tasks", 0))
-            return SessionStats(self.recorder.submitted, self.recorder.dropped + lost, self.recorder.disabled_reason,
-                                untraced, exported)
+        if export_stats is None:  # no exporter (tests drain the recorder themselves)
+            return SessionStats(self.recorder.submitted, self.recorder.dropped, self.recorder.disabled_reason, untraced)
         e = export_stats()
         return SessionStats(self.recorder.submitted, e.dropped, self.recorder.disabled_reason, untraced,
                             e.delivered, e.spooled)
@@ -171,7 +165,8 @@ def start_tracing(
             from otel_kvtrace.export.agent_link import create_agent_exporter
 
             export_worker = create_agent_exporter(
-                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol
+                recorder, resource_attrs, out_dir=out_dir, endpoint=endpoint, protocol=protocol,
+                meter_provider=meter_provider,
             )
         else:
             from otel_kvtrace.export import create_exporter  # deferred: pulls in the OTel SDK

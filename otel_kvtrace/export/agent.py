@@ -237,6 +237,21 @@ class Agent:
         else:
             self.lost += len(records)
             hdr[R.H_AGENT_LOST] = self.lost
+        self.publish_sink_stats()
+
+    def publish_sink_stats(self) -> None:
+        """The delivering sink's counts into the ring header, for the serving process's ``stats()``."""
+        stats = getattr(self.sink, "stats", None)
+        if stats is None:
+            return
+        try:
+            s = stats()
+        except Exception as exc:  # noqa: BLE001 - counts are best effort; the export itself went on
+            logger.debug("otel-kvtrace agent: sink stats failed: %r", exc)
+            return
+        hdr = self.reader.hdr
+        hdr[R.H_SINK_DELIVERED], hdr[R.H_SINK_SPOOLED], hdr[R.H_SINK_DROPPED] = s.delivered, s.spooled, s.dropped
+        hdr[R.H_SINK_STATS] = 1
 
 
 def main() -> int:
@@ -277,6 +292,7 @@ def main() -> int:
     finally:
         with contextlib.suppress(Exception):
             sink.shutdown()
+        agent.publish_sink_stats()  # after the final delivery attempt: what is delivered, what stays spooled
     with contextlib.suppress(Exception):
         out.write(f"exported={reader.hdr[R.H_EXPORTED]} lost={agent.lost}\n".encode())
         out.flush()

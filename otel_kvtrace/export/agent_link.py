@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from otel_kvtrace import config
-from otel_kvtrace.export.worker import _weak_callback  # one weak at-fork/atexit callback helper
+from otel_kvtrace.export.worker import ExportStats, _weak_callback, observe_export_stats
 from otel_kvtrace.record import ring as R
 from otel_kvtrace.record.recorder import Recorder
 
@@ -49,6 +49,7 @@ class AgentExporter:
         protocol: str | None = None,
         nslots: int = R.DEFAULT_SLOTS,
         start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        meter_provider: Any = None,
     ) -> None:
         self.recorder = recorder
         self._settings = {
@@ -69,6 +70,11 @@ class AgentExporter:
         self.writer = self._spawn(start_timeout_s, wait=True)
         recorder.attach_ring(self.writer)
         self._final: tuple[int, int] | None = None  # (exported, lost) once shut down and unmapped
+        self._final_stats: ExportStats | None = None
+        from opentelemetry import metrics
+
+        observe_export_stats((meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace"), self.stats,
+                             dropped=True)
         atexit.register(self.shutdown)
         if hasattr(os, "register_at_fork"):  # weakly: a shut-down exporter (and its ring) can be freed
             os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
@@ -153,6 +159,26 @@ class AgentExporter:
             lost = max(lost, self.recorder.submitted - int(hdr[R.H_EXPORTED]))
         return lost
 
+    def stats(self) -> ExportStats:
+        """Where every recorded task is (``ExportStats``), from the ring header the agent keeps current:
+        dropped = full ring + lost in the agent + dropped by its delivering sink (spool cap)."""
+        if self._final_stats is not None:
+            return self._final_stats
+        fallback = getattr(self, "_fallback", None)  # a forked child whose own agent did not start
+        if fallback is not None:
+            return fallback.stats()
+        hdr = self.writer.hdr
+        recorder = self.recorder
+        ring_dropped = recorder.dropped
+        recorded = recorder.submitted + ring_dropped
+        if hdr[R.H_SINK_STATS]:
+            delivered, spooled, sink_dropped = (int(hdr[R.H_SINK_DELIVERED]), int(hdr[R.H_SINK_SPOOLED]),
+                                                int(hdr[R.H_SINK_DROPPED]))
+        else:  # a file sink: exported is written
+            delivered, spooled, sink_dropped = self.exported_tasks, 0, 0
+        dropped = ring_dropped + self.lost + sink_dropped
+        return ExportStats(recorded, delivered, spooled, dropped, max(0, recorded - delivered - spooled - dropped))
+
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the agent has exported everything written so far. True if it did in time."""
         if self._final is not None:  # shut down: everything that could be was exported
@@ -196,6 +222,7 @@ class AgentExporter:
         hdr = self.writer.hdr
         finished = finished and hdr[R.H_READ] >= hdr[R.H_HEAD] and hdr[R.H_AGENT_LOST] == 0
         self._final = (self.exported_tasks, self.lost)
+        self._final_stats = self.stats()
         if self.recorder.ring is self.writer:
             self.recorder.attach_ring(None)  # later records (tracing stopped) stay in the bounded hand-off
         self.writer.release()
@@ -231,11 +258,12 @@ def _await_ready(proc: subprocess.Popen[bytes], timeout_s: float) -> bool:
     return False
 
 
-def _in_process(recorder: Recorder, settings: Mapping[str, Any]) -> Any:
+def _in_process(recorder: Recorder, settings: Mapping[str, Any], meter_provider: Any = None) -> Any:
     from otel_kvtrace.export.worker import create_exporter
 
     return create_exporter(recorder, settings["resource"], out_dir=settings["out_dir"],
-                           endpoint=settings["endpoint"], protocol=settings["protocol"])
+                           endpoint=settings["endpoint"], protocol=settings["protocol"],
+                           meter_provider=meter_provider)
 
 
 def create_agent_exporter(
@@ -245,14 +273,16 @@ def create_agent_exporter(
     out_dir: str | os.PathLike[str] | None = None,
     endpoint: str | None = None,
     protocol: str | None = None,
+    meter_provider: Any = None,
 ) -> Any:
     """An ``AgentExporter``; the in-process ``BackgroundExporter`` (one log line) if the agent cannot start."""
     from otel_kvtrace.export.worker import build_resource
 
     full = build_resource(resource)
     try:
-        return AgentExporter(recorder, full, out_dir=out_dir, endpoint=endpoint, protocol=protocol)
+        return AgentExporter(recorder, full, out_dir=out_dir, endpoint=endpoint, protocol=protocol,
+                             meter_provider=meter_provider)
     except AgentUnavailable as exc:
         logger.warning("otel-kvtrace: exporter agent unavailable (%s): exporting in-process", exc)
         return _in_process(recorder, {"resource": full, "out_dir": out_dir, "endpoint": endpoint,
-                                      "protocol": protocol})
+                                      "protocol": protocol}, meter_provider)

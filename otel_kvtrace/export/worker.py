@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -131,13 +131,7 @@ class BackgroundExporter:
         self._drop_counter = meter.create_counter(
             DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
         )
-        stats_ref = weakref.WeakMethod(self.stats)
-        meter.create_observable_counter(
-            DELIVERED_METRIC, [_observe(stats_ref, "delivered")], unit="{record}",
-            description="Task records acknowledged by the destination (receiver or file)")
-        meter.create_observable_up_down_counter(
-            SPOOLED_METRIC, [_observe(stats_ref, "spooled")], unit="{record}",
-            description="Task records in the delivery spool on disk, not yet acknowledged")
+        observe_export_stats(meter, self.stats)
         self._atexit = _weak_callback(self, "_shutdown_at_exit")
         atexit.register(self._atexit)
         if hasattr(os, "register_at_fork"):
@@ -347,6 +341,22 @@ class BackgroundExporter:
                 self.sink.shutdown(timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.debug("otel-kvtrace: sink shutdown failed: %r", exc)
+
+
+def observe_export_stats(meter: metrics.Meter, stats: Callable[[], ExportStats], *, dropped: bool = False) -> None:
+    """Delivered and spooled counts (and ``dropped``, for an exporter that counts no drops itself) as
+    observable instruments reading ``stats`` (held weakly: a shut-down exporter can be freed)."""
+    stats_ref = weakref.WeakMethod(stats)  # type: ignore[arg-type]
+    meter.create_observable_counter(
+        DELIVERED_METRIC, [_observe(stats_ref, "delivered")], unit="{record}",
+        description="Task records acknowledged by the destination (receiver or file)")
+    meter.create_observable_up_down_counter(
+        SPOOLED_METRIC, [_observe(stats_ref, "spooled")], unit="{record}",
+        description="Task records in the delivery spool on disk, not yet acknowledged")
+    if dropped:
+        meter.create_observable_counter(
+            DROPPED_METRIC, [_observe(stats_ref, "dropped")], unit="{record}",
+            description="Task records lost before export (queue full or export failed)")
 
 
 def _observe(stats_ref: Any, field: str) -> Any:

@@ -13,7 +13,10 @@ Layout (little-endian; ``docs/export.md`` has the same table)::
             H_READ      slots consumed (decoded and exported) by the agent
             H_DROPPED   messages the producer dropped because the ring was full (agent dead or slow)
             H_PRODUCER_PID, H_AGENT_PID, H_EXPORTED (tasks the agent handed to its sink),
-            H_AGENT_LOST (tasks the agent lost: sink failure, torn slot of a killed producer)
+            H_AGENT_LOST (tasks the agent lost: sink failure, torn slot of a killed producer),
+            H_SINK_STATS (1 once the agent's sink reports where its tasks are), H_SINK_DELIVERED,
+            H_SINK_SPOOLED, H_SINK_DROPPED (the delivering sink's counts, so the serving process's
+            ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``)
     slot i  at HEADER_BYTES + (i % nslots) * slot_size:
             commit  q   i + 1 once the slot's message is complete (written last)
             crc     I   zlib.crc32 of the body (a torn or reordered write is never decoded)
@@ -66,7 +69,7 @@ DEFAULT_SLOTS = 8192  # 8 MiB per serving process
 CLAIM_MARGIN = 64
 
 (H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE, H_HEAD, H_READ, H_DROPPED, H_PRODUCER_PID, H_AGENT_PID,
- H_EXPORTED, H_AGENT_LOST) = range(11)
+ H_EXPORTED, H_AGENT_LOST, H_SINK_STATS, H_SINK_DELIVERED, H_SINK_SPOOLED, H_SINK_DROPPED) = range(15)
 
 MSG_VOID, MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE = range(8)
 

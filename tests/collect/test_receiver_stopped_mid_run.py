@@ -47,7 +47,8 @@ def _root_spans(out_dir: Path) -> int:
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_replica_runs_to_the_end_and_drops_are_counted_when_the_receiver_stops(
-    tmp_path: Path, protocol: str, monkeypatch: pytest.MonkeyPatch, tasks_in_a_complete_run: int
+    tmp_path: Path, protocol: str, monkeypatch: pytest.MonkeyPatch, tasks_in_a_complete_run: int,
+    _spool_in_tmp: Path,
 ) -> None:
     monkeypatch.setenv("OTEL_KVTRACE_EXPORT_INTERVAL_MS", "20")  # export during the run, not only at the end
     out = tmp_path / "collected"
@@ -73,8 +74,6 @@ def test_replica_runs_to_the_end_and_drops_are_counted_when_the_receiver_stops(
         result = run_threaded(cfg, on_step=on_step)
     finally:
         stats = session.shutdown(timeout_s=1.0)
-    exporter = session.exporter
-
     assert exit_codes == [0]
     # The instrumented threads never waited for the dead receiver: the run completed normally.
     assert result.error is None and result.steps_done == STEPS and result.clean_shutdown
@@ -86,7 +85,9 @@ def test_replica_runs_to_the_end_and_drops_are_counted_when_the_receiver_stops(
     # A new receiver: the spool left on disk is resent, and then everything not dropped has arrived.
     revived = CollectProcess(tmp_path / "revived")
     port = revived.grpc_port if protocol == "grpc" else revived.http_port
-    result = resend(exporter.sink.spool.directory, endpoint=f"http://127.0.0.1:{port}", timeout_s=60)
+    # the exporter's spool (the agent's or the in-process exporter's: one per run id and process)
+    (spool,) = [d for d in _spool_in_tmp.iterdir() if d.name.startswith(f"stop-mid-run-{protocol.split('/')[0]}-")]
+    result = resend(spool, endpoint=f"http://127.0.0.1:{port}", timeout_s=60)
     code, _ = revived.terminate(signal.SIGTERM)
     assert code == 0 and result.left == 0 and result.delivered == stats.spooled
     assert _root_spans(out) + _root_spans(tmp_path / "revived") == tasks_in_a_complete_run - stats.dropped
