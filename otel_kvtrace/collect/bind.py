@@ -24,7 +24,7 @@ def check_host(host: str, allow_remote: bool = False) -> str:
     try:
         infos = socket.getaddrinfo(host.strip(), None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as exc:
-        raise HostError(f"--host {host!r} is not an address or a name that resolves ({exc})") from None
+        raise HostError(f"--host {host!r} does not resolve to an address ({exc})") from None
     address = str(infos[0][4][0])
     if is_loopback(address) or allow_remote:
         return address
