@@ -72,14 +72,14 @@ class DamagedFile(Exception):
 
 
 def parse_line(raw: bytes) -> Any:
-    """Strict JSON (no NaN/Infinity, no trailing commas); integers of any size. Raises ``ValueError``."""
+    """Strict JSON (no NaN/Infinity, no trailing commas), integers exact at any size (orjson would turn
+    integers beyond 64 bits into floats, changing the value). Raises ``ValueError``."""
     try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        try:  # orjson refuses integers beyond 64 bits, which are valid JSON (and then out of range here)
-            return json.loads(raw, parse_constant=_no_constant)
-        except (ValueError, RecursionError):
-            raise ValueError(str(exc)) from None
+        return json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from None
 
 
 def _no_constant(name: str) -> Any:
@@ -200,8 +200,9 @@ def clean_doc(doc: Any) -> tuple[dict | None, int, list[str]]:
 
 def foreign_format(doc: Any) -> str | None:
     """A sentence naming what ``doc`` is when it is a known trace format other than OTLP, else None."""
-    if isinstance(doc, dict) and isinstance(doc.get("data"), list) and all(
-            isinstance(t, dict) and "traceID" in t for t in doc["data"][:3]):
+    traces = doc.get("data") if isinstance(doc, dict) and "data" in doc else doc if isinstance(doc, list) else [doc]
+    if isinstance(traces, list) and traces and all(
+            isinstance(t, dict) and "traceID" in t and "spans" in t for t in traces[:3]):
         return ("a Jaeger UI export (\"Download JSON\"), not OTLP/JSON; export OTLP instead: "
                 "`kvtrace collect` or the Collector's file exporter write it (docs/collector.md)")
     if isinstance(doc, dict) and ("traceEvents" in doc or "displayTimeUnit" in doc) or (
