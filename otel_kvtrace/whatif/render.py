@@ -112,7 +112,7 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
     switches = [v for v in report.verdicts if v.verdict != KEEP]
     lines += [f"**{len(switches)} of {len(report.verdicts)} configuration(s) warrant a switch.**", ""]
     for png in png_names:
-        lines += [f"![{_md(Path(png).stem)}](<{_md(png)}>)", ""]
+        lines += [f"![{Path(png).stem}]({png})", ""]  # our own file names, not trace values
     paths = sorted({str(v.extra.get("path") or v.config.get("path") or "") for v in report.verdicts})
     for path in paths:
         group = [v for v in report.verdicts if str(v.extra.get("path") or v.config.get("path") or "") == path]
@@ -125,7 +125,7 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
         for v in group:
             best, lb = _best_gain(v)
             lines.append(
-                f"| {_label(v)} | {len(v.run_ids)} | {_f(v.fifo_median_error_pct, 2)} ({_f(v.fifo_p95_error_pct, 1)}) "
+                f"| {_md(_label(v))} | {len(v.run_ids)} | {_f(v.fifo_median_error_pct, 2)} ({_f(v.fifo_p95_error_pct, 1)}) "
                 f"| {', '.join(str(n) for n in v.hol_events)} | {', '.join(_f(x, 2) for x in v.hol_ms)} "
                 f"| {_md(best)}: {_f(lb)} | {_f(v.noise_ms)} | **{_md(v.verdict)}** | {_md(v.reason)} |")
         lines.append("")
@@ -140,11 +140,11 @@ def _label(v: ConfigVerdict) -> str:
     for key in ("requests_per_step", "stress", "clock"):
         if key in v.config:
             extra.append(f"{key}={v.config[key]}")
-    return _md(v.cfg_label + (f" ({', '.join(extra)})" if extra else ""))
+    return v.cfg_label + (f" ({', '.join(extra)})" if extra else "")
 
 
 def _detail(v: ConfigVerdict) -> list[str]:
-    lines = [f"### {_label(v)}", ""]
+    lines = [f"### {_md(_label(v))}", ""]
     lines.append("Configuration: " + ", ".join(_code(f"{k}={val}") for k, val in v.config.items()) + ".")
     if v.reproduce:
         lines.append(f"Reproduce: {_code(v.reproduce)}.")
