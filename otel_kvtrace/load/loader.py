@@ -48,7 +48,7 @@ class LoadStats:
     duplicate_tasks: int = 0  # recv roots whose trace id was already seen (a task loaded or exported twice)
     malformed: list[MalformedLine] = field(default_factory=list)
     empty_files: list[str] = field(default_factory=list)  # inputs that hold no usable span (listed, not fatal)
-    incomplete_tasks: int = 0  # recv tasks without queue, seq, correlation id or ts.enqueue (analyses skip them)
+    incomplete_tasks: int = 0  # recv tasks without queue, seq, correlation id or ts.enqueue (listed, not in tasks)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
 
@@ -126,6 +126,7 @@ def load_traces(
         roots_repeat = _drop_duplicate_spans(con, files, stats, say)
         say("deriving tasks ...")
         _run(con, create_tasks_sql(RAW_SPANS, "tasks", one_root_per_trace=roots_repeat))
+        _drop_incomplete_tasks(con, stats)
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
         _count_into(con, stats)
@@ -149,11 +150,31 @@ def _count_into(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
     stats.spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
-    stats.incomplete_tasks = _scalar(con, "SELECT count(*) FROM tasks WHERE queue IS NULL OR seq IS NULL "
-                                          "OR correlation_id IS NULL OR ts_enqueue IS NULL")
+
     stats.exporter_dropped = int(_scalar(con, f"""
         SELECT coalesce(sum(d), 0) FROM (
             SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))
+
+
+_KEY_COLUMNS = ("queue", "seq", "correlation_id", "ts_enqueue")
+
+
+def _drop_incomplete_tasks(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
+    """Recv tasks without a queue, seq, correlation id or enqueue time cannot be placed in their queue: list
+    each (file, trace id, what is missing) in ``stats.malformed`` and leave it out of ``tasks`` (its spans
+    stay in ``spans``), so no analysis meets a NULL key."""
+    missing = " || ".join(f"CASE WHEN {c} IS NULL THEN ' {c.replace('_', '.', 1) if c.startswith('ts_') else c}' "
+                          f"ELSE '' END" for c in _KEY_COLUMNS)
+    where = " OR ".join(f"{c} IS NULL" for c in _KEY_COLUMNS)
+    rows = con.execute(f"""
+        SELECT r.file, t.trace_id, {missing} FROM tasks AS t
+        JOIN {RAW_SPANS} AS r ON r.trace_id = t.trace_id AND r.span_id = t.span_id
+        WHERE {where} ORDER BY r.file, t.trace_id""").fetchall()
+    stats.incomplete_tasks = len(rows)
+    if rows:
+        stats.malformed += [MalformedLine(file, 0, f"recv task {trace_id} has no{what}; left out of tasks")
+                            for file, trace_id, what in rows]
+        _run(con, f"DELETE FROM tasks WHERE {where}")
 
 
 def _drop_duplicate_spans(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats,

@@ -1,4 +1,4 @@
-"""Seeded fuzz of the loader: both paths agree, nothing crashes, every rejection is named.
+"""Seeded fuzz of the loader and the report: both load paths agree, nothing crashes, every rejection named.
 
 Each case is one file: a few valid OTLP/JSON lines of kvtrace tasks, then one mutation (a field of one
 span, resource or attribute replaced by a hostile value or removed, or a line made non-strict, cut,
@@ -6,6 +6,7 @@ replaced by a non-OTLP document, or a .gz damaged). All cases load in one ``load
 path with its SQL screen, halving on unparsable files) and are compared file by file with the same file
 forced through the cleaner (the rules in ``clean.py``): the same rows, the same problems. On top, the
 spans the mutation did not touch are all loaded (a bad attribute costs the attribute, not the span).
+The report (terminal, JSON, HTML) of everything that loaded must then build without an exception.
 ``bench/fuzz.py`` runs the same checks on thousands of cases.
 """
 
@@ -132,20 +133,36 @@ def check_cases(n: int, seed: int) -> dict[str, int]:
             name = str(path.resolve())
             stats = LoadStats()
             _load_cleaned(forced, path.resolve(), root / "forced", stats)
-            fast_problems = sorted(str(m) for m in loaded.stats.malformed if m.file == name)
+            fast_problems = sorted(str(m) for m in loaded.stats.malformed if m.file == name and m.line)
             assert fast_problems == sorted(str(m) for m in stats.malformed), name
             assert _rows(loaded.con, name) == _rows(forced, name), name
             ids = {(r[0], r[1]) for r in _rows(loaded.con, name)}
             assert survivors <= ids, (name, survivors - ids)
-            assert all(m.reason and m.line >= 1 for m in loaded.stats.malformed)
+            assert all(m.line >= 1 or m.reason.endswith("left out of tasks") for m in loaded.stats.malformed)
             problems += len(fast_problems)
+        _report_survives(loaded, root / "out")
     return {"cases": n, "problems": problems, "spans": loaded.stats.spans}
+
+
+def _report_survives(loaded: object, out: Path) -> None:
+    """The report (terminal, JSON, HTML) of whatever loaded: no exception."""
+    import io
+
+    from rich.console import Console
+
+    from otel_kvtrace.report import build_report, render_terminal, write_html, write_json
+
+    report = build_report(loaded)  # type: ignore[arg-type]
+    render_terminal(report, Console(file=io.StringIO(), width=80))
+    out.mkdir()
+    write_json(report, out / "r.json")
+    write_html(report, out / "r.html")
 
 
 @pytest.mark.parametrize("seed", [1, 2])
 def test_fuzzed_inputs_load_the_same_on_both_paths_and_name_every_problem(seed: int) -> None:
-    counts = check_cases(150, seed)
-    assert counts["problems"] > 50  # the mutations do hit
+    counts = check_cases(120, seed)
+    assert counts["problems"] > 40  # the mutations do hit
 
 
 def test_a_directory_of_nothing_usable_is_one_load_error(tmp_path: Path) -> None:

@@ -123,7 +123,9 @@ def test_tasks_missing_key_columns_are_counted(tmp_path: Path) -> None:
             span["attributes"] = [a for a in span["attributes"] if a["key"] != "kvtrace.queue"]
             break
     (tmp_path / "t.jsonl").write_bytes(orjson.dumps(doc) + b"\n")
-    assert load_traces(tmp_path / "t.jsonl").stats.incomplete_tasks == 1
+    result = load_traces(tmp_path / "t.jsonl")
+    assert result.stats.incomplete_tasks == 1 and result.stats.tasks == 1
+    assert [m.reason.split(" ", 3)[3] for m in result.stats.malformed] == ["has no queue; left out of tasks"]
 
 
 def test_pretty_printed_otlp_loads_and_without_kvtrace_spans_says_so(tmp_path: Path) -> None:
