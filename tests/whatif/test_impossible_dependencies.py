@@ -68,3 +68,32 @@ def test_random_valid_schedules_replay_and_random_cycles_are_refused(seed: int) 
     bad.ready_gate_ns = bad.arrival_ns
     with pytest.raises(ReplayInputError, match=f"seq={bad.seq} "):
         replay_run(tasks)
+
+
+def test_the_cli_exits_2_naming_the_task_of_a_cycle_in_a_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import orjson
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from synthetic_traces import QueueSpec, request_lines, simulate_queue
+
+    spec = QueueSpec(run_id="cycle")
+    lines = [orjson.loads(x) for x in request_lines(spec, simulate_queue(spec, 16, seed=1))]
+    target = None
+    for doc in lines:
+        for span in doc["resourceSpans"][0]["scopeSpans"][0]["spans"]:
+            attrs = {a["key"]: a for a in span.get("attributes", [])}
+            if span["name"] == "kvtrace.recv.task" and "kvtrace.gate_id" in attrs and target is None:
+                layer = int(attrs["kvtrace.layer_id"]["value"]["intValue"])
+                attrs["kvtrace.gate_id"]["value"] = {"intValue": str(layer + 1)}
+                target = attrs["kvtrace.seq"]["value"]["intValue"]
+    assert target is not None
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(d) + b"\n" for d in lines))
+    proc = subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", "whatif", str(path)], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert f"seq={target} " in proc.stderr and "Traceback" not in proc.stderr
