@@ -175,7 +175,10 @@ class HttpEndpoint:
         reserved[0] += n
 
     def _read_body(self, h: _Handler, length: int, reserved: list[int]) -> bytes:
+        keep = h.close_connection
+        h.close_connection = True  # until the body is read: a refusal here leaves it unread on the socket
         self._reserve(reserved, length)
+        h.close_connection = keep
         body = h.rfile.read(length)
         if len(body) != length:  # the client closed the connection part-way
             h.close_connection = True
@@ -187,7 +190,7 @@ class HttpEndpoint:
         content_type = (h.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         reply_type = self._reply_type(h)
         length_header = h.headers.get("Content-Length")
-        if length_header is None or not length_header.isdigit():
+        if length_header is None or not (length_header.isascii() and length_header.isdigit()):
             h.close_connection = True  # the body's end is unknown, so the connection cannot be reused
             self._malformed(h, HTTPStatus.LENGTH_REQUIRED, "Content-Length is required", reply_type)
             return

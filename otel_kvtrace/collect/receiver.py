@@ -104,6 +104,9 @@ class Receiver:
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 picks a free port), got {port}")
+        if max_memory_bytes < 2 * max_request_bytes:  # a lone request must always fit: body + inflated body
+            raise ValueError(f"max_memory_bytes ({max_memory_bytes}) must be >= 2 * max_request_bytes "
+                             f"({max_request_bytes})")
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / collected_file_name()
         self.host = check_host(host, allow_remote)
