@@ -5,6 +5,7 @@ JSON) on loopback and writes each request as one OTLP/JSON line, the layout the 
 exporter writes and ``kvtrace report`` reads.
 """
 
+from otel_kvtrace.collect.bind import HostError
 from otel_kvtrace.collect.receiver import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HOST,
@@ -23,6 +24,7 @@ __all__ = [
     "DEFAULT_HOST",
     "DEFAULT_HTTP_PORT",
     "DEFAULT_OUT_DIR",
+    "HostError",
     "OutputDirError",
     "PortInUseError",
     "Receiver",

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from otel_kvtrace.collect.bind import HostError
 from otel_kvtrace.collect.receiver import (
     DEFAULT_GRPC_PORT,
     DEFAULT_HOST,
@@ -33,7 +34,9 @@ from otel_kvtrace.collect.run import collect
 @click.option("--no-grpc", is_flag=True, help="Do not listen for gRPC.")
 @click.option("--no-http", is_flag=True, help="Do not listen for HTTP.")
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
-              help="Address to bind. Loopback by default; 0.0.0.0 exposes the receiver to the network.")
+              help="Address to bind. Loopback only unless --allow-remote is given too.")
+@click.option("--allow-remote", is_flag=True,
+              help="Allow a --host that is not loopback (e.g. 0.0.0.0): the receiver has no authentication.")
 @click.option("--max-queue-mb", type=click.IntRange(1), default=DEFAULT_MAX_QUEUE_BYTES // 2**20, show_default=True,
               help="Request MiB that may wait for the file writer; beyond it senders are told to retry.")
 @click.option("--status-interval", type=click.FloatRange(0), default=10.0, show_default=True,
@@ -45,6 +48,7 @@ def collect_command(
     no_grpc: bool,
     no_http: bool,
     host: str,
+    allow_remote: bool,
     max_queue_mb: int,
     status_interval: float,
 ) -> None:
@@ -70,10 +74,13 @@ def collect_command(
             grpc_port=None if no_grpc else grpc_port,
             http_port=None if no_http else http_port,
             host=host,
+            allow_remote=allow_remote,
             max_queue_bytes=max_queue_mb * 2**20,
             status_interval=status_interval,
         )
     except PortInUseError as exc:
         raise click.BadParameter(str(exc), param_hint=exc.option) from exc
+    except HostError as exc:
+        raise click.BadParameter(str(exc), param_hint="--host") from exc
     except OutputDirError as exc:
         raise click.BadParameter(str(exc), param_hint="--out") from exc

@@ -6,6 +6,7 @@ with INVALID_ARGUMENT and counted here, instead of grpcio's generic INTERNAL "Ex
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from concurrent import futures
 
@@ -13,11 +14,14 @@ import grpc
 from google.protobuf.duration_pb2 import Duration
 from google.rpc.error_details_pb2 import RetryInfo
 
+from otel_kvtrace.collect.queue import MemoryBudget
+from otel_kvtrace.collect.stats import StatsCounter
 from otel_kvtrace.collect.validate import AcceptFn, MalformedRequest, decode_protobuf
 
 SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
 
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
+_log = logging.getLogger(__name__)
 
 
 def _retry_info(seconds: float) -> bytes:
@@ -36,17 +40,23 @@ class GrpcEndpoint:
         accept: AcceptFn,
         on_malformed: Callable[[], None],
         max_request_bytes: int,
+        memory: MemoryBudget,
+        stats: StatsCounter,
         max_workers: int = 8,
         retry_after_s: float = 0.5,
     ) -> None:
         self._accept = accept
         self._on_malformed = on_malformed
+        self._memory = memory
+        self._stats = stats
         self._retry_after_s = retry_after_s
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kvtrace-collect-grpc"),
             options=[
                 ("grpc.so_reuseport", 0),  # a taken port must fail to bind, not be shared
+                # applies to the decompressed message: grpc-encoding gzip cannot inflate past it
                 ("grpc.max_receive_message_length", max_request_bytes),
+                ("grpc.max_concurrent_streams", max_workers),
             ],
         )
         handler = grpc.unary_unary_rpc_method_handler(self._export)  # bytes in, bytes out
@@ -68,16 +78,36 @@ class GrpcEndpoint:
         self._server.stop(grace_s).wait()
 
     def _export(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+        """Decode, hand to the receiver, answer; grpcio has already decompressed and size-checked ``body``."""
+        if not self._memory.try_reserve(len(body)):
+            self._stats.add(refused_memory=1)
+            self._abort_retry(context, "receiver memory budget in use by other requests; retry")
+        try:
+            return self._export_reserved(body, context)
+        finally:
+            self._memory.release(len(body))
+
+    def _export_reserved(self, body: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             req = decode_protobuf(body)
         except MalformedRequest as exc:
             self._on_malformed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        result = self._accept(req, len(body))
+        try:
+            result = self._accept(req, len(body))
+        except Exception:  # noqa: BLE001 - a bug must cost one request an INTERNAL answer, never the server
+            _log.exception("kvtrace collect: unexpected error handling a gRPC request")
+            self._stats.add(internal_errors=1)
+            context.abort(grpc.StatusCode.INTERNAL, "internal error in kvtrace collect")
         if result.response is not None:
             return result.response.SerializeToString()
+        if result.too_large:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, result.message)
         if result.queue_full:
-            context.set_trailing_metadata(((_RETRY_INFO_KEY, _retry_info(self._retry_after_s)),))
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, result.message)
+            self._abort_retry(context, result.message)
         context.abort(grpc.StatusCode.UNAVAILABLE, result.message)
         raise AssertionError("unreachable")  # abort raises
+
+    def _abort_retry(self, context: grpc.ServicerContext, message: str) -> None:
+        context.set_trailing_metadata(((_RETRY_INFO_KEY, _retry_info(self._retry_after_s)),))
+        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, message)

@@ -15,7 +15,7 @@ T = TypeVar("T")
 
 
 class ByteBoundedQueue(Generic[T]):
-    """FIFO whose total ``size`` (wire bytes of the queued requests) stays under ``max_bytes``.
+    """FIFO whose total ``size`` (bytes of the queued items) stays under ``max_bytes``.
 
     One item is always accepted into an empty queue, so a single request larger than the budget
     (but under the receiver's request-size limit) still goes through instead of being refused forever.
@@ -46,14 +46,20 @@ class ByteBoundedQueue(Generic[T]):
 
     def take(self, timeout: float) -> T | None:
         """The oldest item, or None after ``timeout`` seconds (or at once when closed and empty)."""
+        batch = self.take_many(timeout, 1)
+        return batch[0] if batch else None
+
+    def take_many(self, timeout: float, max_items: int) -> list[T]:
+        """Up to ``max_items`` oldest items (waiting up to ``timeout`` for the first); [] when none came."""
         with self._cond:
             if not self._items and not self._closed:
                 self._cond.wait(timeout)
-            if not self._items:
-                return None
-            item, size = self._items.popleft()
-            self._bytes -= size
-            return item
+            out: list[T] = []
+            while self._items and len(out) < max_items:
+                item, size = self._items.popleft()
+                self._bytes -= size
+                out.append(item)
+            return out
 
     def close(self) -> None:
         """Refuse new items; ``take`` keeps returning what is queued, then None without waiting."""
@@ -73,3 +79,38 @@ class ByteBoundedQueue(Generic[T]):
     def queued_bytes(self) -> int:
         with self._cond:
             return self._bytes
+
+
+class MemoryBudget:
+    """Bytes that all requests being received and decompressed at once may hold together.
+
+    Each request reserves its body and, chunk by chunk, what it inflates to; a reservation that does not
+    fit is refused (never waits), so N concurrent decompression bombs cost at most ``max_bytes``, not N
+    times the per-request cap. One reservation is always granted when nothing is reserved, so a single
+    request up to the per-request limit is never refused forever.
+    """
+
+    def __init__(self, max_bytes: int) -> None:
+        if max_bytes <= 0:
+            raise ValueError(f"max_bytes must be > 0, got {max_bytes}")
+        self.max_bytes = max_bytes
+        self._used = 0
+        self._lock = threading.Lock()
+        self.high_water_bytes = 0
+
+    def try_reserve(self, n: int) -> bool:
+        with self._lock:
+            if self._used and self._used + n > self.max_bytes:
+                return False
+            self._used += n
+            self.high_water_bytes = max(self.high_water_bytes, self._used)
+            return True
+
+    def release(self, n: int) -> None:
+        with self._lock:
+            self._used -= n
+
+    @property
+    def used(self) -> int:
+        with self._lock:
+            return self._used

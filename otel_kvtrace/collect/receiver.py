@@ -15,7 +15,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from otel_kvtrace.collect.grpc_server import GrpcEndpoint
 from otel_kvtrace.collect.http_server import HttpEndpoint
-from otel_kvtrace.collect.queue import ByteBoundedQueue
+from otel_kvtrace.collect.bind import check_host
+from otel_kvtrace.collect.queue import ByteBoundedQueue, MemoryBudget
 from otel_kvtrace.collect.stats import ReceiverStats, StatsCounter
 from otel_kvtrace.collect.validate import (
     AcceptResult,
@@ -23,7 +24,8 @@ from otel_kvtrace.collect.validate import (
     drop_invalid_spans,
     export_response,
 )
-from otel_kvtrace.collect.writer import JsonLinesWriter
+from otel_kvtrace.collect.writer import JsonLinesWriter, PendingWrite
+from otel_kvtrace.export.otlp_json import MAX_LINE_BYTES, request_to_json_line
 
 _Endpoint = TypeVar("_Endpoint", GrpcEndpoint, HttpEndpoint)
 
@@ -34,7 +36,11 @@ DEFAULT_HTTP_PORT = 4318
 DEFAULT_MAX_QUEUE_BYTES = 64 * 1024 * 1024
 """Request bytes that may wait for the writer; beyond it senders get RESOURCE_EXHAUSTED / 503 and retry."""
 DEFAULT_MAX_REQUEST_BYTES = 64 * 1024 * 1024
-"""Largest accepted request (the OTel Python HTTP exporter's own default limit)."""
+"""Largest accepted request, after decompression (the OTel Python HTTP exporter's own default limit)."""
+DEFAULT_MAX_MEMORY_BYTES = 256 * 1024 * 1024
+"""Bytes that all requests being read and decompressed at once may hold; beyond it: 503, retry."""
+DEFAULT_ACK_TIMEOUT_S = 5.0
+"""How long a sender waits for its line to be written and fsync-ed before it is told to retry."""
 
 
 def collected_file_name(pid: int | None = None) -> str:
@@ -65,10 +71,12 @@ class OutputDirError(OSError):
 class Receiver:
     """OTLP trace receiver writing every accepted request as one OTLP/JSON line to ``out_dir``.
 
-    Several worker processes can export to it at once. Memory is bounded by ``max_queue_bytes``: when
-    the writer falls behind, requests are refused with RESOURCE_EXHAUSTED (gRPC) or 503 (HTTP), which the
-    OTLP exporters retry. ``stop`` refuses new requests, waits for running ones and writes everything
-    accepted before returning.
+    Several worker processes can export to it at once. A request is answered success only after its line
+    was written and fsync-ed; when it cannot be written (disk full) the answer is UNAVAILABLE / 503, which
+    the OTLP exporters retry. Memory is bounded by ``max_queue_bytes`` (lines waiting for the writer) and
+    ``max_memory_bytes`` (bodies being read and inflated at once): beyond either, requests are refused with
+    RESOURCE_EXHAUSTED (gRPC) or 503 (HTTP). ``stop`` refuses new requests, waits for running ones and
+    writes everything accepted before returning. Binding anything but loopback needs ``allow_remote``.
 
     Example::
 
@@ -86,19 +94,29 @@ class Receiver:
         host: str = DEFAULT_HOST,
         max_queue_bytes: int = DEFAULT_MAX_QUEUE_BYTES,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        max_memory_bytes: int = DEFAULT_MAX_MEMORY_BYTES,
+        allow_remote: bool = False,
+        ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S,
+        max_line_bytes: int = MAX_LINE_BYTES,
     ) -> None:
         if grpc_port is None and http_port is None:
             raise ValueError("enable at least one of grpc_port and http_port")
         for name, port in (("grpc_port", grpc_port), ("http_port", http_port)):
             if port is not None and not 0 <= port <= 65535:
                 raise ValueError(f"{name} must be in 0..65535 (0 picks a free port), got {port}")
+        if max_memory_bytes < 2 * max_request_bytes:  # a lone request must always fit: body + inflated body
+            raise ValueError(f"max_memory_bytes ({max_memory_bytes}) must be >= 2 * max_request_bytes "
+                             f"({max_request_bytes})")
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / collected_file_name()
-        self.host = host
+        self.host = check_host(host, allow_remote)
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port
         self._max_request_bytes = max_request_bytes
-        self._queue: ByteBoundedQueue[ExportTraceServiceRequest] = ByteBoundedQueue(max_queue_bytes)
+        self._max_line_bytes = max_line_bytes
+        self._ack_timeout_s = ack_timeout_s
+        self.memory = MemoryBudget(max_memory_bytes)
+        self._queue: ByteBoundedQueue[PendingWrite] = ByteBoundedQueue(max_queue_bytes)
         self._stats = StatsCounter()
         self._writer = JsonLinesWriter(self.path, self._queue, self._stats)
         self._grpc: GrpcEndpoint | None = None
@@ -153,7 +171,8 @@ class Receiver:
         ``option``."""
         try:
             return endpoint(
-                self.host, port, functools.partial(self._accept, protocol=protocol), on_malformed, self._max_request_bytes
+                self.host, port, functools.partial(self._accept, protocol=protocol), on_malformed,
+                self._max_request_bytes, self.memory, self._stats,
             )
         except OSError as exc:
             raise PortInUseError(protocol, self.host, port, option, str(exc)) from exc
@@ -188,9 +207,10 @@ class Receiver:
     # --- called by the endpoints' threads ---------------------------------------------------
 
     def _accept(self, req: ExportTraceServiceRequest, size: int, protocol: str = "") -> AcceptResult:
+        """Queue ``req``'s line and wait until the writer has written and fsync-ed it (or failed)."""
         with self._state_lock:
             stopping = self._stopping
-        if stopping:
+        if stopping or not self._writer.alive:
             self._stats.add(refused_stopping=1)
             return AcceptResult(None, message="receiver is shutting down; retry against the next one")
         rejected = drop_invalid_spans(req)
@@ -198,11 +218,26 @@ class Receiver:
         if spans == 0:  # nothing to keep: answer success without writing an empty line
             self._stats.add(spans_rejected=rejected, **{f"{protocol}_requests": 1})
             return AcceptResult(export_response(rejected))
-        if not self._queue.offer(req, size):
+        line = request_to_json_line(req)
+        if len(line) > self._max_line_bytes:
+            self._stats.add(too_large=1)
+            return AcceptResult(None, too_large=True, message=(
+                f"request is {len(line)} bytes as an OTLP/JSON line, over the {self._max_line_bytes} the loader "
+                "reads; export smaller batches"))
+        pending = PendingWrite(line, spans)
+        if not self._queue.offer(pending, len(line)):
             self._stats.add(refused_full=1)
             return AcceptResult(None, queue_full=True, message="write queue full; retry later")
-        self._stats.add(spans_received=spans, spans_rejected=rejected, **{f"{protocol}_requests": 1})
-        return AcceptResult(export_response(rejected))
+        outcome = pending.wait(self._ack_timeout_s)
+        if outcome == "in progress":  # the writer holds it: it will be written or fail soon
+            outcome = pending.wait(self._ack_timeout_s)
+        if outcome is None:
+            self._stats.add(spans_received=spans, spans_rejected=rejected, **{f"{protocol}_requests": 1})
+            return AcceptResult(export_response(rejected))
+        if outcome.startswith("failed"):  # counted by the writer as write_errors
+            return AcceptResult(None, message=f"{outcome.removeprefix('failed: ')}; retry later")
+        self._stats.add(refused_timeout=1)
+        return AcceptResult(None, message=f"write not confirmed within {self._ack_timeout_s:g} s ({outcome}); retry")
 
     def _malformed_grpc(self) -> None:
         self._stats.add(malformed_grpc=1)

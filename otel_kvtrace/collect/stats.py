@@ -16,23 +16,33 @@ class ReceiverStats:
     http_requests: int = 0
     """Export requests accepted over HTTP (protobuf or JSON)."""
     spans_received: int = 0
-    """Spans in accepted requests (excluding rejected spans)."""
+    """Spans in acknowledged requests (excluding rejected spans): written and fsync-ed before the answer."""
     spans_rejected: int = 0
     """Spans dropped from accepted requests because a trace/span id had the wrong length (partial success)."""
     malformed_grpc: int = 0
     """gRPC requests that did not decode; answered INVALID_ARGUMENT."""
     malformed_http: int = 0
-    """HTTP requests that were not valid OTLP (bad body, type, path, size); answered 4xx."""
+    """HTTP requests that were not valid OTLP (bad body, type, path, method, size); answered 4xx/501."""
+    truncated_http: int = 0
+    """HTTP bodies shorter than their Content-Length (the client went away); nothing of them is written."""
+    too_large: int = 0
+    """Requests whose OTLP/JSON line would exceed what the loader reads; answered 413 / INVALID_ARGUMENT."""
     refused_full: int = 0
     """Requests refused because the write queue was full; answered RESOURCE_EXHAUSTED / 503 (sender retries)."""
     refused_stopping: int = 0
     """Requests refused because the receiver was shutting down; answered UNAVAILABLE / 503."""
+    refused_memory: int = 0
+    """Requests refused because the bodies being decompressed at once used the memory budget; 503 (retry)."""
+    refused_timeout: int = 0
+    """Requests whose write was not confirmed within the acknowledgement timeout; UNAVAILABLE / 503."""
+    internal_errors: int = 0
+    """Requests that hit an unexpected error in the receiver (logged); answered 500 / INTERNAL."""
     lines_written: int = 0
     """JSON lines (one per accepted request) written to the output file."""
     spans_written: int = 0
     """Spans in the written lines."""
     write_errors: int = 0
-    """Requests that could not be converted or written (logged)."""
+    """Requests whose line could not be written or fsync-ed (disk full, ...); answered UNAVAILABLE / 503."""
     queue_high_water_bytes: int = 0
     """Largest amount of request bytes that waited for the writer at once."""
 
@@ -42,8 +52,11 @@ class ReceiverStats:
             f"accepted {self.grpc_requests} grpc + {self.http_requests} http requests, "
             f"{self.spans_received} spans; wrote {self.lines_written} lines, {self.spans_written} spans; "
             f"malformed {self.malformed_grpc} grpc + {self.malformed_http} http; "
-            f"refused {self.refused_full} (queue full) + {self.refused_stopping} (stopping); "
-            f"rejected spans {self.spans_rejected}; write errors {self.write_errors}"
+            f"+ {self.truncated_http} truncated + {self.too_large} too large; "
+            f"refused {self.refused_full} (queue full) + {self.refused_stopping} (stopping) "
+            f"+ {self.refused_memory} (memory) + {self.refused_timeout} (write timeout); "
+            f"rejected spans {self.spans_rejected}; write errors {self.write_errors}; "
+            f"internal errors {self.internal_errors}"
         )
 
 

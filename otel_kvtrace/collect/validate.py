@@ -16,11 +16,14 @@ from otel_kvtrace.export.otlp_json import json_line_to_request
 
 @dataclass(slots=True)
 class AcceptResult:
-    """What the receiver did with a decoded request: ``response`` when queued, else why it was refused."""
+    """What the receiver did with a decoded request: ``response`` once written, else why it was refused.
+
+    ``queue_full`` / ``too_large`` pick the refusal's status; any other refusal is "unavailable, retry"."""
 
     response: ExportTraceServiceResponse | None
     queue_full: bool = False
     message: str = ""
+    too_large: bool = False
 
 
 AcceptFn = Callable[[ExportTraceServiceRequest, int], AcceptResult]
@@ -43,8 +46,9 @@ def decode_json(body: bytes) -> ExportTraceServiceRequest:
     """Parse an OTLP/JSON request body (hex ids, as OTLP/HTTP JSON requires)."""
     try:
         return json_line_to_request(body)
-    except ValueError as exc:
-        raise MalformedRequest(str(exc)) from exc
+    except (ValueError, TypeError, AttributeError, KeyError, RecursionError) as exc:
+        # a JSON value of the wrong shape (a list where an object belongs, ...) fails inside the codec
+        raise MalformedRequest(f"not an OTLP/JSON trace request: {type(exc).__name__}: {exc}") from exc
 
 
 def drop_invalid_spans(req: ExportTraceServiceRequest) -> int:

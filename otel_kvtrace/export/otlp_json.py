@@ -17,6 +17,10 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 _SPAN_ID_KEYS = ("traceId", "spanId", "parentSpanId")
 
+MAX_LINE_BYTES = 256 * 1024 * 1024
+"""Longest OTLP/JSON line the loader reads (DuckDB ``maximum_object_size``); ``kvtrace collect`` refuses a
+request whose line would be longer, so everything it acknowledges can be loaded."""
+
 
 def request_to_json_line(req: ExportTraceServiceRequest) -> bytes:
     """One OTLP/JSON line (ending in ``\\n``) for ``req``."""

@@ -6,7 +6,7 @@ fixed by ``docs/schema.md``; ``queries/*.sql`` and ``otel_kvtrace.analyse`` read
 
 from otel_kvtrace.load.clean import MalformedLine
 from otel_kvtrace.load.files import LoadError, resolve_inputs
-from otel_kvtrace.load.loader import LoadResult, LoadStats, cache_key, load_traces
+from otel_kvtrace.load.loader import LoadResult, LoadStats, NoTasksError, cache_key, load_traces
 from otel_kvtrace.load.tasks_sql import DEPENDENCY_WAIT_STAGES, STAGES, tasks_columns
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "LoadResult",
     "LoadStats",
     "MalformedLine",
+    "NoTasksError",
     "cache_key",
     "load_traces",
     "resolve_inputs",

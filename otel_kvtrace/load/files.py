@@ -35,7 +35,9 @@ def resolve_inputs(paths: Iterable[str | Path]) -> list[Path]:
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
             if not files:
-                raise LoadError(f"directory {text!r} holds no trace files ({', '.join(TRACE_SUFFIXES)})")
+                raise LoadError(
+                    f"directory {text!r} holds no trace files ({', '.join(TRACE_SUFFIXES)}); `kvtrace collect --out "
+                    f"{text}` or the Collector's file exporter writes them, `kvtrace report {text}` reads them")
             for file in files:
                 found[file.resolve()] = None
         elif path.is_file():

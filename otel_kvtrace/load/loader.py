@@ -26,7 +26,7 @@ from otel_kvtrace.load.otlp_sql import (
 )
 from otel_kvtrace.load.tasks_sql import RECV_ROOT, SEND_ROOT, create_tasks_sql
 
-LOADER_VERSION = "5"
+LOADER_VERSION = "6"
 RAW_SPANS = "_kvtrace_spans"
 """Physical span rows (attributes as parsed lists); read them through the ``spans`` view."""
 ROOTS = "_kvtrace_roots"
@@ -47,6 +47,8 @@ class LoadStats:
     exporter_dropped: int = 0  # records the exporters reported dropping (sum over processes of the max)
     duplicate_tasks: int = 0  # recv roots whose trace id was already seen (a task loaded or exported twice)
     malformed: list[MalformedLine] = field(default_factory=list)
+    empty_files: list[str] = field(default_factory=list)  # inputs that hold no usable span (listed, not fatal)
+    incomplete_tasks: int = 0  # recv tasks without queue, seq, correlation id or ts.enqueue (listed, not in tasks)
     cache: str = "off"  # "off", "miss" (parsed JSON and wrote the cache) or "hit" (read Parquet)
     seconds: float = 0.0
 
@@ -84,13 +86,16 @@ def load_traces(
     cache_dir: str | Path | None = None,
     con: duckdb.DuckDBPyConnection | None = None,
     progress: Progress | None = None,
+    require_tasks: bool = True,
 ) -> LoadResult:
     """Load trace files, directories or globs (``.gz`` too) into DuckDB tables ``spans`` and ``tasks``.
 
     With ``cache_dir`` the tables are also written as Parquet under ``cache_dir/<key>/`` and a later call
     on unchanged inputs (same paths, sizes and mtimes) reads the Parquet instead of parsing JSON.
-    Malformed lines are skipped and listed in ``stats.malformed`` with file and line number; a file with
-    no usable span raises ``LoadError``.
+    Malformed lines, spans and attributes are skipped and listed in ``stats.malformed`` with file and line
+    number; a damaged ``.gz`` is listed and the rest loads; files with no usable span are listed in
+    ``stats.empty_files``. ``LoadError`` when nothing at all loads, ``NoTasksError`` (unless
+    ``require_tasks=False``) when spans load but none is a kvtrace task; both say what was found.
 
     Example::
 
@@ -121,9 +126,16 @@ def load_traces(
         roots_repeat = _drop_duplicate_spans(con, files, stats, say)
         say("deriving tasks ...")
         _run(con, create_tasks_sql(RAW_SPANS, "tasks", one_root_per_trace=roots_repeat))
+        _drop_incomplete_tasks(con, stats)
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
         _count_into(con, stats)
+        if require_tasks and stats.tasks == 0 and stats.send_tasks == 0:
+            raise NoTasksError(_no_tasks_message(con, files))
+        if stats.empty_files:
+            say(f"{len(stats.empty_files)} file(s) hold no usable span: {', '.join(stats.empty_files[:3])}")
+        if stats.incomplete_tasks:
+            say(f"{stats.incomplete_tasks} recv task(s) lack queue, seq, correlation id or ts.enqueue")
         if cache_path is not None:
             say(f"writing Parquet cache {cache_path}")
             _write_cache(con, cache_path, stats)
@@ -138,9 +150,31 @@ def _count_into(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
     stats.spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
     stats.tasks = _scalar(con, "SELECT count(*) FROM tasks")
     stats.send_tasks = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name = '{SEND_ROOT}'")
+
     stats.exporter_dropped = int(_scalar(con, f"""
         SELECT coalesce(sum(d), 0) FROM (
             SELECT max(exporter_dropped) AS d FROM {RAW_SPANS} GROUP BY run_id, pid, host_name)"""))
+
+
+_KEY_COLUMNS = ("queue", "seq", "correlation_id", "ts_enqueue")
+
+
+def _drop_incomplete_tasks(con: duckdb.DuckDBPyConnection, stats: LoadStats) -> None:
+    """Recv tasks without a queue, seq, correlation id or enqueue time cannot be placed in their queue: list
+    each (file, trace id, what is missing) in ``stats.malformed`` and leave it out of ``tasks`` (its spans
+    stay in ``spans``), so no analysis meets a NULL key."""
+    missing = " || ".join(f"CASE WHEN {c} IS NULL THEN ' {c.replace('_', '.', 1) if c.startswith('ts_') else c}' "
+                          f"ELSE '' END" for c in _KEY_COLUMNS)
+    where = " OR ".join(f"{c} IS NULL" for c in _KEY_COLUMNS)
+    rows = con.execute(f"""
+        SELECT r.file, t.trace_id, {missing} FROM tasks AS t
+        JOIN {RAW_SPANS} AS r ON r.trace_id = t.trace_id AND r.span_id = t.span_id
+        WHERE {where} ORDER BY r.file, t.trace_id""").fetchall()
+    stats.incomplete_tasks = len(rows)
+    if rows:
+        stats.malformed += [MalformedLine(file, 0, f"recv task {trace_id} has no{what}; left out of tasks")
+                            for file, trace_id, what in rows]
+        _run(con, f"DELETE FROM tasks WHERE {where}")
 
 
 def _drop_duplicate_spans(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats,
@@ -181,46 +215,86 @@ def _load_json(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadSta
     insert = insert_spans_sql(RAW_SPANS)
     names = [str(f) for f in files]
     with tempfile.TemporaryDirectory(prefix="kvtrace-clean-") as tmp:
-        try:  # fast path: every file in one parallel scan
-            _run(con, insert, {"files": names})
-            bad = [row[0] for row in con.execute(
-                f"SELECT DISTINCT file FROM {RAW_SPANS} WHERE {BAD_SPAN_CONDITION}").fetchall()]
-        except duckdb.Error:
-            say("some input is not JSON; loading file by file")
-            bad = []
-            for name in names:
-                try:
-                    _run(con, insert, {"files": [name]})
-                except duckdb.Error:
-                    bad.append(name)
-            bad += [row[0] for row in con.execute(
-                f"SELECT DISTINCT file FROM {RAW_SPANS} WHERE {BAD_SPAN_CONDITION}").fetchall() if row[0] not in bad]
-        for name in sorted(set(bad)):
+        unparsable = _insert_isolating_failures(con, insert, names, say)
+        flagged = [row[0] for row in con.execute(
+            f"SELECT DISTINCT file FROM {RAW_SPANS} WHERE {BAD_SPAN_CONDITION}").fetchall()]
+        for name in sorted(set(unparsable) | set(flagged)):
             say(f"cleaning malformed lines of {name}")
             _run(con, f"DELETE FROM {RAW_SPANS} WHERE file = $file", {"file": name})
-            _load_cleaned(con, insert, Path(name), Path(tmp), stats)
+            _load_cleaned(con, Path(name), Path(tmp), stats)
     per_file = dict(con.execute(f"SELECT file, count(*) FROM {RAW_SPANS} GROUP BY file").fetchall())
-    empty = [name for name in names if per_file.get(name, 0) == 0]
-    if empty:
-        details = "; ".join(str(m) for m in stats.malformed[:5])
-        raise LoadError(
-            f"no usable spans in {', '.join(empty)}"
-            + (f" ({stats.malformed_count} malformed line(s), first: {details})" if stats.malformed else
-               " (the file is empty)")
-        )
+    stats.empty_files = [name for name in names if per_file.get(name, 0) == 0]
+    if len(stats.empty_files) == len(names):
+        raise LoadError(_nothing_loaded_message(files, stats))
 
 
-def _load_cleaned(con: duckdb.DuckDBPyConnection, insert: str, path: Path, tmp: Path, stats: LoadStats) -> None:
+def _insert_isolating_failures(con: duckdb.DuckDBPyConnection, insert: str, names: list[str],
+                               say: Progress) -> list[str]:
+    """Insert every file, one parallel scan when all parse; when DuckDB fails the statement, split the list
+    in halves until the files it cannot parse are isolated (k bad files among n cost ~2k·log2(n) scans of
+    ever smaller lists, not n scans). Returns the files DuckDB could not parse."""
+    try:
+        _run(con, insert, {"files": names})
+        return []
+    except duckdb.Error:
+        if len(names) == 1:
+            return names
+    if len(names) > 2:
+        say(f"some input is not JSON; isolating it among {len(names)} files")
+    half = len(names) // 2
+    return (_insert_isolating_failures(con, insert, names[:half], say)
+            + _insert_isolating_failures(con, insert, names[half:], say))
+
+
+class NoTasksError(LoadError):
+    """Spans loaded, but none is a kvtrace recv or send task: the input is some other kind of trace."""
+
+
+def _no_tasks_message(con: duckdb.DuckDBPyConnection, files: list[Path]) -> str:
+    where = files[0].parent if len(files) > 1 else files[0]
+    spans = _scalar(con, f"SELECT count(*) FROM {RAW_SPANS}")
+    names = [r[0] for r in con.execute(
+        f"SELECT name FROM {RAW_SPANS} GROUP BY name ORDER BY count(*) DESC, name LIMIT 3").fetchall()]
+    if _scalar(con, f"SELECT count(*) FROM {RAW_SPANS} WHERE name LIKE 'kvtrace.async.%'"):
+        return (f"{where} holds async-scheduling traces ({spans} spans, {', '.join(names)}), not KV recv tasks; "
+                "read them with `kvtrace async check`")
+    return (f"{where} holds {spans} OTLP span(s) but no kvtrace task (no `{RECV_ROOT}` root; most common names: "
+            f"{', '.join(repr(n) for n in names)}); `kvtrace report` and `kvtrace whatif` read traces of "
+            "kvtrace-instrumented vLLM-Ascend workers (OTEL_KVTRACE_ENABLED=1)")
+
+
+def _nothing_loaded_message(files: list[Path], stats: LoadStats) -> str:
+    """One sentence: what the inputs hold, and which command reads that."""
+    where = files[0].parent if len(files) > 1 else files[0]
+    reasons = [m.reason for m in stats.malformed]
+    if reasons and all(r == reasons[0] for r in reasons) and not reasons[0].startswith(("not JSON", "span ")):
+        return f"no usable spans in {where} ({len(files)} file(s)): {stats.malformed[0]}"
+    if not stats.malformed:
+        return (f"no usable spans in {where}: {len(files)} file(s), all empty; `kvtrace collect --out DIR` or the "
+                "Collector's file exporter writes OTLP/JSON lines there, `kvtrace report DIR` reads them")
+    details = "; ".join(str(m) for m in stats.malformed[:3])
+    return (f"no usable spans in {where} ({len(files)} file(s), {stats.malformed_count} malformed line(s)); "
+            f"kvtrace reads OTLP/JSON lines (one ExportTraceServiceRequest per line); first: {details}")
+
+
+def _load_cleaned(con: duckdb.DuckDBPyConnection, path: Path, tmp: Path, stats: LoadStats) -> None:
+    """Load what the cleaner kept of ``path``, without the screen: the cleaner's rules are the definition,
+    the screen only errs on the side of sending a file here."""
     cleaned = clean_file(path, tmp)
     stats.malformed.extend(cleaned.malformed)
     if cleaned.valid_spans == 0:
         return
     try:
-        _run(con, insert, {"files": [str(cleaned.clean_path)]})
+        _run(con, insert_spans_sql(RAW_SPANS, screen=False), {"files": [str(cleaned.clean_path)]})
     except duckdb.Error as exc:
         raise LoadError(f"{path}: cannot load even after removing malformed lines: {exc}") from exc
     _run(con, f"UPDATE {RAW_SPANS} SET file = $orig WHERE file = $clean",
          {"orig": str(path), "clean": str(cleaned.clean_path)})
+
+
+def _quote(text: str) -> str:
+    """``text`` inside a SQL string literal (COPY and CREATE VIEW take no parameters)."""
+    return text.replace("'", "''")
 
 
 _CACHED_TABLES = (RAW_SPANS, ROOTS, "tasks")
@@ -231,7 +305,7 @@ def _write_cache(con: duckdb.DuckDBPyConnection, cache_path: Path, stats: LoadSt
     for table in _CACHED_TABLES:
         target = cache_path / f"{table}.parquet"
         # zstd level 1: as small as the default level here, and the write takes ~40% less time.
-        _run(con, f"COPY {table} TO '{target}' (FORMAT PARQUET, COMPRESSION ZSTD, COMPRESSION_LEVEL 1)")
+        _run(con, f"COPY {table} TO '{_quote(str(target))}' (FORMAT PARQUET, COMPRESSION ZSTD, COMPRESSION_LEVEL 1)")
     doc = stats.to_dict()
     doc["malformed"] = [{"file": m.file, "line": m.line, "reason": m.reason} for m in stats.malformed]
     (cache_path / "stats.json").write_text(json.dumps(doc))  # written last: marks the cache complete
@@ -240,7 +314,7 @@ def _write_cache(con: duckdb.DuckDBPyConnection, cache_path: Path, stats: LoadSt
 def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
     _drop(con, "spans", *_CACHED_TABLES)
     for table in _CACHED_TABLES:
-        _run(con, f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{cache_path / (table + '.parquet')}')")
+        _run(con, f"CREATE VIEW {table} AS SELECT * FROM read_parquet('{_quote(str(cache_path / (table + '.parquet')))}')")
     _run(con, spans_view_sql(RAW_SPANS, ROOTS))
     raw = json.loads((cache_path / "stats.json").read_text())
     return LoadStats(
@@ -251,8 +325,10 @@ def _read_cache(con: duckdb.DuckDBPyConnection, cache_path: Path) -> LoadStats:
         exporter_dropped=raw.get("exporter_dropped", 0),
         duplicate_tasks=raw.get("duplicate_tasks", 0),
         malformed=[MalformedLine(m["file"], m["line"], m["reason"]) for m in raw["malformed"]],
+        empty_files=raw.get("empty_files", []),
+        incomplete_tasks=raw.get("incomplete_tasks", 0),
         cache="hit",
     )
 
 
-__all__ = ["LoadError", "LoadResult", "LoadStats", "MalformedLine", "cache_key", "load_traces", "RECV_ROOT"]
+__all__ = ["LoadError", "NoTasksError", "LoadResult", "LoadStats", "MalformedLine", "cache_key", "load_traces", "RECV_ROOT"]

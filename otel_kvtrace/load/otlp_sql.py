@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 
+from otel_kvtrace.export.otlp_json import MAX_LINE_BYTES
 from otel_kvtrace.record.model import RECV_ROOT_SPAN
 
 RESOURCE_COLUMNS: dict[str, tuple[str, str]] = {
@@ -68,7 +69,7 @@ _ATTR_STRUCT = {"key": "VARCHAR", "value": {
     "arrayValue": "JSON"}}
 _SPAN_STRUCT = {
     "traceId": "VARCHAR", "spanId": "VARCHAR", "parentSpanId": "VARCHAR", "name": "VARCHAR",
-    "startTimeUnixNano": "BIGINT", "endTimeUnixNano": "BIGINT",
+    "startTimeUnixNano": "VARCHAR", "endTimeUnixNano": "VARCHAR",  # checked as text: see _span_bad_sql
     "status": {"code": "VARCHAR", "message": "VARCHAR"}, "attributes": [_ATTR_STRUCT],
 }
 REQUEST_STRUCT = json.dumps({"resourceSpans": [{
@@ -92,14 +93,56 @@ def create_raw_spans_sql(table: str) -> str:
     return f"CREATE TABLE {table} ({cols})"
 
 
-def insert_spans_sql(table: str) -> str:
+NON_STRICT_JSON = r"(?i),\s*[\]}]|[:,\[]\s*[-+]?(nan|inf)"
+"""What DuckDB's JSON reader accepts and strict JSON does not (trailing commas, NaN, Infinity); a line that
+matches (also, harmlessly, a string that merely contains such text) is checked by the cleaner."""
+
+
+def _attrs_bad_sql(column: str) -> str:
+    """True when some attribute of ``column`` breaks a rule of ``clean.attr_problem`` (or may: the cleaner
+    decides). NULL lists are fine; the checks run on the parsed lists, not on the text."""
+    count = " + ".join(f"(a.value.{f} IS NOT NULL)::INT" for f in
+                       ("stringValue", "intValue", "boolValue", "doubleValue", "arrayValue"))
+    per_attr = (f"a IS NULL OR a.key IS NULL OR left(a.key, 1) IN ('{{', '[') OR a.value IS NULL OR ({count}) <> 1 "
+                # canonical int64 text: the cast round-trips (no '+', spaces, leading zeros, '1e3', overflow)
+                "OR TRY_CAST(a.value.intValue AS BIGINT)::VARCHAR IS DISTINCT FROM a.value.intValue")
+    return (f"coalesce(list_bool_or(list_transform({column}, lambda a: {per_attr})) "
+            f"OR len(list_distinct(list_transform({column}, lambda a: a.key))) <> len({column}), false)")
+
+
+def _span_bad_sql(s: str = "s") -> str:
+    """True when the span row may break a rule of ``clean.span_problem``."""
+    times = " OR ".join(f"coalesce(TRY_CAST({s}.{key} AS BIGINT)::VARCHAR <> {s}.{key} "
+                        f"OR TRY_CAST({s}.{key} AS BIGINT) < 0, true)" for key in ("startTimeUnixNano", "endTimeUnixNano"))
+    return (f"{s} IS NULL OR NOT regexp_full_match(coalesce({s}.traceId, ''), '[0-9a-fA-F]{{32}}') "
+            f"OR NOT regexp_full_match(coalesce({s}.spanId, ''), '[0-9a-fA-F]{{16}}') "
+            f"OR ({s}.parentSpanId <> '' AND NOT regexp_full_match({s}.parentSpanId, '[0-9a-fA-F]{{16}}')) "
+            f"OR {s}.name IS NULL OR {s}.name = '' OR left({s}.name, 1) IN ('{{', '[') OR {times} "
+            f"OR {_attrs_bad_sql(f'{s}.attributes')}")
+
+
+def _unnest_or_null(column: str) -> str:
+    """``unnest`` that yields one NULL for a NULL list, so a missing or ill-typed container reaches the
+    span level as a row the screen flags instead of vanishing."""
+    return f"unnest(CASE WHEN {column} IS NULL THEN [NULL] ELSE {column} END)"
+
+
+def insert_spans_sql(table: str, screen: bool = True) -> str:
     """``INSERT`` of every span of the files in parameter ``$files`` (a list of paths) into ``table``.
 
     ``json_transform`` parses each line once into the typed shape ``REQUEST_STRUCT`` (fields that do not
-    fit become NULL; the loader checks for those afterwards). A line that is not JSON fails the statement.
-    Resource columns are computed per resourceSpans entry in their own CTE level: an expression evaluated
-    beside the ``unnest`` of the spans would be re-evaluated for every span.
+    fit become NULL). The screen (the rules of ``clean.py`` in SQL) gives every span row that breaks or may
+    break a rule, and a row for every line or container that is not OTLP, a NULL ``trace_id``: the loader
+    sends those files through the cleaner (``BAD_SPAN_CONDITION``). A line that is not JSON at all fails
+    the statement. Resource columns are computed per resourceSpans entry in their own CTE level: an
+    expression evaluated beside the ``unnest`` of the spans would be re-evaluated for every span.
+    ``screen=False`` is for the cleaner's output, valid by construction.
     """
+    doc = (f"CASE WHEN NOT regexp_matches(json, '{NON_STRICT_JSON}') THEN json_transform(json, '{REQUEST_STRUCT}') END"
+           if screen else f"json_transform(json, '{REQUEST_STRUCT}')")
+    unnest = _unnest_or_null if screen else (lambda column: f"unnest({column})")
+    res_bad = _attrs_bad_sql("rs.resource.attributes") if screen else "false"
+    trace_id = f"CASE WHEN res_bad OR {_span_bad_sql()} THEN NULL ELSE s.traceId END" if screen else "s.traceId"
     res_cols = ",\n        ".join(
         f"TRY_CAST(res[{attr!r}] AS {sql_type}) AS {column}" if sql_type != "VARCHAR" else f"res[{attr!r}] AS {column}"
         for column, (attr, sql_type) in RESOURCE_COLUMNS.items()
@@ -108,37 +151,41 @@ def insert_spans_sql(table: str) -> str:
     return f"""
 INSERT INTO {table}
 WITH docs AS (
-    SELECT filename, json_transform(json, '{REQUEST_STRUCT}') AS d
-    FROM read_json_objects($files, format = 'newline_delimited', filename = true)
+    SELECT filename, {doc} AS d
+    FROM read_json_objects($files, format = 'newline_delimited', filename = true,
+                           maximum_object_size = {MAX_LINE_BYTES})
 ),
 resource_spans AS (
-    SELECT filename, unnest(d.resourceSpans) AS rs FROM docs
+    SELECT filename, {unnest("d.resourceSpans")} AS rs FROM docs
 ),
 resource_maps AS (
-    SELECT filename, {attrs_map_sql("rs.resource.attributes")} AS res, rs.scopeSpans AS scope_list
+    SELECT filename, {attrs_map_sql("rs.resource.attributes")} AS res, rs.scopeSpans AS scope_list,
+           {res_bad} AS res_bad
     FROM resource_spans
 ),
 resources AS (
-    SELECT filename, scope_list,
+    SELECT filename, scope_list, res_bad,
         {res_cols}
     FROM resource_maps
 ),
 scopes AS (
-    SELECT filename, {res_names}, unnest(scope_list) AS ss FROM resources
+    SELECT filename, {res_names}, res_bad, {unnest("scope_list")} AS ss FROM resources
 ),
 scope_counts AS (
     -- The exporter's cumulative drop counter rides on every line's scope (docs/schema.md).
-    SELECT filename, {res_names}, ss.spans AS spans,
+    SELECT filename, {res_names}, res_bad, ss.spans AS spans,
            TRY_CAST(list_extract(list_filter(ss.scope.attributes,
                                              lambda a: a.key = 'kvtrace.exporter.dropped'), 1).value.intValue
                     AS BIGINT) AS exporter_dropped
     FROM scopes
 ),
 span_docs AS (
-    SELECT filename, {res_names}, exporter_dropped, unnest(spans) AS s FROM scope_counts
+    SELECT filename, {res_names}, res_bad, exporter_dropped, {unnest("spans")} AS s FROM scope_counts
 )
-SELECT s.traceId, s.spanId, nullif(s.parentSpanId, ''), s.name,
-       s.startTimeUnixNano, s.endTimeUnixNano, s.endTimeUnixNano - s.startTimeUnixNano,
+SELECT {trace_id}, s.spanId,
+       nullif(s.parentSpanId, ''), s.name,
+       TRY_CAST(s.startTimeUnixNano AS BIGINT), TRY_CAST(s.endTimeUnixNano AS BIGINT),
+       TRY_CAST(s.endTimeUnixNano AS BIGINT) - TRY_CAST(s.startTimeUnixNano AS BIGINT),
        s.status.code, nullif(s.status.message, ''), s.attributes,
        {res_names}, exporter_dropped, filename
 FROM span_docs
@@ -148,10 +195,8 @@ FROM span_docs
 BAD_SPAN_CONDITION = (
     "trace_id IS NULL OR span_id IS NULL OR name IS NULL OR start_ns IS NULL OR end_ns IS NULL"
 )
-"""Rows that ``json_transform`` could not type: their file goes through the line-by-line cleaner.
-
-Duplicate attribute keys (which OTel SDKs never emit) are not checked here: the check costs ~7% of a
-load. ``tasks`` takes the first value; only reading ``spans.attrs`` of such a span would fail."""
+"""Rows the screen flagged (``trace_id`` NULL) or that could not be typed: their file goes through the
+line-by-line cleaner, which names every problem and keeps the valid rest."""
 
 
 def duplicate_recv_roots_sql(raw: str) -> str:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from otel_kvtrace.whatif.saves import SaveTask
-from otel_kvtrace.whatif.task import ReplayTask
+from otel_kvtrace.whatif.task import ReplayInputError, ReplayTask
 
 NONE = -(1 << 62)
 
@@ -174,16 +174,43 @@ def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _For
 
 def _dependency_positions(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> tuple[list[int], list[int]]:
     """Per task, the chain position (last load of a layer <= the source/gate layer) its save and gate
-    dependencies sit behind, or -1. A link to the task itself or a later one is inconsistent input and
-    dropped."""
+    dependencies sit behind, or -1. A save of the task's own layer is not behind the forward (-1). A link
+    that cannot be met raises ``ReplayInputError`` naming the tasks (``impossible_links``)."""
     ks: list[int] = []
     kg: list[int] = []
+    bad = impossible_links(tasks, step, fwd)
+    if bad:
+        shown = "; ".join(bad[:5])
+        raise ReplayInputError(
+            f"queue {tasks[0].queue!r}: {len(bad)} task(s) wait for something that needs their own load first, "
+            f"so no policy can serve them (a cycle; corrupted or mis-joined trace?): {shown}"
+            + (f"; and {len(bad) - 5} more" if len(bad) > 5 else ""))
     for i, t in enumerate(tasks):
         s = step[i]
         for layer, out in ((t.wait_for_save_layer, ks), (t.gate_id, kg)):
             k = -1 if layer is None else bisect.bisect_right(fwd.layers[s], layer) - 1
             out.append(k if k >= 0 and fwd.chain[s][k] < i else -1)
     return ks, kg
+
+
+def impossible_links(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> list[str]:
+    """Tasks whose save or gate happens after the forward passed a layer whose load is this task or a task
+    queued after it: the forward passes a layer only after every load of a layer <= it completed, and one
+    recv thread serves a queue, so the task waits (via the forward) on its own completion. A gate of the
+    task's own layer is such a cycle (the attention boundary G_c covers layers <= c); a save of its own
+    layer is taken as a save of the previous use of the buffer (no link), as the replica's layouts write it.
+    """
+    out = []
+    for i, t in enumerate(tasks):
+        s = step[i]
+        for what, layer in (("save of layer", t.wait_for_save_layer), ("gate of layer", t.gate_id)):
+            if layer is None or (what == "save of layer" and layer == t.layer_id):
+                continue
+            k = bisect.bisect_right(fwd.layers[s], layer) - 1
+            if k >= 0 and fwd.chain[s][k] >= i:
+                out.append(f"seq={t.seq} (step {t.step}, layer {t.layer_id}) waits for the {what} {layer}, "
+                           f"behind the load of seq={tasks[fwd.chain[s][k]].seq}")
+    return out
 
 
 def estimate_call_overhead(tasks: list[ReplayTask]) -> int:

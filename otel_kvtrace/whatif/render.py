@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import html
 import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,11 +79,26 @@ def _has_hol(v: ConfigVerdict) -> bool:
     return any(n > 0 for n in v.hol_events)
 
 
+_MD_PUNCT = re.compile(r"([\\`*_\[\]|~])")
+
+
+def _md(value: Any) -> str:
+    """``value`` (a label, run id, path, reason: anything a trace can set) as literal Markdown text: HTML
+    escaped, Markdown punctuation backslash-escaped (``|`` too, so a table cell stays one cell), one line."""
+    text = html.escape(" ".join(str(value).splitlines()), quote=False)
+    return _MD_PUNCT.sub(r"\\\1", text)
+
+
+def _code(value: Any) -> str:
+    """``value`` as an inline code span (literal in Markdown and HTML renderers), one line."""
+    return "`" + " ".join(str(value).splitlines()).replace("`", "'") + "`"
+
+
 def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
     """The Markdown report: reproduction command, model, summary table, per-configuration evidence."""
-    lines = [f"# {report.title}", "", f"Reproduce: `{report.reproduce}`", ""]
+    lines = [f"# {_md(report.title)}", "", f"Reproduce: {_code(report.reproduce)}", ""]
     if report.model:
-        lines.append("Replay model: " + ", ".join(f"{k}={v}" for k, v in report.model.items()) + ".")
+        lines.append("Replay model: " + ", ".join(f"{_md(k)}={_md(v)}" for k, v in report.model.items()) + ".")
     lines += [
         (f"Rules: FIFO replay must reproduce recorded completions in every run (median |error| <= "
          f"{MAX_FIFO_ERROR_PCT:.0f}% of the median service time) before any policy is compared; switch only "
@@ -89,17 +106,17 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
          f"run-to-run noise (stdev of FIFO's mean TTFT), with p99 TTFT at most {100 * P99_TOLERANCE:g}% above "
          "FIFO's and no peak in-flight increase in any run."), "",
     ]
-    lines += [f"- {n}" for n in report.notes]
+    lines += [f"- {_md(n)}" for n in report.notes]
     if report.notes:
         lines.append("")
     switches = [v for v in report.verdicts if v.verdict != KEEP]
     lines += [f"**{len(switches)} of {len(report.verdicts)} configuration(s) warrant a switch.**", ""]
     for png in png_names:
-        lines += [f"![{Path(png).stem}]({png})", ""]
+        lines += [f"![{Path(png).stem}]({png})", ""]  # our own file names, not trace values
     paths = sorted({str(v.extra.get("path") or v.config.get("path") or "") for v in report.verdicts})
     for path in paths:
         group = [v for v in report.verdicts if str(v.extra.get("path") or v.config.get("path") or "") == path]
-        lines += [f"## {path.upper() + ' path' if path else 'Configurations'}", ""]
+        lines += [f"## {_md(path.upper()) + ' path' if path else 'Configurations'}", ""]
         lines += [
             ("| configuration | runs | FIFO err % (p95) | HOL events/run | HOL ms/run | best gain LB ms | noise ms "
              "| verdict | reason |"),
@@ -108,9 +125,9 @@ def markdown(report: VerdictReport, *, png_names: Sequence[str] = ()) -> str:
         for v in group:
             best, lb = _best_gain(v)
             lines.append(
-                f"| {_label(v)} | {len(v.run_ids)} | {_f(v.fifo_median_error_pct, 2)} ({_f(v.fifo_p95_error_pct, 1)}) "
+                f"| {_md(_label(v))} | {len(v.run_ids)} | {_f(v.fifo_median_error_pct, 2)} ({_f(v.fifo_p95_error_pct, 1)}) "
                 f"| {', '.join(str(n) for n in v.hol_events)} | {', '.join(_f(x, 2) for x in v.hol_ms)} "
-                f"| {best}: {_f(lb)} | {_f(v.noise_ms)} | **{v.verdict}** | {v.reason} |")
+                f"| {_md(best)}: {_f(lb)} | {_f(v.noise_ms)} | **{_md(v.verdict)}** | {_md(v.reason)} |")
         lines.append("")
         detailed = group if len(report.verdicts) <= DETAIL_LIMIT else [v for v in group if _has_hol(v)]
         for v in detailed:
@@ -127,24 +144,24 @@ def _label(v: ConfigVerdict) -> str:
 
 
 def _detail(v: ConfigVerdict) -> list[str]:
-    lines = [f"### {_label(v)}", ""]
-    lines.append("Configuration: " + ", ".join(f"`{k}={val}`" for k, val in v.config.items()) + ".")
+    lines = [f"### {_md(_label(v))}", ""]
+    lines.append("Configuration: " + ", ".join(_code(f"{k}={val}") for k, val in v.config.items()) + ".")
     if v.reproduce:
-        lines.append(f"Reproduce: `{v.reproduce}`.")
-    lines.append(f"Runs: {', '.join(v.run_ids)}.")
+        lines.append(f"Reproduce: {_code(v.reproduce)}.")
+    lines.append(f"Runs: {', '.join(_md(r) for r in v.run_ids)}.")
     state = "validated" if v.validated else "**not validated: no policy compared**"
     lines.append(f"FIFO replay error: median {_f(v.fifo_median_error_pct, 2)}%, p95 "
-                 f"{_f(v.fifo_p95_error_pct, 2)}% of service time, pooled; worst run {v.fifo_worst_run} "
+                 f"{_f(v.fifo_p95_error_pct, 2)}% of service time, pooled; worst run {_md(v.fifo_worst_run)} "
                  f"{_f(v.fifo_worst_run_error_pct, 2)}% ({state}).")
     lines.append(f"HOL: {', '.join(str(n) for n in v.hol_events)} event(s) per run, "
                  f"{', '.join(_f(x, 3) for x in v.hol_ms)} ms per run." +
-                 (f" Example: {v.extra['hol_example']}." if v.extra.get("hol_example") else ""))
+                 (f" Example: {_md(v.extra['hol_example'])}." if v.extra.get("hol_example") else ""))
     lines += ["", ("| policy | TTFT est. ms mean (min–max) | consumer wait ms/step | p99 TTFT ms | peak in-flight "
                    "| tasks/s | TTFT gain ms (min–max) |"), "|---|---|---|---|---|---|---|"]
     for name, m in v.policies.items():
         gain = v.gains.get(name)
         lines.append(
-            f"| {name} | {_range(m['ttft_ms_mean'])} | {_range(m['consumer_wait_ms_per_step'])} "
+            f"| {_md(name)} | {_range(m['ttft_ms_mean'])} | {_range(m['consumer_wait_ms_per_step'])} "
             f"| {_f(m['ttft_ms_p99']['max'])} | {int(m['peak_inflight']['max'])} "
             f"| {_f(m['throughput_tasks_per_s']['mean'], 0)} "
             f"| {_range(gain['ttft_gain_ms']) if gain else '-'} |")
@@ -153,7 +170,7 @@ def _detail(v: ConfigVerdict) -> list[str]:
         layer_ids = v.layers[names[0]]["layer"]
         lines += ["", ("Per layer (means over runs, ms): load completion after the step's first enqueue / "
                        "forward's consumer wait."), "",
-                  "| layer | " + " | ".join(f"{n} done / wait" for n in names) + " |",
+                  "| layer | " + " | ".join(f"{_md(n)} done / wait" for n in names) + " |",
                   "|---|" + "---|" * len(names)]
         for k, layer in enumerate(layer_ids):
             cells = []
@@ -162,7 +179,7 @@ def _detail(v: ConfigVerdict) -> list[str]:
                 j = prof["layer"].index(layer) if layer in prof["layer"] else -1
                 cells.append(f"{_f(prof['load_done_ms'][j])} / {_f(prof['consumer_wait_ms'][j])}" if j >= 0 else "-")
             lines.append(f"| {int(layer)} | " + " | ".join(cells) + " |")
-    lines += ["", f"**Verdict: {v.verdict}**: {v.reason}.", ""]
+    lines += ["", f"**Verdict: {_md(v.verdict)}**: {_md(v.reason)}.", ""]
     return lines
 
 

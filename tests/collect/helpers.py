@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from otel_kvtrace.export.otlp_json import json_line_to_request
@@ -18,12 +19,14 @@ _LISTEN = re.compile(r"listening on grpc [^:]+:(\d+), http [^:]+:(\d+)/v1/traces
 class CollectProcess:
     """`python -m otel_kvtrace.cli collect` on free ports, with its stderr captured."""
 
-    def __init__(self, out_dir: Path, *extra: str) -> None:
+    def __init__(self, out_dir: Path, *extra: str, grpc_port: int = 0, http_port: int = 0,
+                 preexec_fn: Callable[[], None] | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "otel_kvtrace.cli", "collect", "--out", str(out_dir),
-             "--grpc-port", "0", "--http-port", "0", "--status-interval", "0", *extra],
+             "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--status-interval", "0", *extra],
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=preexec_fn,  # noqa: PLW1509 - only resource limits, set before exec
         )
         self.lines: list[str] = []
         deadline = time.monotonic() + 30

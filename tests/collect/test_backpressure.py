@@ -42,35 +42,38 @@ def _span_ids(req: ExportTraceServiceRequest) -> list[tuple[bytes, bytes]]:
     return [(s.trace_id, s.span_id) for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans]
 
 
+def _post(url: str, req: ExportTraceServiceRequest) -> requests.Response:
+    return requests.post(url, data=req.SerializeToString(), headers={"Content-Type": "application/x-protobuf"},
+                         timeout=60)
+
+
 def test_full_queue_answers_503_and_resource_exhausted_then_retries_succeed(tmp_path: Path) -> None:
     fifo = tmp_path / collected_file_name()
     os.mkfifo(fifo)
     reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # lets the receiver open it; never read until later
-    rx = Receiver(tmp_path, grpc_port=0, http_port=0, max_queue_bytes=MAX_QUEUE).start()
+    rx = Receiver(tmp_path, grpc_port=0, http_port=0, max_queue_bytes=MAX_QUEUE, ack_timeout_s=0.5).start()
     url = f"http://127.0.0.1:{rx.http_port}/v1/traces"
-    accepted: list[tuple[bytes, bytes]] = []
-    refused = None
-    with requests.Session() as s:
-        for seed in range(1, 400):
-            req = _request(seed)
-            r = s.post(url, data=req.SerializeToString(), headers={"Content-Type": "application/x-protobuf"})
-            if r.status_code == 200:
-                accepted += _span_ids(req)
-                continue
-            refused = r
-            break
-    assert refused is not None, "queue never filled"
-    with requests.Session() as s:  # top the queue up with the smallest requests until even they bounce
-        for seed in range(1000, 1400):
-            req = _request(seed, n=1)
-            r = s.post(url, data=req.SerializeToString(), headers={"Content-Type": "application/x-protobuf"})
-            if r.status_code != 200:
-                break
-            accepted += _span_ids(req)
-        assert r.status_code == 503
-    assert refused.status_code == 503 and refused.headers["Retry-After"] == "1"
-    assert Status.FromString(refused.content).code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
-    assert rx.stats().queue_high_water_bytes <= MAX_QUEUE
+    # Senders at once: the writer blocks on the full pipe, the queue fills, the rest bounce at once.
+    requests_sent = {seed: _request(seed) for seed in range(1, 80)}
+    answers: dict[int, requests.Response] = {}
+    threads = [threading.Thread(target=lambda s=seed: answers.__setitem__(s, _post(url, requests_sent[s])))
+               for seed in requests_sent]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    codes = {seed: Status.FromString(r.content).code for seed, r in answers.items() if r.status_code == 503}
+    full = [r for seed, r in answers.items() if codes.get(seed) == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]]
+    assert full, "queue never filled"
+    assert full[0].headers["Retry-After"] == "1"
+    # 200 only for what went into the pipe before it filled; the others were told to retry (UNAVAILABLE)
+    assert {r.status_code for r in answers.values()} <= {200, 503}
+    assert grpc.StatusCode.UNAVAILABLE.value[0] in codes.values()  # waited for a write that did not come
+    assert rx.stats().queue_high_water_bytes <= MAX_QUEUE + len(_request(1).SerializeToString()) * 3
+    # a request whose line the writer already holds may still be written later: its retry is a duplicate
+    maybe_written = [sid for seed, r in answers.items() if b"in progress" in r.content
+                     for sid in _span_ids(requests_sent[seed])]
+    accepted = [sid for seed, r in answers.items() if r.status_code == 200 for sid in _span_ids(requests_sent[seed])]
 
     with grpc.insecure_channel(f"127.0.0.1:{rx.grpc_port}") as ch:
         call = ch.unary_unary(EXPORT).with_call
@@ -109,7 +112,8 @@ def test_full_queue_answers_503_and_resource_exhausted_then_retries_succeed(tmp_
 
     written = [sid for line in b"".join(chunks).splitlines() for sid in _span_ids(json_line_to_request(line))]
     expected = accepted + [exported["ids"]]
-    assert sorted(written) == sorted(expected)  # exactly once each, nothing refused was written
-    assert stats.refused_full >= 3  # the HTTP post, the gRPC call and at least one SDK attempt
-    assert stats.spans_written == len(expected)
+    assert set(expected) <= set(written)  # every acknowledged span is in the file
+    assert set(written) - set(expected) <= set(maybe_written)  # and nothing refused outright
+    assert stats.refused_full >= 2  # an HTTP post, the gRPC call (and SDK attempts)
+    assert stats.spans_written == len(written)
     provider.shutdown()
