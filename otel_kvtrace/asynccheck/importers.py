@@ -19,7 +19,7 @@ import orjson
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck import msprof, msprof_csv, msprof_db
-from otel_kvtrace.load.clean import _attr_problem, open_lines, span_problem
+from otel_kvtrace.load.clean import DamagedFile, clean_doc, open_lines, parse_line
 
 _CANONICAL = frozenset(m.STEP_CHILD_SPANS)
 
@@ -42,52 +42,48 @@ def _attrs(items: Iterable[dict[str, Any]] | None) -> dict[str, Any]:
 def import_otlp_json(path: Path, run: str) -> m.ImportResult:
     """Spans of our async traces (one ``ExportTraceServiceRequest`` per line).
 
-    Lines and spans are checked by the project loader's own rules (``load.clean.span_problem``), so a
-    span this reader keeps is one ``kvtrace report`` would load; other kvtrace spans (KV recv traces) are
+    Lines, spans and attributes are checked by the project loader's one validation
+    (``load.clean.parse_line`` + ``clean_doc``), so a span this reader keeps is one ``kvtrace report``
+    would load and a bad attribute costs that attribute only; other kvtrace spans (KV recv traces) are
     counted in ``seen`` as ``otlp_other:<n>`` so that ``check`` can say which command reads them.
     """
     result = m.ImportResult()
     batch_queue_steps = dropped = other = 0
-    for line_no, line in enumerate(open_lines(path), 1):
-        if not line.strip():
-            continue
-        try:
-            doc = orjson.loads(line)
-        except orjson.JSONDecodeError:
-            doc = None
-        resource_spans = doc.get("resourceSpans") if isinstance(doc, dict) else None
-        if not isinstance(resource_spans, list):
-            result.issues.append(m.ImportIssue(run, str(path), line_no, "not an OTLP/JSON trace request line"))
-            continue
-        for rs in resource_spans:
-            resource = rs.get("resource") if isinstance(rs, dict) else None
-            res_attrs = resource.get("attributes") if isinstance(resource, dict) else None
-            if not isinstance(resource, (dict, type(None))) or not isinstance(rs, dict) or _attr_problem(res_attrs):
-                result.issues.append(m.ImportIssue(run, str(path), line_no, "bad resourceSpans entry"))
+    try:
+        for line_no, line in enumerate(open_lines(path), 1):
+            if not line.strip():
                 continue
-            res = _attrs(res_attrs)
-            lane = f"{res.get('kvtrace.run_id', path.stem)}/pid{res.get('process.pid', 0)}"
-            for ss in rs.get("scopeSpans") or ():
-                for span in (ss.get("spans") if isinstance(ss, dict) else None) or ():
-                    problem = span_problem(span)
-                    if problem is None:
+            try:
+                doc, _valid, problems = clean_doc(parse_line(line))
+            except ValueError as exc:
+                doc, problems = None, [f"not JSON: {exc}"]
+            for problem in problems:
+                result.issues.append(m.ImportIssue(run, str(path), line_no, f"skipped: {problem}"))
+            for rs in (doc or {}).get("resourceSpans", ()):
+                resource = rs.get("resource")
+                res = _attrs(resource.get("attributes") if isinstance(resource, dict) else None)
+                lane = f"{res.get('kvtrace.run_id', path.stem)}/pid{res.get('process.pid', 0)}"
+                for ss in rs["scopeSpans"]:
+                    for span in ss["spans"]:
                         start, end = int(span["startTimeUnixNano"]), int(span["endTimeUnixNano"])
-                        problem = "ends before it starts" if end < start else None
-                    if problem is not None:
-                        result.issues.append(m.ImportIssue(run, str(path), line_no, f"span skipped: {problem}"))
-                        continue
-                    name = span["name"]
-                    attrs = _attrs(span.get("attributes"))
-                    if name == m.STEP_SPAN:
-                        batch_queue_steps += bool(attrs.get(m.ATTR_BATCH_QUEUE))
-                        dropped = max(dropped, _int(attrs.get("kvtrace.exporter.dropped")))
-                    if name not in _CANONICAL:
-                        other += not name.startswith("kvtrace.async")
-                        continue
-                    step = attrs.get(m.ATTR_STEP)
-                    step = step if isinstance(step, int) else None
-                    result.spans.append(m.SpanRow(run, str(path), lane, step, name, name, start, end, attrs))
-                    result.seen.add(name)
+                        if end < start:
+                            result.issues.append(
+                                m.ImportIssue(run, str(path), line_no, "span skipped: ends before it starts"))
+                            continue
+                        name = span["name"]
+                        attrs = _attrs(span.get("attributes"))
+                        if name == m.STEP_SPAN:
+                            batch_queue_steps += bool(attrs.get(m.ATTR_BATCH_QUEUE))
+                            dropped = max(dropped, _int(attrs.get("kvtrace.exporter.dropped")))
+                        if name not in _CANONICAL:
+                            other += not name.startswith("kvtrace.async")
+                            continue
+                        step = attrs.get(m.ATTR_STEP)
+                        step = step if isinstance(step, int) else None
+                        result.spans.append(m.SpanRow(run, str(path), lane, step, name, name, start, end, attrs))
+                        result.seen.add(name)
+    except DamagedFile as exc:
+        result.issues.append(m.ImportIssue(run, str(path), 0, f"damaged file: {exc}"))
     if other:
         result.seen.add(f"otlp_other:{other}")
     if batch_queue_steps:

@@ -106,11 +106,13 @@ AGREEMENT = {
     "v0.23": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2),
     "key": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2),
     "partial-independent": HOL.with_(steps=2, timing=Timing(independent_load_fraction=0.25)),
-    # the forward arrives after the load finished: the recv thread has cleared the task list, so no wait
+    # the forward arrives after the load finished: the recv thread has cleared the task list, so no wait.
+    # 20 ms of host launch per layer, so "after" holds on a loaded 2-core machine too (3 ms did not:
+    # a descheduled recv thread finished a load after the forward arrived, about one run in three).
     "v0.23-late-forward": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2,
-                                        timing=Timing(host_launch_us=3000)),
+                                        timing=Timing(host_launch_us=20_000)),
     "key-late-forward": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2,
-                                      timing=Timing(host_launch_us=3000)),
+                                      timing=Timing(host_launch_us=20_000)),
     "stagger": ReplicaConfig(num_layers=6, prefetch_layers=3, tp_size=2, tp_rank=1, steps=2,
                              timing=Timing(h2d_stagger_us=200)),
 }
