@@ -21,6 +21,7 @@ import mmap
 import os
 import pickle
 import select
+import signal
 import sys
 from collections import OrderedDict
 from typing import Any
@@ -260,6 +261,11 @@ def main() -> int:
     from otel_kvtrace.export.worker import create_sink
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # A stop signal for the serving process is often sent to its whole process group (Ctrl-C in a
+    # terminal, `kill -- -PGID`, container runtimes): the agent must outlive it to drain the ring. It ends
+    # on its producer's EOF or death instead (``Agent.run``).
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)
     stdin = sys.stdin.buffer
     try:
         if sys.stdin.isatty():

@@ -186,11 +186,15 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
             raise click.UsageError(str(exc)) from exc
         except ReplayStalled as exc:
             raise _stalled(exc) from exc
-    click.echo(f"{len(result.verdicts)} cells: {result.ran} run(s) computed, {result.resumed} resumed from {out_dir}")
+    from rich.console import Console
+
     from otel_kvtrace.whatif.sweep import summary_lines, sweep_summary
 
+    console = Console()  # wraps to the terminal (80 columns when piped), never truncates
+    console.print(f"{len(result.verdicts)} cells: {result.ran} run(s) computed, {result.resumed} resumed from "
+                  f"{out_dir}", markup=False, highlight=False)
     for line in summary_lines(sweep_summary(result)):  # the verdict is printed with or without --report
-        click.echo(line)
+        console.print(line, markup=False, highlight=False)
     report = (sweep_report(result, json_path=json_path, md_path=md_path, png_dir=png_dir, html_path=html_path)
               if write_report else None)
     if report is not None:

@@ -23,11 +23,11 @@ CHILD = Path(__file__).with_name("agent_child.py")
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _start(out: Path, *args: str, exporter: str = "agent") -> subprocess.Popen[str]:
+def _start(out: Path, *args: str, exporter: str = "agent", new_group: bool = False) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "OTEL_KVTRACE_EXPORT_INTERVAL_MS": "20",
            "OTEL_KVTRACE_EXPORTER": exporter}
     return subprocess.Popen([sys.executable, str(CHILD), str(out), *args], stdout=subprocess.PIPE, text=True,
-                            env=env)
+                            env=env, start_new_session=new_group)
 
 
 def _roots(out: Path) -> list[dict]:
@@ -63,9 +63,12 @@ def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
     raise AssertionError(f"agent {pid} still running {timeout_s} s after its producer died")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM])
-def test_signal_mid_run_loses_only_tasks_in_flight(tmp_path: Path, sig: signal.Signals) -> None:
-    proc = _start(tmp_path, "run")
+@pytest.mark.parametrize(("sig", "group"), [(signal.SIGKILL, False), (signal.SIGTERM, False), (signal.SIGTERM, True)],
+                         ids=["SIGKILL", "SIGTERM", "SIGTERM-to-process-group"])
+def test_signal_mid_run_loses_only_tasks_in_flight(tmp_path: Path, sig: signal.Signals, group: bool) -> None:
+    """``group``: the signal goes to the serving process's whole process group, as Ctrl-C, `kill -- -PGID`
+    and container runtimes send it; the agent is in that group and must outlive its producer to drain."""
+    proc = _start(tmp_path, "run", new_group=group)
     assert proc.stdout is not None
     ready = proc.stdout.readline().split()
     assert ready[0] == "ready" and int(ready[1]) > 0, ready
@@ -75,7 +78,10 @@ def test_signal_mid_run_loses_only_tasks_in_flight(tmp_path: Path, sig: signal.S
         step, n = int(line.split()[1]), int(line.split()[2])
         submitted = n
         if step == 12:
-            proc.send_signal(sig)
+            if group:
+                os.killpg(proc.pid, sig)
+            else:
+                proc.send_signal(sig)
             break
     proc.wait(10)
     _wait_gone(agent_pid)

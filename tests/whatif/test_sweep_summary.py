@@ -15,10 +15,11 @@ from otel_kvtrace.whatif.sweep import _qualify, run_sweep, sweep_summary
 def test_without_report_the_sweep_prints_its_summary_and_verdict(tmp_path: Path) -> None:
     out = CliRunner().invoke(main, ["sweep", "--quick", "--out", str(tmp_path)])
     assert out.exit_code == 0, out.output
-    assert "Summary (quick matrix, virtual clock, 4 steps x 3 seeds per cell): 1 of 2 cells have HOL" in out.output
+    text = " ".join(out.output.split())  # the lines are wrapped to the terminal width
+    assert "Summary (quick matrix, virtual clock, 4 steps x 3 seeds per cell): 1 of 2 cells have HOL" in text
     # the quick matrix differs only in the independent layers: the factor analysis names that factor
-    assert "What produces HOL: HOL time (ms per run): independent_layers ([0] -> [0, 4]) raises it" in out.output
-    assert "Verdict: 1 of 2 cells are switch candidates" in out.output and "not final" in out.output
+    assert "What produces HOL: HOL time (ms per run): independent_layers ([0] -> [0, 4]) raises it" in text
+    assert "Verdict: 1 of 2 cells are switch candidates" in text and "not final" in text
 
 
 def test_switch_verdicts_say_what_they_rest_on_and_the_report_starts_with_the_summary(tmp_path: Path) -> None:
