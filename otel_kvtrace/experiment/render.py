@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from otel_kvtrace.experiment.analysis import LABELS
+from otel_kvtrace.experiment.analysis import LABELS, level_order
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'"
 _CELL_COLUMNS = ("cell", "runs ok", "TTFT p50/p95/p99 ms", "TTFT p50 noise", "tok/s (noise)", "HOL events/run",
@@ -39,9 +39,19 @@ def wait_row(c: dict[str, Any]) -> list[str]:
 
 
 def effect_row(e: dict[str, Any]) -> list[str]:
-    levels = f"{e['low']} -> {e['high']}" if e["low"] is not None else "interaction"
-    return [e["factor"], levels, LABELS.get(e["metric"], e["metric"]), _f(e["effect"]), _f(e["noise"], 2),
-            "yes" if e["real"] else "within noise"]
+    levels = "interaction" if ":" in e["factor"] else f"{_level(e['low'])} -> {_level(e['high'])}"
+    if not e.get("balanced", True):
+        levels += f" (in {e['contexts']} of {e['contexts_total']} sub-grids)"
+    real = "yes" if e["real"] else "within noise" if e["effect"] is not None else "not estimable"
+    return [e["factor"], levels, LABELS.get(e["metric"], e["metric"]), _f(e["effect"]), _f(e["noise"], 2), real]
+
+
+def _level(value: Any) -> str:
+    return "default" if value is None else str(value)
+
+
+def _hkey(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
 
 
 def heatmap(doc: dict[str, Any], metric: str = "hol_total_ms") -> tuple[str, str, list[Any], list[Any], dict] | None:
@@ -51,13 +61,13 @@ def heatmap(doc: dict[str, Any], metric: str = "hol_total_ms") -> tuple[str, str
     if len(varying) < 2:
         return None
     rf, cf = varying[0], varying[1]
-    rows = sorted({repr(c["config"].get(rf)) for c in doc["cells"]})
-    cols = sorted({repr(c["config"].get(cf)) for c in doc["cells"]})
+    rows = [_level(v) for v in sorted({_hkey(c["config"].get(rf)) for c in doc["cells"]}, key=level_order)]
+    cols = [_level(v) for v in sorted({_hkey(c["config"].get(cf)) for c in doc["cells"]}, key=level_order)]
     grid: dict[tuple[str, str], list[float]] = {}
     for c in doc["cells"]:
         value = c["hol"]["total_ms"] if metric == "hol_total_ms" else c["ttft_ms"]["p50"]
         if value is not None:
-            grid.setdefault((repr(c["config"].get(rf)), repr(c["config"].get(cf))), []).append(value)
+            grid.setdefault((_level(_hkey(c["config"].get(rf))), _level(_hkey(c["config"].get(cf)))), []).append(value)
     means = {k: sum(v) / len(v) for k, v in grid.items()}
     return rf, cf, rows, cols, means
 
