@@ -39,14 +39,13 @@ def test_ttft_agrees_with_server_first_token_time_and_ids_join_kv_tasks(tmp_path
         assert wait_exit(proc) == 0
     assert result.summary()["failed"] == 0, result.summary()["errors"]
     server = _server_log(data)
-    diffs_ms = []
     for r in result.requests:
         s = server[r.request_id]
         assert s["output_tokens"] == r.output_tokens == 4
-        diffs_ms.append(abs(r.first_token_unix_ns - s["first_token_unix_ns"]) / 1e6)
-    # loopback delivery only: the client stamps the first chunk with text (not the role chunk, not [DONE])
-    assert statistics.median(diffs_ms) < 1.0, diffs_ms
-    assert sum(d < 1.0 for d in diffs_ms) >= 0.9 * len(diffs_ms), diffs_ms
+        # ordering only (no timing threshold): the server's first token falls inside the client's request
+        assert r.start_unix_ns <= s["first_token_unix_ns"] <= r.end_unix_ns
+        assert r.start_unix_ns <= r.first_token_unix_ns <= r.end_unix_ns
+        assert len(r.itl_ms) == 4  # first chunk with a choice = the role chunk, as vllm bench serve
     con = load_traces(data / "traces").con
     kv_ids = {row[0] for row in con.sql("SELECT DISTINCT unnest(request_ids) FROM tasks").fetchall()}
     assert {r.request_id for r in result.requests} <= kv_ids  # chat ids are the KV ids themselves
@@ -67,7 +66,10 @@ def test_killed_server_mid_run_is_reported_not_a_traceback(tmp_path: Path) -> No
         load = subprocess.Popen([sys.executable, "-m", "otel_kvtrace.cli", "load", "--base-url", url, "-n", "6",
                                  "-c", "3", "--output-len", "400", "--prompt-len", "10", "--no-spans"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+        first = tmp_path / "data" / "requests"
+        deadline = time.monotonic() + 60  # kill once the server has streamed: the first request log line
+        while time.monotonic() < deadline and not any(p.stat().st_size for p in first.glob("*.jsonl")):
+            time.sleep(0.05)
         proc.kill()
         out, err = load.communicate(timeout=60)
     assert load.returncode == 1, (out, err)
