@@ -17,6 +17,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Status, StatusCode
 
+from otel_kvtrace.export.sinks import safe_run_id
 from otel_kvtrace import config
 from otel_kvtrace.export.otlp_json import request_to_json_line
 from otel_kvtrace.loadgen.model import LoadResult
@@ -44,7 +45,7 @@ class JsonLinesSpanExporter(SpanExporter):
 def _exporter(data_dir: Path, run_id: str) -> tuple[SpanExporter, str]:
     endpoint = config.otlp_endpoint()
     if endpoint is None:
-        path = data_dir / "traces" / f"kvtrace-load-{run_id}.jsonl"
+        path = data_dir / "traces" / f"kvtrace-load-{safe_run_id(run_id)}.jsonl"
         return JsonLinesSpanExporter(path), str(path)
     if config.otlp_protocol() == config.PROTOCOL_GRPC:
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from otel_kvtrace.export.sinks import safe_run_id
 import orjson
 from google.protobuf import json_format
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
@@ -48,7 +49,7 @@ def metric_name(field: str) -> tuple[str, str]:
 
 
 def resources_path(data_dir: str | Path, run_id: str) -> Path:
-    return Path(data_dir) / "metrics" / f"resources-{run_id}.jsonl"
+    return Path(data_dir) / "metrics" / f"resources-{safe_run_id(run_id)}.jsonl"
 
 
 class ResourceSampler:
@@ -147,7 +148,7 @@ def _meter_provider(data_dir: Path, run_id: str, attributes: dict[str, Any], int
 
     endpoint = config.otlp_endpoint()
     if endpoint is None:
-        exporter: Any = JsonLinesMetricExporter(data_dir / "metrics" / f"otlp-metrics-{run_id}.jsonl")
+        exporter: Any = JsonLinesMetricExporter(data_dir / "metrics" / f"otlp-metrics-{safe_run_id(run_id)}.jsonl")
     elif config.otlp_protocol() == config.PROTOCOL_GRPC:
         from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 

@@ -107,3 +107,22 @@ def test_bad_kv_transfer_config_is_a_clear_cli_error() -> None:
     result = CliRunner().invoke(main, ["serve-replica", "--kv-transfer-config", "{not json"])
     assert result.exit_code == 2 and "not JSON" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_run_id_cannot_escape_the_data_dir(tmp_path: Path) -> None:
+    from otel_kvtrace.loadgen.model import LoadResult, RequestResult
+    from otel_kvtrace.loadgen.spans import export_request_spans
+    from otel_kvtrace.resources.sampler import resources_path
+
+    data = tmp_path / "a" / "b" / "data"
+    evil = "x/../../../escaped"
+    with serve_replica(data, "--run-id", evil) as (url, proc):
+        result = run_load(LoadProfile(url, "/v1/completions", None, num_requests=1, concurrency=1, prompt_len=5,
+                                      output_len=2))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 0
+    assert result.summary()["failed"] == 0
+    export_request_spans(LoadResult({}, [RequestResult(0, "r", 1, 2, 3)], 1.0), data, evil)
+    assert resources_path(data, evil).resolve().is_relative_to(data.resolve())
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.resolve().is_relative_to(data.resolve()) for p in written), written
