@@ -6,13 +6,15 @@ Layout under ``--out DIR``::
     DIR/cells/<cell_id>/cell.json         the cell's config and rendered command
     DIR/cells/<cell_id>/run-<k>/          data/ (traces, metrics, requests), load.json, server.log, status.json
 
-``status.json`` says ``ok`` or ``failed`` (with the reason and the tail of the server log). A run whose
-status is ``ok`` is skipped next time (resumable); failed runs are retried. A server that fails to start
+``status.json`` says ``ok`` or ``failed`` (with the reason and the tail of the server log) and holds the
+run's fingerprint (rendered command, env, load). A run whose status is ``ok`` with the same fingerprint is
+skipped next time (resumable); failed runs, and runs of a cell whose command or load changed, run again. A server that fails to start
 or dies mid-run fails that run and the experiment goes on. Ctrl-C stops the server it started.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -55,22 +57,35 @@ def run_dir(out: Path, cell: Cell, run: int) -> Path:
 
 
 def render(matrix: Matrix, cell: Cell, port: int, data_dir: Path, run_id: str) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and extra environment for one run (template values are shell-quoted)."""
+    """The server's argv and extra environment for one run. The template is split like a shell line first,
+    then each word is formatted, so a value with spaces or quotes stays one argument."""
     values: dict[str, Any] = {"port": port, "data_dir": str(data_dir), "run_id": run_id,
                               "kv_transfer_config": matrix.kv_config_json(cell), "concurrency": matrix.concurrency(cell),
                               "cell_id": cell.cell_id}
     values.update({k: ("" if v is None else v) for k, v in cell.values if k not in values})
     values.setdefault("scheduler", "fifo")
     try:
-        command = matrix.command.format(**values)
+        words = shlex.split(matrix.command)
+    except ValueError as exc:
+        raise ValueError(f"server.command: not a shell-like command line ({exc})") from None
+    try:
+        argv = [w.format(**values) for w in words]
         env = {k: v.format(**values) for k, v in matrix.env.items()}
     except (KeyError, IndexError) as exc:
         raise ValueError(f"server.command: unknown placeholder {exc}; known: {sorted(values)}") from None
-    argv = shlex.split(command)
     if "kvtrace" in argv and shutil.which("kvtrace") is None:  # this interpreter's kvtrace
         i = argv.index("kvtrace")
         argv = [*argv[:i], sys.executable, "-m", "otel_kvtrace.cli", *argv[i + 1:]]
     return argv, env
+
+
+def run_fingerprint(matrix: Matrix, cell: Cell, k: int) -> str:
+    """What makes a run comparable on resume: the rendered command and env (port and paths left as
+    placeholders), the load, and the run's seed. A stored run with another fingerprint is run again."""
+    argv, env = render(matrix, cell, 0, Path("{data_dir}"), f"{cell.cell_id}-r{k}")
+    doc = {"argv": argv, "env": env, "load": matrix.load, "concurrency": matrix.concurrency(cell),
+           "health_path": matrix.health_path}
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
 
 
 def run_matrix(matrix: Matrix, out: Path, *, on_run: Callable[[RunOutcome], None] | None = None) -> list[RunOutcome]:
@@ -105,7 +120,8 @@ def read_status(rdir: Path) -> dict[str, Any] | None:
 def _run_once(matrix: Matrix, out: Path, cell: Cell, k: int) -> RunOutcome:
     rdir = run_dir(out, cell, k)
     status = read_status(rdir)
-    if status is not None and status.get("status") == "ok":
+    fingerprint = run_fingerprint(matrix, cell, k)
+    if status is not None and status.get("status") == "ok" and status.get("fingerprint") == fingerprint:
         return RunOutcome(cell.cell_id, k, "skipped")
     if rdir.exists():
         shutil.rmtree(rdir)  # a failed or interrupted run starts again from nothing
@@ -117,6 +133,7 @@ def _run_once(matrix: Matrix, out: Path, cell: Cell, k: int) -> RunOutcome:
     with open(rdir / "server.log", "wb") as log:
         outcome = _serve_and_load(matrix, cell, k, argv, extra_env, port, rdir, log)
     record = {"status": outcome.status, "reason": outcome.reason, "log_tail": outcome.log_tail,
+              "fingerprint": fingerprint,
               "command": shlex.join(argv), "env": extra_env, "port": port, "run_id": run_id,
               "started_unix_s": started, "seconds": time.time() - started}
     (rdir / "status.json").write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
