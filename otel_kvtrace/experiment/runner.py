@@ -35,6 +35,7 @@ import orjson
 from otel_kvtrace.experiment.matrix import Cell, Matrix
 
 LOG_TAIL_LINES = 20
+PORT_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -126,12 +127,16 @@ def _run_once(matrix: Matrix, out: Path, cell: Cell, k: int) -> RunOutcome:
     if rdir.exists():
         shutil.rmtree(rdir)  # a failed or interrupted run starts again from nothing
     rdir.mkdir(parents=True)
-    port = free_port()
     run_id = f"{cell.cell_id}-r{k}"
-    argv, extra_env = render(matrix, cell, port, rdir / "data", run_id)
     started = time.time()
-    with open(rdir / "server.log", "wb") as log:
-        outcome = _serve_and_load(matrix, cell, k, argv, extra_env, port, rdir, log)
+    for _attempt in range(PORT_ATTEMPTS):  # the free port can be taken before the server binds it
+        port = free_port()
+        argv, extra_env = render(matrix, cell, port, rdir / "data", run_id)
+        with open(rdir / "server.log", "wb") as log:
+            outcome = _serve_and_load(matrix, cell, k, argv, extra_env, port, rdir, log)
+        if not (outcome.status == "failed" and "before it was healthy" in outcome.reason
+                and "address already in use" in outcome.log_tail.lower()):
+            break
     record = {"status": outcome.status, "reason": outcome.reason, "log_tail": outcome.log_tail,
               "fingerprint": fingerprint,
               "command": shlex.join(argv), "env": extra_env, "port": port, "run_id": run_id,
@@ -180,6 +185,9 @@ def _serve_and_load(matrix: Matrix, cell: Cell, k: int, argv: list[str], extra_e
             stop_server(proc)
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via http_proxy
+
+
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> str:
     """'' when ``url`` answers 200; else why not (process exited, timed out)."""
     deadline = time.monotonic() + timeout_s
@@ -187,7 +195,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
         if proc.poll() is not None:
             return f"server exited with code {proc.returncode} before it was healthy"
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with _DIRECT.open(url, timeout=2) as resp:
                 if resp.status == 200:
                     return ""
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):

@@ -44,3 +44,40 @@ def test_resume_reruns_a_run_whose_command_or_load_changed(tmp_path: Path) -> No
     assert [o.status for o in same] == ["skipped"]
     changed = run_matrix(read_matrix(_matrix(tmp_path, command="false {port}", load={"num_requests": 3})), out)
     assert [o.status for o in changed] == ["failed"]  # run again, not silently reused
+
+
+def test_port_taken_before_the_server_binds_is_retried(tmp_path: Path) -> None:
+    # first attempt: a server that reports the port taken; the next attempt succeeds in binding
+    marker = tmp_path / "tried"
+    script = tmp_path / "server.py"
+    script.write_text(f"import pathlib, sys\nm = pathlib.Path({str(marker)!r})\nif not m.exists():\n"
+                      "    m.write_text('1')\n    print('OSError: [Errno 98] Address already in use')\n"
+                      "    sys.exit(3)\nsys.exit(5)\n")
+    command = f"python3 {script} {{port}}"
+    run_matrix(read_matrix(_matrix(tmp_path, command=command)), tmp_path / "exp")
+    status = orjson.loads((tmp_path / "exp" / "cells" / "P4" / "run-1" / "status.json").read_bytes())
+    assert "code 5" in status["reason"]  # the second attempt ran
+
+
+def test_health_check_ignores_http_proxy(tmp_path: Path, monkeypatch) -> None:
+    import subprocess
+    import sys
+
+    from otel_kvtrace.experiment.runner import _wait_healthy
+
+    import urllib.request
+
+    monkeypatch.setattr(urllib.request, "_opener", None)  # urlopen's cached opener read the env earlier
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:9")
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    srv = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", "0"],
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path)
+    try:
+        line = srv.stdout.readline()
+        port = int(line.split("port ")[1].split()[0])
+        assert _wait_healthy(srv, f"http://127.0.0.1:{port}/", 10) == ""
+    finally:
+        srv.kill()
+        srv.wait()
