@@ -170,7 +170,8 @@ def _serve_and_load(matrix: Matrix, cell: Cell, k: int, argv: list[str], extra_e
         (rdir / "load.json").write_bytes(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2))
         from otel_kvtrace.loadgen.spans import export_request_spans
 
-        export_request_spans(result, rdir / "data", f"load-{cell.cell_id}-r{k}")
+        spans = export_request_spans(result, rdir / "data", f"load-{cell.cell_id}-r{k}")
+        (rdir / "request_spans.json").write_bytes(orjson.dumps(spans, option=orjson.OPT_INDENT_2))
         if proc.poll() is not None:
             return _failed(cell, k, f"server exited with code {proc.returncode} during the load", rdir, proc)
         failed = result.summary()["failed"]
