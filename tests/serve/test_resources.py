@@ -180,3 +180,27 @@ def test_outstanding_leases_include_the_running_final_task() -> None:
     assert probe()["outstanding_leases"] == 3 and probe()["metadata_in_flight"] == 1
     recv.request_queue.task_done()
     assert probe()["outstanding_leases"] == 0
+
+
+def test_instrumented_worker_gets_the_resource_series(tmp_path: Path) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
+    from otel_kvtrace.replica import ReplicaConfig, replica_targets
+    from otel_kvtrace.replica.threaded import run_threaded
+
+    cfg = ReplicaConfig(num_layers=4, num_shared_buffers=2, prefetch_layers=2, steps=30)
+    reader = InMemoryMetricReader()
+    instrumentor = KVTraceInstrumentor()
+    instrumentor.instrument(targets=replica_targets(cfg.behaviour), out_dir=tmp_path, run_id="inst",
+                            meter_provider=MeterProvider(metric_readers=[reader]))
+    try:
+        assert instrumentor.session is not None, instrumentor.off_reason
+        assert run_threaded(cfg).error is None
+    finally:
+        instrumentor.uninstrument()
+    rows = [orjson.loads(x) for x in (tmp_path / "metrics" / "resources-inst.jsonl").read_bytes().splitlines()]
+    assert rows and max(r["step"] for r in rows) >= 1  # the worker's traced step counter drives the records
+    names = {m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert "kvtrace.resource.tasks_in_flight" in names

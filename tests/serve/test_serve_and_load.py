@@ -126,3 +126,22 @@ def test_run_id_cannot_escape_the_data_dir(tmp_path: Path) -> None:
     assert resources_path(data, evil).resolve().is_relative_to(data.resolve())
     written = [p for p in tmp_path.rglob("*") if p.is_file()]
     assert written and all(p.resolve().is_relative_to(data.resolve()) for p in written), written
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_serve_replica_runs_under_the_requested_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          how: str) -> None:
+    data = tmp_path / "data"
+    args: tuple[str, ...] = ()
+    if how == "env":
+        monkeypatch.setenv("OTEL_KVTRACE_SCHEDULER", "ready_queue")
+    else:
+        args = ("--scheduler", "ready_queue")
+    with serve_replica(data, *args) as (url, proc):
+        result = run_load(LoadProfile(url, "/v1/completions", None, num_requests=2, concurrency=2, prompt_len=300,
+                                      output_len=2))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 0
+    assert result.summary()["failed"] == 0
+    con = load_traces(data / "traces").con
+    assert con.execute("SELECT DISTINCT cfg_scheduler FROM tasks").fetchall() == [("ready_queue",)]
