@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import orjson
 import yaml
 
@@ -81,3 +82,27 @@ def test_health_check_ignores_http_proxy(tmp_path: Path, monkeypatch) -> None:
     finally:
         srv.kill()
         srv.wait()
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"server": {"command": "x", "startup_timeout_s": "abc"}}, "server.startup_timeout_s must be a number"),
+    ({"factors": {"num_shared_buffers": [{"a": 1}]}}, "factors.num_shared_buffers: level"),
+    ({"factors": {"independent_layers": [["a"]]}}, "factors.independent_layers: level"),
+    ({"load": {"num_requests": 0}}, "load.num_requests must be an integer >= 1"),
+    ({"load": {"output_len": "many"}}, "load.output_len must be an integer"),
+    ({"load": {"request_rate": -1}}, "load.request_rate must be a number > 0"),
+])
+def test_wrong_matrix_values_are_clear_errors(tmp_path: Path, patch: dict, message: str) -> None:
+    from click.testing import CliRunner
+
+    from otel_kvtrace.cli import main
+    from otel_kvtrace.experiment.matrix import MatrixError
+
+    doc = {"server": {"command": "x"}, "factors": {"prefetch_layers": [2]}, **patch}
+    path = tmp_path / "m.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(MatrixError, match=message):
+        read_matrix(path)
+    res = CliRunner().invoke(main, ["experiment", str(path), "--out", str(tmp_path / "o")])
+    assert res.exit_code != 0 and message.split(" must")[0].split(":")[0] in res.output
+    assert "Traceback" not in res.output
