@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import re
 from typing import Any
 
 from otel_kvtrace.experiment.analysis import LABELS, level_order
@@ -72,8 +73,28 @@ def heatmap(doc: dict[str, Any], metric: str = "hol_total_ms") -> tuple[str, str
     return rf, cf, rows, cols, means
 
 
+_MD_SPECIAL = re.compile(r"([\\`*_\[\]()#!|~])")
+
+
 def _md_escape(text: Any) -> str:
-    return str(text).replace("&", "&amp;").replace("<", "&lt;").replace("|", "\\|").replace("\n", " ")
+    """Inline text from a run: HTML-significant characters as entities, Markdown punctuation backslashed."""
+    out = str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace("\n", " ")
+    return _MD_SPECIAL.sub(r"\\\1", out)
+
+
+def _md_code(text: Any) -> str:
+    """Inline code span that no backtick in ``text`` can close (CommonMark: a longer backtick run)."""
+    body = str(text).replace("\n", " ")
+    fence = "`" * (max((len(m) for m in re.findall(r"`+", body)), default=0) + 1)
+    pad = " " if body.startswith("`") or body.endswith("`") else ""
+    return f"{fence}{pad}{body}{pad}{fence}"
+
+
+def _md_fence(lines: list[str], indent: str = "  ") -> list[str]:
+    """A fenced block longer than any backtick run inside, so a ```` ``` ```` line in a log cannot close it."""
+    longest = max((len(m) for line in lines for m in re.findall(r"`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [indent + fence, *(indent + x for x in lines), indent + fence]
 
 
 def _md_table(header: list[str] | tuple[str, ...], rows: list[list[str]]) -> list[str]:
@@ -102,13 +123,13 @@ def render_markdown(doc: dict[str, Any]) -> str:
             lines += _md_table([f"{rf} \\ {cf}", *cols], [[r, *(_f(means.get((r, c))) for c in cols)] for r in rows])
     lines += ["", "## Reproduce and raw timelines", ""]
     for c in doc["cells"]:
-        lines += [f"### {_md_escape(c['cell_id'])}", "", f"- config: `{_md_escape(c['config'])}`",
-                  f"- command: `{_md_escape(c['command'])}`"]
+        lines += [f"### {_md_escape(c['cell_id'])}", "", f"- config: {_md_code(c['config'])}",
+                  f"- command: {_md_code(c['command'])}"]
         for r in c["runs"]:
-            lines.append(f"- run {r['run']}: {_md_escape(r['status'])}; traces `{_md_escape(r['traces'])}` "
-                         f"(`kvtrace report {_md_escape(r['traces'])}`){'; ' + _md_escape(r['reason']) if r['reason'] else ''}")
+            lines.append(f"- run {r['run']}: {_md_escape(r['status'])}; traces {_md_code(r['traces'])} "
+                         f"({_md_code('kvtrace report ' + str(r['traces']))}){'; ' + _md_escape(r['reason']) if r['reason'] else ''}")
             if r["status"] == "failed" and r.get("log_tail"):
-                lines += ["", "  server log tail:", "", "  ```", *("  " + x for x in r["log_tail"].splitlines()), "  ```", ""]
+                lines += ["", "  server log tail:", "", *_md_fence(r["log_tail"].splitlines()), ""]
         lines.append("")
     lines += ["## Stage definitions", "", "Queue wait, dependency waits (save CPU wait, save NPU sync, gate wait, "
               "gate NPU sync, slot release wait), metadata build, backend submit, completion and consumer wait are "
