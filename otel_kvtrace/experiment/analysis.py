@@ -35,9 +35,12 @@ LABELS = {"hol_total_ms": "HOL time (ms per run)", "queue_wait_ms": "queue wait 
 
 
 def run_metrics(rdir: Path) -> dict[str, Any]:
-    """The metrics of one finished run folder (``load.json`` + ``data/``)."""
+    """The metrics of one finished run folder (``load.json`` + ``data/``).
+
+    One rule for the waits: a stage that did not happen for a task counts 0 ms, in the means and in the
+    percentiles alike (``coalesce(stage_ns, 0)``), over every recv task of the run."""
     from otel_kvtrace.analyse import run_query
-    from otel_kvtrace.load import DEPENDENCY_WAIT_STAGES, load_traces
+    from otel_kvtrace.load import DEPENDENCY_WAIT_STAGES, STAGES, load_traces
     from otel_kvtrace.resources import load_resources, resource_summary
 
     load = orjson.loads((rdir / "load.json").read_bytes())
@@ -45,41 +48,52 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
     con = load_traces(rdir / "data" / "traces").con
     hol = run_query(con, "hol_summary").records()
     waits = con.execute("SELECT avg(coalesce(queue_wait_ns, 0)) / 1e6, avg(coalesce(consumer_wait_ns, 0)) / 1e6, "
-                    "count(*) FROM tasks").fetchone()
+                        "count(*) FROM tasks").fetchone()
     res = resource_summary(load_resources([rdir / "data"]))
     ttft = s["ttft_ms"]
     dep = " + ".join(f"coalesce({st}_ns, 0)" for st in DEPENDENCY_WAIT_STAGES)
     pct = con.execute(
-        "SELECT quantile_cont(queue_wait_ns, [0.5, 0.95, 0.99]), "
+        "SELECT quantile_cont(coalesce(queue_wait_ns, 0), [0.5, 0.95, 0.99]), "
         f"quantile_cont({dep}, [0.5, 0.95, 0.99]) FROM tasks").fetchone()
     first = hol[0] if hol else {}
     waits_pct = {"queue_wait_ms": _pcts(pct[0]), "dep_wait_ms": _pcts(pct[1]),
                  "hol_event_ms": {k: first.get(f"{k}_ms") for k in ("p50", "p95", "p99")}}
     return {
         "ttft_p50_ms": ttft["p50"], "ttft_p95_ms": ttft["p95"], "ttft_p99_ms": ttft["p99"],
-        "ttft_values_ms": [_ttft(r) for r in load["requests"] if _ttft(r) is not None],
         "throughput_tok_s": s["output_throughput_tok_s"],
         "hol_events": int(sum(r["hol_events"] or 0 for r in hol)),
         "hol_total_ms": float(sum(r["hol_total_ms"] or 0.0 for r in hol)),
         "dep_wait_ms": float(sum(r["dep_wait_ms"] or 0.0 for r in hol)),
         "wait_percentiles": waits_pct,
+        "stage_ms": _stage_means(con, STAGES),
         "queue_wait_ms": float(waits[0] or 0.0), "consumer_wait_ms": float(waits[1] or 0.0), "tasks": int(waits[2]),
-        "peak_host_rss_mb": res.get("host_rss_bytes", {}).get("peak", 0) / 2**20 if res.get("host_rss_bytes") else None,
-        "peak_inflight_tasks": res.get("tasks_in_flight", {}).get("peak"),
-        "peak_outstanding_leases": res.get("outstanding_leases", {}).get("peak"),
-        "peak_backend_copies_pending": res.get("backend_copies_pending", {}).get("peak"),
+        "peak_host_rss_mb": _peak(res, "host_rss_bytes", 2**20),
+        "peak_npu_allocated_mb": _peak(res, "npu_max_allocated_bytes", 2**20),
+        "peak_inflight_tasks": _peak(res, "tasks_in_flight"),
+        "peak_outstanding_leases": _peak(res, "outstanding_leases"),
+        "peak_backend_copies_pending": _peak(res, "backend_copies_pending"),
     }
+
+
+def _peak(res: dict[str, Any], field: str, scale: float = 1) -> float | int | None:
+    peak = res.get(field, {}).get("peak")
+    return None if peak is None else (peak / scale if scale != 1 else peak)
+
+
+def _stage_means(con: Any, stages: Sequence[str]) -> dict[str, float]:
+    """Mean ms per recv task of every stage present (a stage that did not happen counts 0)."""
+    cols = {r[0] for r in con.execute("SELECT column_name FROM (DESCRIBE tasks)").fetchall()}
+    present = [st for st in stages if f"{st}_ns" in cols]
+    if not present:
+        return {}
+    row = con.execute("SELECT " + ", ".join(f"avg(coalesce({st}_ns, 0)) / 1e6" for st in present)
+                      + " FROM tasks").fetchone()
+    return {st: float(v or 0.0) for st, v in zip(present, row, strict=True)}
 
 
 def _pcts(values: Sequence[float] | None) -> dict[str, float | None]:
     vals = list(values) if values is not None else [None, None, None]
     return {k: (v / 1e6 if v is not None else None) for k, v in zip(("p50", "p95", "p99"), vals, strict=True)}
-
-
-def _ttft(r: dict[str, Any]) -> float | None:
-    if not r.get("first_token_unix_ns") or r.get("error"):
-        return None
-    return (r["first_token_unix_ns"] - r["start_unix_ns"]) / 1e6
 
 
 def _mean(values: Sequence[float]) -> float:

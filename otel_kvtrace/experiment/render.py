@@ -10,7 +10,10 @@ from otel_kvtrace.experiment.analysis import LABELS, level_order
 
 _CSP = "default-src 'none'; style-src 'unsafe-inline'"
 _CELL_COLUMNS = ("cell", "runs ok", "TTFT p50/p95/p99 ms", "TTFT p50 noise", "tok/s (noise)", "HOL events/run",
-                 "HOL ms/run (noise)", "queue wait ms", "consumer wait ms", "peak RSS MB", "peak in flight", "what-if")
+                 "HOL ms/run (noise)", "queue wait ms", "consumer wait ms", "peak RSS MB", "peak NPU MB",
+                 "peak in flight", "peak leases", "peak backend copies", "what-if")
+AGGREGATION = ("Every percentile and mean is computed per run and averaged over the cell's ok runs (peaks: the "
+               "maximum over runs); a wait stage that did not happen for a task counts 0 ms.")
 
 
 def _f(value: Any, digits: int = 3) -> str:
@@ -26,8 +29,18 @@ def cell_row(c: dict[str, Any]) -> list[str]:
     return [c["cell_id"], f"{c['runs_ok']}/{len(c['runs'])}", f"{_f(t['p50'])} / {_f(t['p95'])} / {_f(t['p99'])}",
             _f(c["ttft_p50_noise_ms"], 2), f"{_f(c['throughput_tok_s'])} ({_f(c['throughput_noise_tok_s'], 2)})",
             _f(c["hol"]["events"]), f"{_f(c['hol']['total_ms'])} ({_f(c['hol']['total_ms_noise'], 2)})",
-            _f(c["queue_wait_ms"]), _f(c["consumer_wait_ms"]), _f(c["peak_host_rss_mb"]), _f(c["peak_inflight_tasks"]),
-            c["whatif"]["verdict"] or c["whatif"]["reason"]]
+            _f(c["queue_wait_ms"]), _f(c["consumer_wait_ms"]), _f(c["peak_host_rss_mb"]),
+            _f(c.get("peak_npu_allocated_mb")), _f(c["peak_inflight_tasks"]), _f(c.get("peak_outstanding_leases")),
+            _f(c.get("peak_backend_copies_pending")), c["whatif"]["verdict"] or c["whatif"]["reason"]]
+
+
+STAGE_COLUMNS = ("cell", "where the recv tasks' time went")
+
+
+def stage_row(c: dict[str, Any]) -> list[str]:
+    from otel_kvtrace.experiment.report import stage_explanation
+
+    return [c["cell_id"], stage_explanation(c)]
 
 
 WAIT_COLUMNS = ("cell", "queue wait p50/p95/p99 ms", "dependency wait p50/p95/p99 ms", "HOL per event p50/p95/p99 ms")
@@ -109,8 +122,11 @@ def render_markdown(doc: dict[str, Any]) -> str:
     lines += [f"- {_md_escape(d)}" for d in doc["verdict_details"]] + ["", "## Environment", ""]
     lines += [f"- {_md_escape(k)}: {_md_escape(v)}" for k, v in env.items()] + ["", "## Cells", ""]
     lines += _md_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
-    lines += ["", "Wait percentiles per recv task (HOL: per event), averaged over runs:", ""]
+    lines += ["", AGGREGATION, "", "Wait percentiles per recv task (HOL: per event), averaged over runs:", ""]
     lines += _md_table(WAIT_COLUMNS, [wait_row(c) for c in doc["cells"]])
+    lines += ["", "Stages, from each cell's own traces:", ""]
+    lines += _md_table(STAGE_COLUMNS, [stage_row(c) for c in doc["cells"]])
+    lines += _md_measured(doc)
     lines += ["", "## Factor effects", "",
               "Effect = mean at the high level minus mean at the low level (interaction: (hh - hl - lh + ll) / 2); "
               "noise = 95% half-width from the pooled run-to-run variance.", ""]
@@ -189,10 +205,46 @@ def render_html(doc: dict[str, Any]) -> str:
             + "".join(f"<li>{_h(d)}</li>" for d in doc["verdict_details"])
             + f"</ul><h2>Environment</h2><ul>{env}</ul><h2>Cells</h2>"
             + _html_table(_CELL_COLUMNS, [cell_row(c) for c in doc["cells"]])
+            + f"<p>{_h(AGGREGATION)}</p>"
             + "<h2>Wait percentiles (per recv task; HOL per event; mean over runs)</h2>"
             + _html_table(WAIT_COLUMNS, [wait_row(c) for c in doc["cells"]])
+            + "<h2>Stages (from each cell's traces)</h2>"
+            + _html_table(STAGE_COLUMNS, [stage_row(c) for c in doc["cells"]])
+            + _html_measured(doc)
             + "<h2>Factor effects</h2>"
             + _html_table(["factor", "levels", "metric", "effect", "noise", "real"], [effect_row(e) for e in doc["factor_effects"]])
             + _html_heatmap(doc, "hol_total_ms") + _html_heatmap(doc, "ttft_p50_ms")
             + (f"<h2>Failed runs</h2>{''.join(failed)}" if failed else "")
             + f"<h2>Reproduce and raw timelines</h2><ul>{runs}</ul></body></html>")
+
+
+MEASURED_COLUMNS = ("FIFO cell", "policy", "policy cell", "predicted TTFT gain ms", "measured TTFT gain ms",
+                    "noise ms", "gain error %", "measured verdict")
+
+
+def measured_rows(doc: dict[str, Any]) -> list[list[str]]:
+    rows = []
+    for m in doc.get("measured_policies") or ():
+        if m.get("error"):
+            rows.append([m["fifo_cell"], m["policy"], m["policy_cell"], "-", "-", "-", "-", m["error"]])
+            continue
+        rows.append([m["fifo_cell"], m["policy"], m["policy_cell"], _f(m["predicted_gain_ms"]),
+                     _f(m["measured_gain_ms"]), _f(m["noise_ms"], 2), _f(m["gain_error_pct"], 2),
+                     f"{m['verdict']} ({m['reason']})"])
+    return rows
+
+
+def _md_measured(doc: dict[str, Any]) -> list[str]:
+    rows = measured_rows(doc)
+    if not rows:
+        return []
+    return ["", "## Measured policies (kvtrace whatif --measured)", "",
+            "Predicted (replayed from the FIFO cell's runs) against measured (the policy cell's runs):", "",
+            *_md_table(MEASURED_COLUMNS, rows)]
+
+
+def _html_measured(doc: dict[str, Any]) -> str:
+    rows = measured_rows(doc)
+    if not rows:
+        return ""
+    return "<h2>Measured policies (kvtrace whatif --measured)</h2>" + _html_table(MEASURED_COLUMNS, rows)
