@@ -25,10 +25,13 @@ STREAMS: dict[str, list[bytes]] = {
 }
 
 
+STATE = web.AppKey("state", dict)
+
+
 async def _handler(request: web.Request) -> web.StreamResponse:
     if request.method == "GET":
         return web.json_response({"data": [{"id": "m"}]})
-    kind = request.app["state"]["kind"]
+    kind = request.app[STATE]["kind"]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
     for chunk in STREAMS[kind]:
@@ -40,14 +43,14 @@ async def _handler(request: web.Request) -> web.StreamResponse:
 @pytest.fixture()
 def sse_server() -> Iterator[web.Application]:
     app = web.Application()
-    app["state"] = {}
+    app[STATE] = {}
     app.router.add_route("*", "/{tail:.*}", _handler)
     loop = asyncio.new_event_loop()
     runner = web.AppRunner(app)
     loop.run_until_complete(runner.setup())
     site = web.TCPSite(runner, "127.0.0.1", 0)
     loop.run_until_complete(site.start())
-    app["state"]["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+    app[STATE]["url"] = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
     yield app
@@ -56,8 +59,8 @@ def sse_server() -> Iterator[web.Application]:
 
 
 def _run(app: web.Application, kind: str, n: int = 2):
-    app["state"]["kind"] = kind
-    return run_load(LoadProfile(app["state"]["url"], "/v1/chat/completions", "m", num_requests=n, concurrency=1,
+    app[STATE]["kind"] = kind
+    return run_load(LoadProfile(app[STATE]["url"], "/v1/chat/completions", "m", num_requests=n, concurrency=1,
                                 prompt_len=3, output_len=4))
 
 
