@@ -132,22 +132,71 @@ def read_matrix(path: str | Path) -> Matrix:
         values = factors[name]
         if not isinstance(values, list) or not values:
             raise MatrixError(f"{p}: factors.{name} must be a non-empty list of values")
+        for v in values:
+            _check_level(p, name, v)
         grid.append([(name, tuple(v) if isinstance(v, list) else v) for v in values])
     cells = [Cell(tuple(combo)) for combo in itertools.product(*grid)]
     runs = doc.get("runs", 3)
     if not isinstance(runs, int) or runs < 1:
         raise MatrixError(f"{p}: runs must be an integer >= 1, got {runs!r}")
     load = doc.get("load") or {}
-    if not isinstance(load, dict) or set(load) - set(LOAD_KEYS) - {"concurrency"}:
+    if not isinstance(load, dict):
+        raise MatrixError(f"{p}: load must be a mapping")
+    if set(load) - set(LOAD_KEYS) - {"concurrency"}:
         raise MatrixError(f"{p}: load: unknown keys {sorted(set(load) - set(LOAD_KEYS) - {'concurrency'})}")
     if str(load.get("request_rate", "inf")) == "inf":
         load["request_rate"] = math.inf
+    for key, minimum in _LOAD_INTS.items():
+        if key in load:
+            load[key] = _number(p, f"load.{key}", load[key], int, minimum)
+    for key in ("request_rate", "timeout_s"):
+        if key in load:
+            load[key] = _number(p, f"load.{key}", load[key], float, 0.0, exclusive=True)
+    if "endpoint" in load and (not isinstance(load["endpoint"], str) or not load["endpoint"].startswith("/")):
+        raise MatrixError(f"{p}: load.endpoint must be a path such as /v1/completions, got {load['endpoint']!r}")
     env = server.get("env") or {}
     if not isinstance(env, dict):
         raise MatrixError(f"{p}: server.env must be a mapping")
+    startup = _number(p, "server.startup_timeout_s", server.get("startup_timeout_s", 120), float, 0.0, exclusive=True)
+    kv = doc.get("kv_transfer_config") or {}
+    if not isinstance(kv, dict) or not isinstance(kv.get("kv_connector_extra_config", {}), dict):
+        raise MatrixError(f"{p}: kv_transfer_config must be a mapping (kv_connector_extra_config a mapping)")
+    environment = doc.get("environment") or {}
+    if not isinstance(environment, dict):
+        raise MatrixError(f"{p}: environment must be a mapping")
     return Matrix(str(doc.get("name") or p.stem), p, command, cells, runs, {str(k): str(v) for k, v in env.items()},
-                  str(server.get("health_path", "/health")), float(server.get("startup_timeout_s", 120)),
-                  doc.get("kv_transfer_config") or {}, load, doc.get("environment") or {})
+                  str(server.get("health_path", "/health")), startup, kv, load, environment)
+
+
+_LOAD_INTS = {"num_requests": 1, "prompt_len": 1, "output_len": 1, "seed": 0, "concurrency": 1}
+_SCALAR_FACTORS = {"num_shared_buffers": int, "prefetch_layers": int, "concurrency": int, "buffer_reuse": bool,
+                   "path": str, "scheduler": str}
+
+
+def _number(p: Path, key: str, value: Any, kind: type, minimum: float, *, exclusive: bool = False) -> Any:
+    """``value`` as ``kind`` (int or float) >= ``minimum`` (> when ``exclusive``), else ``MatrixError``."""
+    ok = not isinstance(value, bool) and isinstance(value, int | float) and (kind is float or float(value).is_integer())
+    if ok:
+        value = kind(value)
+        ok = value > minimum if exclusive else value >= minimum
+    if not ok:
+        what = "an integer" if kind is int else "a number"
+        raise MatrixError(f"{p}: {key} must be {what} {'>' if exclusive else '>='} {minimum:g}, got {value!r}")
+    return value
+
+
+def _check_level(p: Path, name: str, value: Any) -> None:
+    """One level of a factor: ``null`` (the default) or the factor's type (a list of ints for independent_layers)."""
+    if value is None:
+        return
+    if name == "independent_layers":
+        ok = isinstance(value, list) and all(isinstance(x, int) and not isinstance(x, bool) for x in value)
+    else:
+        kind = _SCALAR_FACTORS[name]
+        ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if not ok:
+        raise MatrixError(f"{p}: factors.{name}: level {value!r} is not "
+                          f"{'a list of layer numbers' if name == 'independent_layers' else _SCALAR_FACTORS[name].__name__}")
 
 
 def _mapping(p: Path, doc: dict[str, Any], key: str) -> dict[str, Any]:

@@ -2,14 +2,18 @@
 
 ``report.json`` keys (tests and tools read them): ``environment``; ``cells`` (each with ``cell_id``,
 ``config``, ``command``, ``runs`` [per run: ``run``, ``status``, ``reason``, ``traces``, metrics],
-``ttft_ms`` {p50, p95, p99} over every request of the cell's ok runs, ``ttft_p50_noise_ms``,
+``ttft_ms`` {p50, p95, p99} (each run's percentile, averaged over the cell's ok runs), ``ttft_p50_noise_ms``,
 ``throughput_tok_s`` (mean over runs) and ``throughput_noise_tok_s``, ``hol`` {events, total_ms} (mean per
 run) with ``total_ms_noise``, ``queue_wait_ms``, ``consumer_wait_ms``, ``wait_percentiles`` (queue wait, dependency wait per task and HOL per event,
-{p50, p95, p99} ms averaged over runs), ``peak_host_rss_mb``,
-``peak_inflight_tasks``, ``whatif`` {verdict, reason}); ``factor_effects`` (``factor``, ``metric``,
+{p50, p95, p99} ms averaged over runs), ``stage_ms`` (mean ms per recv task of each stage, over runs),
+``peak_host_rss_mb``, ``peak_npu_allocated_mb``, ``peak_inflight_tasks``, ``peak_outstanding_leases``,
+``peak_backend_copies_pending`` (peaks: the maximum over runs), ``whatif`` {verdict, reason}); ``factor_effects`` (``factor``, ``metric``,
 ``effect``, ``noise``, ``low``, ``high``, ``real``); ``verdict`` (the conclusion, one paragraph) and
 ``verdict_details`` (one sentence per metric). Noise is the run-to-run sample standard deviation for a
-cell and the 95% half-width for an effect (``otel_kvtrace.experiment.analysis``).
+cell and the 95% half-width for an effect (``otel_kvtrace.experiment.analysis``). One aggregation rule:
+every percentile and mean is computed per run, then averaged over the cell's runs; a wait stage that did
+not happen for a task counts 0 ms. ``measured_policies``: when the scheduler factor varies, predicted vs
+measured per non-FIFO policy (``kvtrace whatif --measured``) for each group of cells that differ only in it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import orjson
 
 from otel_kvtrace.experiment.analysis import LABELS, METRICS, factor_effects, noise_of, run_metrics, verdict
@@ -49,7 +52,49 @@ def build_report(folder: Path) -> dict[str, Any]:
     details = [verdict(effects, m) for m in METRICS]
     return {"title": f"Experiment {matrix.name}", "folder": str(folder), "environment": environment(matrix.environment),
             "factors": factors, "cells": cells, "factor_effects": effects, "verdict": _conclusion(cells, effects, details),
-            "verdict_details": details}
+            "verdict_details": details, "measured_policies": measured_policies(cells)}
+
+
+def measured_policies(cells: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """For cells that differ only in ``scheduler``: each non-FIFO cell's measured runs against what the
+    what-if predicted for that policy from the FIFO cell's runs (``kvtrace whatif --measured``)."""
+    groups: dict[str, dict[str, dict[str, Any]]] = {}
+    for c in cells:
+        if "scheduler" not in c["config"]:
+            return []
+        rest = orjson.dumps({k: v for k, v in c["config"].items() if k != "scheduler"}, option=orjson.OPT_SORT_KEYS)
+        groups.setdefault(rest.decode(), {})[str(c["config"]["scheduler"] or "fifo")] = c
+    out = []
+    for by_policy in groups.values():
+        fifo = by_policy.get("fifo")
+        for policy, cell in sorted(by_policy.items()):
+            if policy == "fifo" or fifo is None:
+                continue
+            out.append(_measured_one(fifo, policy, cell))
+    return out
+
+
+def _ok_traces(cell: dict[str, Any]) -> list[str]:
+    return [r["traces"] for r in cell["runs"] if r["status"] == "ok"]
+
+
+def _measured_one(fifo: dict[str, Any], policy: str, cell: dict[str, Any]) -> dict[str, Any]:
+    base = {"fifo_cell": fifo["cell_id"], "policy": policy, "policy_cell": cell["cell_id"]}
+    fifo_runs, policy_runs = _ok_traces(fifo), _ok_traces(cell)
+    if not fifo_runs or not policy_runs:
+        return {**base, "error": "no finished run in one of the two cells"}
+    from otel_kvtrace.whatif.api import whatif
+
+    try:
+        report = whatif(fifo_runs, measured=policy_runs)
+        comparisons = [m for v in report.verdicts for m in v.extra.get("measured", ()) if m["policy"] == policy]
+    except Exception as exc:  # noqa: BLE001 - one comparison failing must not lose the report
+        return {**base, "error": f"comparison failed: {type(exc).__name__}: {exc}"}
+    if not comparisons:
+        return {**base, "error": "the what-if found no matching configuration"}
+    m = comparisons[0]
+    return {**base, **{k: m[k] for k in ("predicted_gain_ms", "measured_gain_ms", "noise_ms", "gain_error_pct",
+                                         "verdict", "reason")}}
 
 
 def environment(declared: dict[str, Any]) -> dict[str, Any]:
@@ -91,8 +136,7 @@ def _cell(folder: Path, cell_id: str, config: dict[str, Any], runs: int) -> dict
                 doc.update(status="unreadable", reason=f"{type(exc).__name__}: {exc}")
         run_docs.append(doc)
     ok = [r for r in run_docs if r["status"] == "ok"]
-    ttfts = [v for r in ok for v in r.pop("ttft_values_ms", [])]
-    pct = [float(x) for x in np.percentile(ttfts, [50, 95, 99])] if ttfts else [None] * 3
+    pct = [_avg([r[f"ttft_{q}_ms"] for r in ok]) for q in ("p50", "p95", "p99")]
     cell = {"cell_id": cell_id, "config": _plain(config), "command": meta.get("command", ""),
             "kv_transfer_config": meta.get("kv_transfer_config", ""), "runs": run_docs, "runs_ok": len(ok),
             "ttft_ms": dict(zip(("p50", "p95", "p99"), pct, strict=True)),
@@ -105,7 +149,11 @@ def _cell(folder: Path, cell_id: str, config: dict[str, Any], runs: int) -> dict
             "queue_wait_ms": _avg([r["queue_wait_ms"] for r in ok]),
             "consumer_wait_ms": _avg([r["consumer_wait_ms"] for r in ok]),
             "peak_host_rss_mb": _max([r["peak_host_rss_mb"] for r in ok]),
+            "peak_npu_allocated_mb": _max([r.get("peak_npu_allocated_mb") for r in ok]),
             "peak_inflight_tasks": _max([r["peak_inflight_tasks"] for r in ok]),
+            "peak_outstanding_leases": _max([r.get("peak_outstanding_leases") for r in ok]),
+            "peak_backend_copies_pending": _max([r.get("peak_backend_copies_pending") for r in ok]),
+            "stage_ms": _mean_stages([r.get("stage_ms") or {} for r in ok]),
             "whatif": _whatif([Path(r["traces"]) for r in ok])}
     return cell
 
@@ -114,6 +162,22 @@ def _mean_percentiles(per_run: list[dict[str, dict[str, Any]]]) -> dict[str, dic
     """Per wait kind, each percentile averaged over the runs (``queue_wait_ms``, ``dep_wait_ms``, ``hol_event_ms``)."""
     kinds = ("queue_wait_ms", "dep_wait_ms", "hol_event_ms")
     return {k: {q: _avg([r[k][q] for r in per_run]) for q in ("p50", "p95", "p99")} for k in kinds}
+
+
+def _mean_stages(per_run: list[dict[str, float]]) -> dict[str, float]:
+    """Mean ms per task of each stage, averaged over the runs (the stages every run has)."""
+    common = set.intersection(*(set(r) for r in per_run)) if per_run else set()
+    return {st: statistics.fmean(r[st] for r in per_run) for st in per_run[0] if st in common} if common else {}
+
+
+def stage_explanation(cell: dict[str, Any]) -> str:
+    """Which stages the cell's recv tasks spent their time in, largest first (from its own traces)."""
+    stages = sorted(((ms, st) for st, ms in (cell.get("stage_ms") or {}).items() if ms > 0), reverse=True)
+    total = sum(ms for ms, _ in stages)
+    if not total:
+        return "no recv task time recorded"
+    top = ", ".join(f"{st} {ms:.3g} ms ({100 * ms / total:.0f}%)" for ms, st in stages[:3])
+    return f"per recv task: {top} of {total:.3g} ms in stages"
 
 
 def _plain(config: dict[str, Any]) -> dict[str, Any]:

@@ -6,13 +6,15 @@ Layout under ``--out DIR``::
     DIR/cells/<cell_id>/cell.json         the cell's config and rendered command
     DIR/cells/<cell_id>/run-<k>/          data/ (traces, metrics, requests), load.json, server.log, status.json
 
-``status.json`` says ``ok`` or ``failed`` (with the reason and the tail of the server log). A run whose
-status is ``ok`` is skipped next time (resumable); failed runs are retried. A server that fails to start
+``status.json`` says ``ok`` or ``failed`` (with the reason and the tail of the server log) and holds the
+run's fingerprint (rendered command, env, load). A run whose status is ``ok`` with the same fingerprint is
+skipped next time (resumable); failed runs, and runs of a cell whose command or load changed, run again. A server that fails to start
 or dies mid-run fails that run and the experiment goes on. Ctrl-C stops the server it started.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shlex
 import shutil
@@ -33,6 +35,7 @@ import orjson
 from otel_kvtrace.experiment.matrix import Cell, Matrix
 
 LOG_TAIL_LINES = 20
+PORT_ATTEMPTS = 3
 
 
 @dataclass(slots=True)
@@ -55,22 +58,35 @@ def run_dir(out: Path, cell: Cell, run: int) -> Path:
 
 
 def render(matrix: Matrix, cell: Cell, port: int, data_dir: Path, run_id: str) -> tuple[list[str], dict[str, str]]:
-    """The server's argv and extra environment for one run (template values are shell-quoted)."""
+    """The server's argv and extra environment for one run. The template is split like a shell line first,
+    then each word is formatted, so a value with spaces or quotes stays one argument."""
     values: dict[str, Any] = {"port": port, "data_dir": str(data_dir), "run_id": run_id,
                               "kv_transfer_config": matrix.kv_config_json(cell), "concurrency": matrix.concurrency(cell),
                               "cell_id": cell.cell_id}
     values.update({k: ("" if v is None else v) for k, v in cell.values if k not in values})
     values.setdefault("scheduler", "fifo")
     try:
-        command = matrix.command.format(**values)
+        words = shlex.split(matrix.command)
+    except ValueError as exc:
+        raise ValueError(f"server.command: not a shell-like command line ({exc})") from None
+    try:
+        argv = [w.format(**values) for w in words]
         env = {k: v.format(**values) for k, v in matrix.env.items()}
     except (KeyError, IndexError) as exc:
         raise ValueError(f"server.command: unknown placeholder {exc}; known: {sorted(values)}") from None
-    argv = shlex.split(command)
     if "kvtrace" in argv and shutil.which("kvtrace") is None:  # this interpreter's kvtrace
         i = argv.index("kvtrace")
         argv = [*argv[:i], sys.executable, "-m", "otel_kvtrace.cli", *argv[i + 1:]]
     return argv, env
+
+
+def run_fingerprint(matrix: Matrix, cell: Cell, k: int) -> str:
+    """What makes a run comparable on resume: the rendered command and env (port and paths left as
+    placeholders), the load, and the run's seed. A stored run with another fingerprint is run again."""
+    argv, env = render(matrix, cell, 0, Path("{data_dir}"), f"{cell.cell_id}-r{k}")
+    doc = {"argv": argv, "env": env, "load": matrix.load, "concurrency": matrix.concurrency(cell),
+           "health_path": matrix.health_path}
+    return hashlib.sha256(orjson.dumps(doc, option=orjson.OPT_SORT_KEYS, default=str)).hexdigest()[:16]
 
 
 def run_matrix(matrix: Matrix, out: Path, *, on_run: Callable[[RunOutcome], None] | None = None) -> list[RunOutcome]:
@@ -105,18 +121,24 @@ def read_status(rdir: Path) -> dict[str, Any] | None:
 def _run_once(matrix: Matrix, out: Path, cell: Cell, k: int) -> RunOutcome:
     rdir = run_dir(out, cell, k)
     status = read_status(rdir)
-    if status is not None and status.get("status") == "ok":
+    fingerprint = run_fingerprint(matrix, cell, k)
+    if status is not None and status.get("status") == "ok" and status.get("fingerprint") == fingerprint:
         return RunOutcome(cell.cell_id, k, "skipped")
     if rdir.exists():
         shutil.rmtree(rdir)  # a failed or interrupted run starts again from nothing
     rdir.mkdir(parents=True)
-    port = free_port()
     run_id = f"{cell.cell_id}-r{k}"
-    argv, extra_env = render(matrix, cell, port, rdir / "data", run_id)
     started = time.time()
-    with open(rdir / "server.log", "wb") as log:
-        outcome = _serve_and_load(matrix, cell, k, argv, extra_env, port, rdir, log)
+    for _attempt in range(PORT_ATTEMPTS):  # the free port can be taken before the server binds it
+        port = free_port()
+        argv, extra_env = render(matrix, cell, port, rdir / "data", run_id)
+        with open(rdir / "server.log", "wb") as log:
+            outcome = _serve_and_load(matrix, cell, k, argv, extra_env, port, rdir, log)
+        if not (outcome.status == "failed" and "before it was healthy" in outcome.reason
+                and "address already in use" in outcome.log_tail.lower()):
+            break
     record = {"status": outcome.status, "reason": outcome.reason, "log_tail": outcome.log_tail,
+              "fingerprint": fingerprint,
               "command": shlex.join(argv), "env": extra_env, "port": port, "run_id": run_id,
               "started_unix_s": started, "seconds": time.time() - started}
     (rdir / "status.json").write_bytes(orjson.dumps(record, option=orjson.OPT_INDENT_2))
@@ -148,7 +170,8 @@ def _serve_and_load(matrix: Matrix, cell: Cell, k: int, argv: list[str], extra_e
         (rdir / "load.json").write_bytes(orjson.dumps(result.to_json(), option=orjson.OPT_INDENT_2))
         from otel_kvtrace.loadgen.spans import export_request_spans
 
-        export_request_spans(result, rdir / "data", f"load-{cell.cell_id}-r{k}")
+        spans = export_request_spans(result, rdir / "data", f"load-{cell.cell_id}-r{k}")
+        (rdir / "request_spans.json").write_bytes(orjson.dumps(spans, option=orjson.OPT_INDENT_2))
         if proc.poll() is not None:
             return _failed(cell, k, f"server exited with code {proc.returncode} during the load", rdir, proc)
         failed = result.summary()["failed"]
@@ -163,6 +186,9 @@ def _serve_and_load(matrix: Matrix, cell: Cell, k: int, argv: list[str], extra_e
             stop_server(proc)
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never via http_proxy
+
+
 def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> str:
     """'' when ``url`` answers 200; else why not (process exited, timed out)."""
     deadline = time.monotonic() + timeout_s
@@ -170,7 +196,7 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, timeout_s: float) -> 
         if proc.poll() is not None:
             return f"server exited with code {proc.returncode} before it was healthy"
         try:
-            with urllib.request.urlopen(url, timeout=2) as resp:
+            with _DIRECT.open(url, timeout=2) as resp:
                 if resp.status == 200:
                     return ""
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):

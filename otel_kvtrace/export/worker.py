@@ -403,6 +403,18 @@ def build_resource(attributes: Mapping[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def resolve_otlp(endpoint: str | None = None, protocol: str | None = None) -> tuple[str | None, str, bool]:
+    """The one OTLP choice of every kvtrace signal: (endpoint or None for files, protocol, explicit).
+
+    ``explicit`` is False when the endpoint came from the environment (then the SDK exporters resolve the
+    per-signal URL themselves)."""
+    if protocol is not None and protocol not in config.PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(config.PROTOCOLS)}, got {protocol!r}")
+    target = endpoint or config.otlp_endpoint()
+    chosen = (protocol or config.otlp_protocol()) if target else (protocol or config.DEFAULT_PROTOCOL)
+    return target, chosen, bool(endpoint)
+
+
 def create_sink(
     resource: Mapping[str, Any],
     *,
@@ -416,14 +428,11 @@ def create_sink(
     An OTLP endpoint gets a ``DeliveringSink`` (spool under ``spool_dir`` or ``OTEL_KVTRACE_SPOOL_DIR``,
     retry, split), unless ``OTEL_KVTRACE_SPOOL_MAX_MB=0`` asks for direct sending.
     """
-    if protocol is not None and protocol not in config.PROTOCOLS:
-        raise ValueError(f"protocol must be one of {', '.join(config.PROTOCOLS)}, got {protocol!r}")
+    target, chosen, _explicit = resolve_otlp(endpoint, protocol)
     if config.sdk_disabled():
         return NullSink()
-    env_endpoint = config.otlp_endpoint()
     run_id = str(resource.get("kvtrace.run_id") or config.run_id())
-    if endpoint or env_endpoint:
-        chosen = protocol or config.otlp_protocol()
+    if target:
         sink_class = OtlpGrpcSink if chosen == config.PROTOCOL_GRPC else OtlpHttpSink
 
         def make_transport() -> Any:

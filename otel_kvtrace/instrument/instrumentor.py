@@ -125,11 +125,19 @@ class KVTraceInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         resource.update(options.pop("resource", None) or {})
         session = start_tracing(targets, resource=resource, **options)
         session.runtime.on_worker_attached.append(_worker_resource_updater(session, targets))
+        self._samplers: list[Any] = []
+        session.runtime.on_worker_attached.append(_worker_sampler(session, options, self._samplers))
         logger.info("otel-kvtrace: tracing %s %s (pid %d)", targets.source, targets.version or "", os.getpid())
         return session
 
     def _uninstrument(self, **kwargs: Any) -> None:
         session, self._session, self.off_reason = self._session, None, None
+        for sampler in getattr(self, "_samplers", ()):
+            try:
+                sampler.stop()
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("otel-kvtrace: resource sampler stop failed: %s: %s", type(exc).__name__, exc)
+        self._samplers = []
         if session is not None:
             try:
                 session.shutdown()
@@ -153,3 +161,24 @@ def _worker_resource_updater(session: Any, targets: Targets) -> Any:
             session.exporter.update_resource(worker_resource_attributes(worker, layout))
 
     return update
+
+
+def _worker_sampler(session: Any, options: dict[str, Any], samplers: list[Any]) -> Any:
+    """Once a worker is attached, its resource series (``otel_kvtrace.resources``) runs next to the traces:
+    same data dir, run id, meter provider and OTLP endpoint; the step is the worker's traced step counter."""
+
+    def start(worker: Any) -> None:
+        try:
+            from otel_kvtrace.instrument import attach
+            from otel_kvtrace.resources.sampler import ResourceSampler
+
+            ws = attach.worker_state(worker, session.runtime)
+            samplers.append(ResourceSampler(
+                worker, options.get("out_dir") or config.data_dir(), session.run_id,
+                step_source=lambda: ws.step, meter_provider=options.get("meter_provider"),
+                endpoint=options.get("endpoint"), protocol=options.get("protocol"),
+                attributes={"kvtrace.source": session.targets.source}).start())
+        except Exception as exc:  # noqa: BLE001 - the resource series is optional; tracing goes on
+            logger.warning("otel-kvtrace: resource sampler off: %s: %s", type(exc).__name__, exc)
+
+    return start

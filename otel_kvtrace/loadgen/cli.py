@@ -74,8 +74,8 @@ def load_command(base_url: str, endpoint: str, model: str | None, num_requests: 
         from otel_kvtrace.loadgen.spans import export_request_spans
 
         rid = run_id or f"load-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
-        where = export_request_spans(result, data_dir or Path(config.data_dir()), rid)
-        click.echo(f"request spans: {where}")
+        delivery = export_request_spans(result, data_dir or Path(config.data_dir()), rid)
+        click.echo(f"request spans: {delivery.line()}")
     failed = result.summary()["failed"]
     if failed:
         click.echo(f"error: {failed} of {len(result.requests)} requests failed: "

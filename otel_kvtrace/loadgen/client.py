@@ -2,8 +2,10 @@
 
 Profile: ``num_requests`` with ``prompt_len`` words and ``output_len`` tokens (``ignore_eos``), at most
 ``concurrency`` in flight, arrivals at ``request_rate`` per second (Poisson; ``inf`` = all at once).
-A failed request (refused connection, server gone mid-stream, HTTP error, short answer) is recorded with
-its error and the run goes on; nothing here raises for a server problem.
+A failed request (refused connection, server gone mid-stream, HTTP error, a malformed chunk, short answer)
+is recorded with its error and the run goes on; nothing here raises for a server problem. Output tokens are
+the final chunk's ``usage.completion_tokens`` (``stream_options.include_usage``); only a server that sends no
+usage falls back to counting the chunks with text (or ``reasoning_content``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,8 @@ def _payload(p: LoadProfile, model: str) -> dict[str, object]:
 async def _one(session: aiohttp.ClientSession, p: LoadProfile, model: str, r: RequestResult) -> None:
     r.start_unix_ns = time.time_ns()
     last = 0
+    chunks = 0
+    usage_tokens: int | None = None
     async with session.post(p.base_url + p.endpoint, json=_payload(p, model)) as resp:
         if resp.status != 200:
             r.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
@@ -127,27 +131,40 @@ async def _one(session: aiohttp.ClientSession, p: LoadProfile, model: str, r: Re
                 break
             now = time.time_ns()
             chunk = orjson.loads(data)
+            if not isinstance(chunk, dict):
+                raise ValueError(f"stream chunk is not a JSON object: {data[:80]!r}")
+            last = now  # latency ends at the last chunk, as vllm bench serve
             r.request_id = r.request_id or str(chunk.get("id", ""))
-            if chunk.get("usage"):
-                r.prompt_tokens = int(chunk["usage"].get("prompt_tokens", r.prompt_tokens))
-            if not _has_text(chunk):
+            usage = chunk.get("usage")
+            if isinstance(usage, dict):
+                r.prompt_tokens = int(usage.get("prompt_tokens") or r.prompt_tokens)
+                if usage.get("completion_tokens") is not None:
+                    usage_tokens = int(usage["completion_tokens"])
+            if not _has_choice(chunk):
                 continue
-            r.output_tokens += 1
+            chunks += _has_text(chunk)
             if not r.first_token_unix_ns:
                 r.first_token_unix_ns = now
             else:
-                r.itl_ms.append((now - last) / 1e6)
-            last = now
+                r.itl_ms.append((now - prev) / 1e6)
+            prev = now
     r.end_unix_ns = last or time.time_ns()
+    r.output_tokens = usage_tokens if usage_tokens is not None else chunks
     if not done:
         r.error = "stream ended before [DONE]"
     elif r.output_tokens < p.output_len:
         r.error = f"short answer ({r.output_tokens} of {p.output_len} tokens)"
 
 
+def _has_choice(chunk: dict[str, object]) -> bool:
+    """A chunk with a choice: vLLM's bench takes the first such chunk as the first token (for chat that is
+    the role-only chunk) and the gaps between later ones as ITL."""
+    choices = chunk.get("choices")
+    return isinstance(choices, list) and bool(choices) and isinstance(choices[0], dict)
+
+
 def _has_text(chunk: dict[str, object]) -> bool:
-    choices = chunk.get("choices") or []
-    if not isinstance(choices, list) or not choices:
-        return False
-    c = choices[0]
-    return bool(c.get("text") or (c.get("delta") or {}).get("content"))
+    """Text, or reasoning text, in the chunk's first choice (the token count when the server sends no usage)."""
+    c = chunk["choices"][0]  # type: ignore[index]
+    delta = c.get("delta") or {}
+    return bool(c.get("text") or delta.get("content") or delta.get("reasoning_content"))

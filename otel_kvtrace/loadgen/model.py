@@ -1,9 +1,10 @@
 """Per-request results of a load run and their summary (TTFT, TPOT, ITL, throughput).
 
-Definitions follow ``vllm bench serve`` (``vllm/benchmarks/serve.py`` ``calculate_metrics``): TTFT from
-sending the request to the first chunk with text; ITL the gaps between later text chunks; TPOT
-``(latency - ttft) / (output_tokens - 1)``; output throughput = output tokens of successful requests /
-benchmark duration. Times are wall-clock ``time.time_ns`` so they compare with the server's log.
+Definitions follow ``vllm bench serve`` (``vllm/benchmarks/lib/endpoint_request_func.py`` and
+``serve.py`` ``calculate_metrics``): TTFT from sending the request to the first chunk with a choice (on the
+chat endpoint that is the role chunk); ITL the gaps between later chunks with a choice; latency ends at the
+last chunk; output tokens = ``usage.completion_tokens``; TPOT ``(latency - ttft) / (output_tokens - 1)``;
+output throughput = output tokens of successful requests / benchmark duration. Times are wall-clock ``time.time_ns`` so they compare with the server's log.
 """
 
 from __future__ import annotations

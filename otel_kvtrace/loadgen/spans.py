@@ -1,64 +1,74 @@
-"""Request spans of a load run through the OTel SDK: OTLP when an endpoint is set, else OTLP/JSON lines.
+"""Request spans of a load run, delivered through the project's one exporter (``export.create_sink``).
 
 One span ``kvtrace.load.request`` per request from send to last chunk, an event ``first_token``, and
 ``kvtrace.request_id`` = the response id, which joins the KV tasks' ``kvtrace.request_ids`` (equal, or
-``{id}-{n}`` on vLLM's completions endpoint). The file goes next to the KV traces
-(``{data_dir}/traces/kvtrace-load-{run_id}.jsonl``) so ``kvtrace report`` and the experiment read both.
+``{id}-{n}`` on vLLM's completions endpoint). The endpoint and protocol are resolved exactly as for the KV
+traces: an OTLP endpoint gets the spooling, retrying ``DeliveringSink``; without one the file goes next to
+the KV traces (``{data_dir}/traces/kvtrace-{run_id}-{pid}.jsonl``) so ``kvtrace report`` and the experiment
+read both. Spans are built with the OTel SDK and encoded with its OTLP encoder.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
 from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.trace import Status, StatusCode
 
-from otel_kvtrace import config
 from otel_kvtrace.export.otlp_json import request_to_json_line
+from otel_kvtrace.export.worker import build_resource, create_sink
 from otel_kvtrace.loadgen.model import LoadResult
 
 SPAN_NAME = "kvtrace.load.request"
+BATCH = 256
 
 
-class JsonLinesSpanExporter(SpanExporter):
-    """SDK span exporter writing one OTLP/JSON ``ExportTraceServiceRequest`` per batch (the project's codec)."""
+@dataclass(slots=True)
+class SpanDelivery:
+    """Where the request spans went: every span is delivered (or written), spooled, or dropped."""
 
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self._fh = open(path, "ab")
+    where: str
+    spans: int
+    delivered: int
+    spooled: int
+    dropped: int
+
+    def line(self) -> str:
+        if self.spooled or self.dropped:
+            return (f"{self.where}: {self.delivered} of {self.spans} request spans delivered, {self.spooled} "
+                    f"spooled for `kvtrace resend`, {self.dropped} dropped")
+        return f"{self.where}: {self.spans} request spans"
+
+
+class _Collect(SpanExporter):
+    def __init__(self) -> None:
+        self.spans: list[ReadableSpan] = []
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self._fh.write(request_to_json_line(encode_spans(spans)))
-        self._fh.flush()
+        self.spans.extend(spans)
         return SpanExportResult.SUCCESS
 
-    def shutdown(self) -> None:
-        self._fh.close()
+
+def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
+    """The SDK spans as OTLP/JSON span objects (the sinks' input), one text per span."""
+    doc = orjson.loads(request_to_json_line(encode_spans(spans)))
+    return [orjson.dumps(s).decode() for rs in doc.get("resourceSpans", ()) for ss in rs.get("scopeSpans", ())
+            for s in ss.get("spans", ())]
 
 
-def _exporter(data_dir: Path, run_id: str) -> tuple[SpanExporter, str]:
-    endpoint = config.otlp_endpoint()
-    if endpoint is None:
-        path = data_dir / "traces" / f"kvtrace-load-{run_id}.jsonl"
-        return JsonLinesSpanExporter(path), str(path)
-    if config.otlp_protocol() == config.PROTOCOL_GRPC:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter  # type: ignore[assignment]
-    return OTLPSpanExporter(), endpoint
-
-
-def export_request_spans(result: LoadResult, data_dir: Path, run_id: str) -> str:
-    """Export one span per request; returns where they went (a file path or the endpoint)."""
-    exporter, where = _exporter(data_dir, run_id)
-    provider = TracerProvider(resource=Resource.create({"service.name": "kvtrace-load", "kvtrace.run_id": run_id,
-                                                        "kvtrace.source": "load"}))
-    provider.add_span_processor(BatchSpanProcessor(exporter))
+def export_request_spans(result: LoadResult, data_dir: Path, run_id: str, *, endpoint: str | None = None,
+                         protocol: str | None = None) -> SpanDelivery:
+    """Export one span per request through ``create_sink``; says where they went and what was lost."""
+    resource = build_resource({"service.name": "kvtrace-load", "kvtrace.run_id": run_id, "kvtrace.source": "load"})
+    collect = _Collect()
+    provider = TracerProvider(resource=Resource.create(resource))
+    provider.add_span_processor(SimpleSpanProcessor(collect))
     tracer = provider.get_tracer("otel_kvtrace.loadgen")
     for r in result.requests:
         span = tracer.start_span(SPAN_NAME, start_time=r.start_unix_ns, attributes={
@@ -73,4 +83,21 @@ def export_request_spans(result: LoadResult, data_dir: Path, run_id: str) -> str
             span.set_status(Status(StatusCode.ERROR, r.error))
         span.end(end_time=max(r.end_unix_ns, r.start_unix_ns))
     provider.shutdown()
-    return where
+    return _deliver(span_texts(collect.spans), resource, data_dir, endpoint, protocol)
+
+
+def _deliver(texts: list[str], resource: dict[str, object], data_dir: Path, endpoint: str | None,
+             protocol: str | None) -> SpanDelivery:
+    sink = create_sink(resource, out_dir=data_dir, endpoint=endpoint, protocol=protocol)
+    lost = 0
+    for i in range(0, len(texts), BATCH):
+        part = texts[i:i + BATCH]
+        if not sink.export(part, lost):
+            lost += len(part)
+    sink.shutdown()
+    where = str(getattr(sink, "path", None) or getattr(sink, "endpoint", None) or type(sink).__name__)
+    stats = getattr(sink, "stats", None)
+    if callable(stats):  # the delivering sink accounts for every accepted span
+        s = stats()
+        return SpanDelivery(where, len(texts), s.delivered, s.spooled, s.dropped + lost)
+    return SpanDelivery(where, len(texts), len(texts) - lost, 0, lost)

@@ -9,8 +9,11 @@ nothing touches the NPU stream (torch_npu's ``memory_allocated`` / ``max_memory_
 - ``metadata_in_flight`` / ``metadata_bytes``: distinct ``SharedBlockData`` objects referenced by the
   queued load tasks, and the bytes of their ``block_ids_arr`` (``nbytes`` of a numpy array, else 8 per
   entry): the address arrays built for tasks that have not run yet;
-- ``outstanding_leases``: distinct ``load_keys`` of those queued tasks (their leases are removed only
-  after the final layer's copy, ``batch_remove_lease``);
+- ``outstanding_leases``: distinct ``load_keys`` of the queued tasks and of the task the recv thread is
+  running (leases are removed only after the final layer's copy, ``batch_remove_lease``, so the final
+  layer's task holds them while it runs). The running task is the last one that left the queue while
+  ``unfinished_tasks`` counts more than the queue holds (``WorkerProbe`` remembers the previous poll);
+- when nothing is queued or running the poll reads two counters and copies nothing;
 - ``backend_copies_pending``: calls inside the backend's ``batch_copy`` (``m_store.store.pending_copies``,
   the replica's backend counter; absent on a real backend, reported as null);
 - ``host_rss_bytes`` from ``/proc/self/statm``; ``npu_*`` only where ``torch_npu`` is already imported.
@@ -81,24 +84,58 @@ def sample_worker(worker: Any) -> dict[str, int | None]:
 
 
 def sample_counters(worker: Any) -> dict[str, int | None]:
-    """The in-flight counters (polled several times per step; attribute reads only)."""
-    recv, send = getattr(worker, "kv_recv_thread", None), getattr(worker, "kv_send_thread", None)
+    """The in-flight counters from the queue alone (one poll, no memory of the previous one)."""
+    return WorkerProbe(worker)()
+
+
+class WorkerProbe:
+    """The in-flight counters of one worker, polled by the sampler thread (attribute reads only)."""
+
+    __slots__ = ("_worker", "_prev", "_running")
+
+    def __init__(self, worker: Any) -> None:
+        self._worker = worker
+        self._prev: list[Any] = []
+        self._running: Any = None
+
+    def __call__(self) -> dict[str, int | None]:
+        worker = self._worker
+        recv, send = getattr(worker, "kv_recv_thread", None), getattr(worker, "kv_send_thread", None)
+        unfinished = _unfinished(recv)
+        store = getattr(getattr(worker, "m_store", None), "store", None)
+        pending = getattr(store, "pending_copies", None)
+        out: dict[str, int | None] = {
+            "tasks_in_flight": unfinished, "save_tasks_in_flight": _unfinished(send),
+            "backend_copies_pending": sum(pending) if pending is not None else None,
+            "metadata_in_flight": 0, "metadata_bytes": 0, "outstanding_leases": 0}
+        if not unfinished:  # idle: nothing queued, nothing running
+            self._prev, self._running = [], None
+            return out
+        queued = _queued(recv)
+        if unfinished > len(queued):  # one task is being handled: the last one that left the queue
+            ids = {id(t) for t in queued}
+            left = [t for t in self._prev if id(t) not in ids]
+            if left:
+                self._running = left[-1]
+        else:
+            self._running = None
+        self._prev = queued
+        shared = _shared_data([*queued, self._running] if self._running is not None else queued)
+        meta_bytes, keys = 0, set()
+        for data in shared.values():
+            arr = getattr(data, "block_ids_arr", None)
+            if arr is not None:
+                meta_bytes += int(getattr(arr, "nbytes", len(arr) * 8))
+            keys.update(getattr(data, "load_keys", None) or ())
+        out.update(metadata_in_flight=len(shared), metadata_bytes=meta_bytes, outstanding_leases=len(keys))
+        return out
+
+
+def _shared_data(tasks: list[Any]) -> dict[int, Any]:
     shared: dict[int, Any] = {}
-    for task in _queued(recv):
+    for task in tasks:
         for tt in getattr(task, "transfer_tasks", None) or ():
             data = getattr(tt, "shared_block_data", None)
             if data is not None:
                 shared[id(data)] = data
-    meta_bytes, keys = 0, set()
-    for data in shared.values():
-        arr = getattr(data, "block_ids_arr", None)
-        if arr is not None:
-            meta_bytes += int(getattr(arr, "nbytes", len(arr) * 8))
-        keys.update(getattr(data, "load_keys", None) or ())
-    store = getattr(getattr(worker, "m_store", None), "store", None)
-    pending = getattr(store, "pending_copies", None)
-    return {
-        "tasks_in_flight": _unfinished(recv), "save_tasks_in_flight": _unfinished(send),
-        "metadata_in_flight": len(shared), "metadata_bytes": meta_bytes, "outstanding_leases": len(keys),
-        "backend_copies_pending": sum(pending) if pending is not None else None,
-    }
+    return shared

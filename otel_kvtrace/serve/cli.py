@@ -24,11 +24,14 @@ from otel_kvtrace import config
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help=f"Traces and request log (default ${config.OTEL_KVTRACE_DATA_DIR} or ./kvtrace-data).")
 @click.option("--run-id", help=f"Trace run id (default ${config.OTEL_KVTRACE_RUN_ID} or serve-<time>).")
+@click.option("--scheduler", help=f"Live recv policy (fifo, ready_queue; default ${config.OTEL_KVTRACE_SCHEDULER} "
+                                   "or fifo), recorded as kvtrace.cfg.scheduler.")
 @click.option("--no-trace", is_flag=True, help="Serve without tracing.")
 @click.option("--no-resources", is_flag=True, help="No per-step resource series (DATA_DIR/metrics, OTel gauges).")
 def serve_replica_command(host: str, port: int, model: str, preset: str, kv_config: str | None,
                           num_layers: int | None, max_num_seqs: int, block_tokens: int, seed: int,
-                          data_dir: Path | None, run_id: str | None, no_trace: bool, no_resources: bool) -> None:
+                          data_dir: Path | None, run_id: str | None, scheduler: str | None, no_trace: bool,
+                          no_resources: bool) -> None:
     """OpenAI-compatible streaming server whose model runs the threaded replica's layerwise pipeline.
 
     Serves /health, /v1/models, /v1/completions and /v1/chat/completions (stream: true -> SSE). Each
@@ -48,6 +51,7 @@ def serve_replica_command(host: str, port: int, model: str, preset: str, kv_conf
     """
     from otel_kvtrace.demo import PRESETS
     from otel_kvtrace.replica.config import ReplicaConfigError
+    from otel_kvtrace.schedule.install import check_scheduler, from_env
     from otel_kvtrace.serve.kvconfig import parse_kv_transfer_config
     from otel_kvtrace.serve.run import ServeOptions, serve_replica
 
@@ -55,7 +59,12 @@ def serve_replica_command(host: str, port: int, model: str, preset: str, kv_conf
         raise click.BadParameter(f"must be one of {sorted(PRESETS)}", param_hint="--preset")
     base = PRESETS[preset]
     try:
-        changes: dict[str, object] = {"seed": seed}
+        changes: dict[str, object] = {"seed": seed, "scheduler": from_env()}
+        if scheduler is not None:
+            try:
+                changes["scheduler"] = check_scheduler(scheduler)
+            except ValueError as exc:
+                raise click.BadParameter(str(exc), param_hint="--scheduler") from exc
         if num_layers is not None:
             changes.update(num_layers=num_layers, independent_layers=(0,),
                            slow=type(base.slow)())  # the preset's layer choices may not exist any more

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otel_kvtrace.export.sinks import safe_run_id
 from otel_kvtrace.replica.config import ReplicaConfig
 
 
@@ -48,7 +49,7 @@ async def _serve(o: ServeOptions) -> int:
     run_id = o.run_id or f"serve-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
     session = _start_tracing(o, run_id) if o.trace else None
     engine = ReplicaEngine(o.config, max_num_seqs=o.max_num_seqs, block_tokens=o.block_tokens)
-    log = RequestLog(o.data_dir / "requests" / f"requests-{run_id}.jsonl")
+    log = RequestLog(o.data_dir / "requests" / f"requests-{safe_run_id(run_id)}.jsonl")
     sampler = None
     if o.resources:
         from otel_kvtrace.resources.sampler import ResourceSampler

@@ -21,12 +21,13 @@ SERVER = ("kvtrace serve-replica --port {port} --data-dir {data_dir} --run-id {r
           "--kv-transfer-config '{kv_transfer_config}' --max-num-seqs {concurrency}")
 
 
-def _matrix(tmp: Path, factors: dict, *, runs: int = 3, command: str = SERVER, load: dict | None = None) -> Path:
+def _matrix(tmp: Path, factors: dict, *, runs: int = 3, command: str = SERVER, load: dict | None = None,
+            env: dict | None = None) -> Path:
     doc = {"name": "t", "runs": runs, "environment": {"hardware": "<b>cpu</b>", "tp": 1},
-           "server": {"command": command, "startup_timeout_s": 60},
+           "server": {"command": command, "startup_timeout_s": 60, "env": env or {}},
            "kv_transfer_config": {"kv_connector": "AscendStoreConnector",
                                   "kv_connector_extra_config": {"layerwise_independent_layers": [0, 4]}},
-           "factors": factors, "load": load or {"num_requests": 8, "prompt_len": 1024, "output_len": 3}}
+           "factors": factors, "load": load or {"num_requests": 4, "prompt_len": 1024, "output_len": 2}}
     path = tmp / "matrix.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
@@ -58,6 +59,7 @@ def test_two_by_two_experiment_report_json_contract(tmp_path: Path) -> None:
         assert set(cell["ttft_ms"]) == {"p50", "p95", "p99"} and cell["ttft_ms"]["p50"] > 0
         assert set(cell["hol"]) >= {"events", "total_ms"} and cell["throughput_tok_s"] > 0
         assert cell["peak_inflight_tasks"] >= 1 and cell["peak_host_rss_mb"] > 10
+        assert cell["peak_outstanding_leases"] >= 1 and cell["stage_ms"]["queue_wait"] >= 0
     cells = {(c["config"]["num_shared_buffers"], c["config"]["prefetch_layers"]): c for c in doc["cells"]}
     # hol preset (slow save of layer 1, independent layer 4): HOL needs shared buffers (B=2) AND a window
     # reaching past the slow save (P=4); B=4 or P=2 removes it
@@ -83,6 +85,21 @@ def test_two_by_two_experiment_report_json_contract(tmp_path: Path) -> None:
     assert res.exit_code == 0, res.output
     runs = [r for c in orjson.loads((out / "report.json").read_bytes())["cells"] for r in c["runs"]]
     assert [r["status"] for r in runs].count("unreadable") == 1
+
+
+@pytest.mark.slow
+def test_scheduler_axis_compares_measured_policies(tmp_path: Path) -> None:
+    out = tmp_path / "exp"
+    matrix = _matrix(tmp_path, {"scheduler": ["fifo", "ready_queue"]}, runs=2,
+                     env={"OTEL_KVTRACE_SCHEDULER": "{scheduler}"})
+    res = CliRunner().invoke(main, ["experiment", str(matrix), "--out", str(out), "--report"])
+    assert res.exit_code == 0, res.output
+    doc = orjson.loads((out / "report.json").read_bytes())
+    [m] = doc["measured_policies"]
+    assert (m["fifo_cell"], m["policy"], m["policy_cell"]) == ("fifo", "ready_queue", "ready_queue")
+    assert "error" not in m, m
+    assert isinstance(m["predicted_gain_ms"], float) and isinstance(m["measured_gain_ms"], float) and m["verdict"]
+    assert "Measured policies" in (out / "report.md").read_text()
 
 
 def _check_in_chromium(path: Path) -> None:

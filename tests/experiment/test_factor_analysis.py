@@ -67,3 +67,37 @@ def test_noise_is_the_pooled_run_to_run_spread() -> None:
     one = factor_effects(_grid(lambda b, p: 5.0 * b, runs=1), ["num_shared_buffers", "prefetch_layers"], ["hol_total_ms"])
     assert all(e["noise"] is None and not e["real"] for e in one)
     assert "only one run per cell" in verdict(one)
+
+
+def test_collapsed_axis_does_not_confound_other_factors() -> None:
+    # the sweep's shape: the key path has no B (None). HOL depends only on the path; B must show no effect
+    rng = random.Random(3)
+    cells = []
+    for path, buffers in (("gva", 2), ("gva", 4), ("key", None)):
+        values = [(10.0 if path == "key" else 0.0) + rng.gauss(0, 0.2) for _ in range(3)]
+        cells.append({"config": {"path": path, "num_shared_buffers": buffers}, "run_values": {"hol_total_ms": values}})
+    effects = factor_effects(cells, ["path", "num_shared_buffers"], ["hol_total_ms"])
+    b = [e for e in effects if e["factor"] == "num_shared_buffers"]
+    two_four = next(e for e in b if e["high"] == 4)
+    assert abs(two_four["effect"]) < 1.0 and not two_four["real"]
+    default = next(e for e in b if e["high"] is None)  # B=None exists only on the key path: no sub-grid
+    assert default["effect"] is None and not default["real"]
+    assert "not estimable" in verdict(effects)
+
+
+def test_middle_level_and_failed_cell_are_visible() -> None:
+    cells = [{"config": {"num_shared_buffers": b, "prefetch_layers": p},
+              "run_values": {"hol_total_ms": [] if (b, p) == (4, 4) else [b + 0.1 * k for k in range(3)]}}
+             for b in (2, 3, 4) for p in (2, 4)]
+    effects = factor_effects(cells, FACTORS, ["hol_total_ms"])
+    b_rows = {e["high"]: e for e in effects if e["factor"] == "num_shared_buffers"}
+    assert set(b_rows) == {3, 4}  # the middle level has its own row
+    assert b_rows[3]["balanced"] and b_rows[3]["effect"] == pytest.approx(1.0)
+    assert not b_rows[4]["balanced"] and b_rows[4]["contexts"] == 1 and b_rows[4]["contexts_total"] == 2
+    assert "unbalanced" in verdict(effects)
+
+
+def test_pooled_variance_ignores_missing_values() -> None:
+    from otel_kvtrace.experiment.analysis import pooled_variance
+
+    assert pooled_variance([[1.0, None, 3.0], [None]]) == (2.0, 1)

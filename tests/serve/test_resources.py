@@ -21,29 +21,40 @@ from tests.serve.conftest import serve_replica, wait_exit
 
 
 class _Probe:
-    """Counters that rise mid-step and fall back to 0 before the step ends (as the recv queue does)."""
+    """Scripted polls, independent of timing: per step, a few mid-step values then 0 (as the recv queue
+    does); after a step's last poll the probe itself ends the step (``notify_step``), so every poll lands
+    in the step it was scripted for however slowly the sampler thread runs."""
 
-    def __init__(self) -> None:
-        self.value = 0
+    def __init__(self, peaks: list[int] | None = None) -> None:
+        self.script = [(v, step if i == 3 else None) for step, p in enumerate(peaks or [])
+                       for i, v in enumerate((p, p, 0, 0))]
+        self.sampler: ResourceSampler | None = None
+        self.done = threading.Event()
 
     def __call__(self) -> dict[str, int | None]:
-        return {"tasks_in_flight": self.value, "metadata_bytes": self.value * 8}
+        if not self.script:
+            self.done.set()
+            return {"tasks_in_flight": 0, "metadata_bytes": 0}
+        value, end_step = self.script.pop(0)
+        if end_step is not None and self.sampler is not None:
+            self.sampler.notify_step(end_step)
+        return {"tasks_in_flight": value, "metadata_bytes": value * 8}
 
 
 def _drive(sampler: ResourceSampler, probe: _Probe, peaks: list[int]) -> None:
-    for step, peak in enumerate(peaks):
-        probe.value = peak
-        time.sleep(0.03)  # several polls see the mid-step value
-        probe.value = 0
-        time.sleep(0.03)
-        sampler.notify_step(step)
-    time.sleep(0.05)
+    assert probe.done.wait(30)
+
+
+def _sampler(tmp_path: Path, run_id: str, peaks: list[int], **kw) -> tuple[ResourceSampler, _Probe]:
+    probe = _Probe(peaks)
+    sampler = ResourceSampler(None, tmp_path, run_id, poll_ms=2, probe=probe,
+                              memory=lambda: {"host_rss_bytes": 1 << 20}, export_interval_ms=50, **kw)
+    probe.sampler = sampler
+    return sampler.start(), probe
 
 
 def test_sampler_records_the_step_peak_not_the_boundary_value(tmp_path: Path) -> None:
-    probe = _Probe()
-    sampler = ResourceSampler(None, tmp_path, "r1", poll_ms=2, probe=probe, memory=lambda: {"host_rss_bytes": 1 << 20},
-                              export_interval_ms=50).start()
+    sampler, probe = _sampler(tmp_path, "r1", [3, 7, 5])
     _drive(sampler, probe, [3, 7, 5])
     sampler.stop()
     rows = [orjson.loads(line) for line in (tmp_path / "metrics" / "resources-r1.jsonl").read_bytes().splitlines()]
@@ -76,9 +87,7 @@ def test_metrics_reach_a_real_otlp_http_receiver(tmp_path: Path, monkeypatch) ->
     try:
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{port}")
         monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf")
-        probe = _Probe()
-        sampler = ResourceSampler(None, tmp_path, "r2", poll_ms=2, probe=probe, memory=lambda: {"host_rss_bytes": 1 << 20},
-                              export_interval_ms=50).start()
+        sampler, probe = _sampler(tmp_path, "r2", [4, 9])
         _drive(sampler, probe, [4, 9])
         sampler.stop()
     finally:
@@ -122,3 +131,76 @@ def test_a_half_written_resource_line_is_skipped_and_named(tmp_path: Path) -> No
     summary = resource_summary(load_resources([tmp_path], rejected=rejected))
     assert summary["tasks_in_flight"]["peak"] == 3 and summary["tasks_in_flight"]["samples"] == 1
     assert len(rejected) == 1 and rejected[0].startswith(f"{path}:2: JSONDecodeError")
+
+
+def test_gauges_report_the_peak_since_the_last_collection_and_stop_writes_the_last_step(tmp_path: Path) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])  # the instrumentor's provider: the sampler uses it
+    sampler, probe = _sampler(tmp_path, "r3", [3, 7, 5], meter_provider=provider)
+    _drive(sampler, probe, [3, 7, 5])
+    sampler.notify_step(3)  # a step that ends just before stop: its record must still be written
+    sampler.stop()
+
+    def gauge() -> list[int]:
+        data = reader.get_metrics_data()
+        return [p.value for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == "kvtrace.resource.tasks_in_flight" for p in m.data.data_points]
+
+    assert gauge() == [7]  # not only the latest step's 5 (or 0)
+    assert gauge() == [0]  # nothing new since: the latest record
+    rows = [orjson.loads(x) for x in (tmp_path / "metrics" / "resources-r3.jsonl").read_bytes().splitlines()]
+    assert [r["step"] for r in rows][-1] == 3
+    assert not (tmp_path / "metrics" / "otlp-metrics-r3.jsonl").exists()  # no provider of its own
+
+
+def test_idle_sampler_polls_slowly(tmp_path: Path) -> None:
+    sampler, probe = _sampler(tmp_path, "r4", [])
+    time.sleep(0.6)
+    sampler.stop()
+    assert sampler.polls < 60  # 2 ms polls would be ~300; idle polls every 50 ms after 0.1 s without a step
+
+
+def test_outstanding_leases_include_the_running_final_task() -> None:
+    import queue
+    from types import SimpleNamespace
+
+    from otel_kvtrace.resources.probe import WorkerProbe
+
+    shared = SimpleNamespace(block_ids_arr=[1, 2, 3], load_keys=["k1", "k2", "k3"])
+    task = SimpleNamespace(transfer_tasks=[SimpleNamespace(shared_block_data=shared)])  # the final layer's task
+    recv = SimpleNamespace(request_queue=queue.Queue())
+    worker = SimpleNamespace(kv_recv_thread=recv, kv_send_thread=None)
+    probe = WorkerProbe(worker)
+    recv.request_queue.put(task)
+    assert probe()["outstanding_leases"] == 3
+    recv.request_queue.get()  # the recv thread runs it: the leases stay until batch_remove_lease
+    assert probe()["outstanding_leases"] == 3 and probe()["metadata_in_flight"] == 1
+    recv.request_queue.task_done()
+    assert probe()["outstanding_leases"] == 0
+
+
+def test_instrumented_worker_gets_the_resource_series(tmp_path: Path) -> None:
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
+    from otel_kvtrace.replica import ReplicaConfig, replica_targets
+    from otel_kvtrace.replica.threaded import run_threaded
+
+    cfg = ReplicaConfig(num_layers=4, num_shared_buffers=2, prefetch_layers=2, steps=30)
+    reader = InMemoryMetricReader()
+    instrumentor = KVTraceInstrumentor()
+    instrumentor.instrument(targets=replica_targets(cfg.behaviour), out_dir=tmp_path, run_id="inst",
+                            meter_provider=MeterProvider(metric_readers=[reader]))
+    try:
+        assert instrumentor.session is not None, instrumentor.off_reason
+        assert run_threaded(cfg).error is None
+    finally:
+        instrumentor.uninstrument()
+    rows = [orjson.loads(x) for x in (tmp_path / "metrics" / "resources-inst.jsonl").read_bytes().splitlines()]
+    assert rows and max(r["step"] for r in rows) >= 1  # the worker's traced step counter drives the records
+    names = {m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert "kvtrace.resource.tasks_in_flight" in names

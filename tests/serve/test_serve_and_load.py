@@ -39,14 +39,13 @@ def test_ttft_agrees_with_server_first_token_time_and_ids_join_kv_tasks(tmp_path
         assert wait_exit(proc) == 0
     assert result.summary()["failed"] == 0, result.summary()["errors"]
     server = _server_log(data)
-    diffs_ms = []
     for r in result.requests:
         s = server[r.request_id]
         assert s["output_tokens"] == r.output_tokens == 4
-        diffs_ms.append(abs(r.first_token_unix_ns - s["first_token_unix_ns"]) / 1e6)
-    # loopback delivery only: the client stamps the first chunk with text (not the role chunk, not [DONE])
-    assert statistics.median(diffs_ms) < 1.0, diffs_ms
-    assert sum(d < 1.0 for d in diffs_ms) >= 0.9 * len(diffs_ms), diffs_ms
+        # ordering only (no timing threshold): the server's first token falls inside the client's request
+        assert r.start_unix_ns <= s["first_token_unix_ns"] <= r.end_unix_ns
+        assert r.start_unix_ns <= r.first_token_unix_ns <= r.end_unix_ns
+        assert len(r.itl_ms) == 4  # first chunk with a choice = the role chunk, as vllm bench serve
     con = load_traces(data / "traces").con
     kv_ids = {row[0] for row in con.sql("SELECT DISTINCT unnest(request_ids) FROM tasks").fetchall()}
     assert {r.request_id for r in result.requests} <= kv_ids  # chat ids are the KV ids themselves
@@ -67,7 +66,10 @@ def test_killed_server_mid_run_is_reported_not_a_traceback(tmp_path: Path) -> No
         load = subprocess.Popen([sys.executable, "-m", "otel_kvtrace.cli", "load", "--base-url", url, "-n", "6",
                                  "-c", "3", "--output-len", "400", "--prompt-len", "10", "--no-spans"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(1.5)
+        first = tmp_path / "data" / "requests"
+        deadline = time.monotonic() + 60  # kill once the server has streamed: the first request log line
+        while time.monotonic() < deadline and not any(p.stat().st_size for p in first.glob("*.jsonl")):
+            time.sleep(0.05)
         proc.kill()
         out, err = load.communicate(timeout=60)
     assert load.returncode == 1, (out, err)
@@ -105,3 +107,41 @@ def test_bad_kv_transfer_config_is_a_clear_cli_error() -> None:
     result = CliRunner().invoke(main, ["serve-replica", "--kv-transfer-config", "{not json"])
     assert result.exit_code == 2 and "not JSON" in result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_run_id_cannot_escape_the_data_dir(tmp_path: Path) -> None:
+    from otel_kvtrace.loadgen.model import LoadResult, RequestResult
+    from otel_kvtrace.loadgen.spans import export_request_spans
+    from otel_kvtrace.resources.sampler import resources_path
+
+    data = tmp_path / "a" / "b" / "data"
+    evil = "x/../../../escaped"
+    with serve_replica(data, "--run-id", evil) as (url, proc):
+        result = run_load(LoadProfile(url, "/v1/completions", None, num_requests=1, concurrency=1, prompt_len=5,
+                                      output_len=2))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 0
+    assert result.summary()["failed"] == 0
+    export_request_spans(LoadResult({}, [RequestResult(0, "r", 1, 2, 3)], 1.0), data, evil)
+    assert resources_path(data, evil).resolve().is_relative_to(data.resolve())
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written and all(p.resolve().is_relative_to(data.resolve()) for p in written), written
+
+
+@pytest.mark.parametrize("how", ["env", "flag"])
+def test_serve_replica_runs_under_the_requested_scheduler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          how: str) -> None:
+    data = tmp_path / "data"
+    args: tuple[str, ...] = ()
+    if how == "env":
+        monkeypatch.setenv("OTEL_KVTRACE_SCHEDULER", "ready_queue")
+    else:
+        args = ("--scheduler", "ready_queue")
+    with serve_replica(data, *args) as (url, proc):
+        result = run_load(LoadProfile(url, "/v1/completions", None, num_requests=2, concurrency=2, prompt_len=300,
+                                      output_len=2))
+        proc.send_signal(signal.SIGTERM)
+        assert wait_exit(proc) == 0
+    assert result.summary()["failed"] == 0
+    con = load_traces(data / "traces").con
+    assert con.execute("SELECT DISTINCT cfg_scheduler FROM tasks").fetchall() == [("ready_queue",)]

@@ -64,3 +64,34 @@ def test_not_a_vllm_result_names_file_and_line(tmp_path: Path) -> None:
     out = CliRunner().invoke(main, ["load", "--from-vllm-bench", str(path)])
     assert out.exit_code == 1 and "r.json:2" in out.output and out.exception is None or isinstance(
         out.exception, SystemExit)
+
+
+def test_perf_counter_start_times_are_anchored_on_the_date(tmp_path: Path) -> None:
+    import datetime as dt
+
+    path = tmp_path / "r.json"
+    path.write_bytes(orjson.dumps(_vllm_result(True)))  # start_times 100.0, 100.5, 101.0 (perf_counter s)
+    [run] = read_vllm_bench(path)
+    end = dt.datetime.strptime("20260101-000000", "%Y%m%d-%H%M%S").timestamp()
+    starts = [r.start_unix_ns for r in run.requests]
+    assert starts[0] == int((end - 2.0) * 1e9)  # date (after the run) - duration
+    assert starts[1] - starts[0] == 500_000_000 and starts[2] - starts[0] == 1_000_000_000
+    assert run.profile["clock"].startswith("date - duration")
+    doc = _vllm_result(True)
+    doc["date"] = None
+    path.write_bytes(orjson.dumps(doc))
+    [rel] = read_vllm_bench(path)
+    assert rel.profile["clock"] == "relative" and rel.requests[0].start_unix_ns == 0
+
+
+@pytest.mark.parametrize(("key", "value"), [("duration", "abc"), ("ttfts", 5), ("itls", [["x"], [], []]),
+                                            ("latencies", ["a", 0.1, 0.2])])
+def test_wrong_types_name_the_file_and_key(tmp_path: Path, key: str, value: object) -> None:
+    doc = _vllm_result(True)
+    doc[key] = value
+    path = tmp_path / "r.json"
+    path.write_bytes(orjson.dumps(doc))
+    with pytest.raises(VllmBenchError, match=rf"r.json:1: '{key}"):
+        read_vllm_bench(path)
+    out = CliRunner().invoke(main, ["load", "--from-vllm-bench", str(path)])
+    assert out.exit_code != 0 and "Traceback" not in out.output and key in out.output
