@@ -171,7 +171,7 @@ def log_kv_pool_off(engine_loop_on: bool) -> None:
                     "(async-scheduling) tracing is on (pid %d)", os.getpid())
     else:
         logger.warning("otel-kvtrace: tracing off: vllm_ascend is not importable (no KV-pool tracing) and "
-                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0)")
+                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0); see `kvtrace doctor`")
 
 
 def register() -> None:
