@@ -19,6 +19,7 @@ import json
 import os
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,8 @@ class Spool:
             meta = read_meta(self.directory)
             raise SpoolBusy(f"{self.directory}: in use by a running process (pid {meta.get('pid', '?')} wrote it)") from None
         self._lock_fd = fd
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (spool := ref()) is not None and spool.forget_lock())
 
     def close(self) -> None:
         """Release the directory's lock (the batches stay). Idempotent."""
