@@ -325,6 +325,11 @@ def _versions() -> dict[str, str]:
 _ACTIVE: tuple[EngineLoopInstrumentation, AsyncTracer] | None = None
 
 
+def active() -> bool:
+    """True while ``install_from_env`` has engine-loop tracing on in this process."""
+    return _ACTIVE is not None
+
+
 def default_out_dir() -> Path:
     """``{OTEL_KVTRACE_DATA_DIR or ./kvtrace-data}/async``."""
     return Path(config.data_dir()) / "async"

@@ -5,7 +5,8 @@ exporter's thread, or the exporter agent) only writes the batch to the :class:`~
 returns; a ``kvtrace-sender`` thread sends the oldest spooled batch, one request at a time, and
 deletes it once the receiver acknowledged it. A slow, refusing or dead endpoint therefore delays
 delivery but never backs up the recorder. Every task handed to the sink is, at any moment, in
-exactly one of: delivered, spooled (on disk), dropped (the spool cap was reached; oldest first):
+exactly one of: delivered, spooled (on disk), dropped (the spool cap was reached, oldest first; or
+the receiver answered with an OTLP ``partial_success`` rejecting spans: ``refused``):
 ``accepted == delivered + spooled + dropped``.
 
 Retry policy: transient outcomes (gRPC UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ...;
@@ -59,7 +60,11 @@ class Transport(Protocol):
 
 @dataclass(slots=True, frozen=True)
 class DeliveryStats:
-    """Tasks by where they are: ``accepted == delivered + spooled + dropped`` always holds."""
+    """Tasks by where they are: ``accepted == delivered + spooled + dropped`` always holds.
+
+    ``dropped`` includes ``refused``: tasks of requests the receiver acknowledged with a partial success
+    (``rejected_spans``). Which spans it rejected is not said, so ``min(tasks, rejected_spans)`` of the
+    request's tasks are counted as lost (each rejected span breaks at most one task)."""
 
     accepted: int
     delivered: int
@@ -69,6 +74,8 @@ class DeliveryStats:
     retries: int
     splits: int
     rejected_batches: int
+    refused: int = 0
+    refused_spans: int = 0
 
 
 def root_count(request: ExportTraceServiceRequest) -> int:
@@ -141,6 +148,10 @@ class Sender:
         self.retries = 0
         self.splits = 0
         self.rejected_batches = 0
+        self.refused = 0  # tasks lost to partial successes
+        self.refused_spans = 0
+        self._partial_logged = 0.0
+        self._step_errors = 0
         self.failing_since: float | None = None
         self.last_failure = ""
         self._wake = threading.Event()
@@ -160,15 +171,25 @@ class Sender:
         self._wake.set()
 
     def _run(self) -> None:
-        try:
-            with suppress_instrumentation():
-                while not self._stop.is_set():
-                    if not self.step(None):
-                        self._wake.wait(0.5)
-                        self._wake.clear()
-        except BaseException as exc:  # noqa: BLE001 - never loud in a host process; the spool keeps the data
-            logger.error("otel-kvtrace: sender thread stopped: %r; undelivered batches stay in %s",
-                         exc, self.spool.directory)
+        with suppress_instrumentation():
+            while not self._stop.is_set():
+                try:
+                    sent = self.step(None)
+                except Exception as exc:  # noqa: BLE001 - one bad step must not end delivery for good
+                    self._step_failed(exc)
+                    sent = False
+                if not sent:
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+
+    def _step_failed(self, exc: Exception) -> None:
+        """Give the claimed batches back (retried after a back-off) and say so, first time loudly."""
+        self.spool.release_claimed()
+        self._step_errors += 1
+        log = logger.error if self._step_errors == 1 else logger.debug
+        log("otel-kvtrace: sending from %s failed (%r, %d times so far); the batches stay spooled and are retried",
+            self.spool.directory, exc, self._step_errors)
+        self.abort.wait(min(MAX_BACKOFF_S, INITIAL_BACKOFF_S * 2 ** min(self._step_errors, 6)))
 
     def stop(self, join_s: float) -> None:
         """Interrupt and stop the thread; after this no counter or file changes."""
@@ -227,12 +248,16 @@ class Sender:
             result = self.transport.attempt(request, self.abort)
             if result.outcome == OK:
                 self._recovered()
+                refused = self._refused(result, request)
                 with self.lock:
                     if self._closed:
                         return True
                     for entry in group:
                         self.spool.done(entry)
                         self.delivered += entry.tasks
+                    self.delivered -= refused
+                    self.refused += refused
+                    self.refused_spans += result.rejected_spans
                 return True
             if result.outcome != RETRY:
                 return False  # too large or refused: the batches are tried one by one
@@ -242,10 +267,12 @@ class Sender:
 
     def _send_one(self, entry: SpoolEntry, request: ExportTraceServiceRequest, deadline: float | None) -> bool:
         parts = self._fit(request)
-        sent = 0
+        sent = refused = refused_spans = 0
         while sent < len(parts):
             result = self.transport.attempt(parts[sent], self.abort)
             if result.outcome == OK:
+                refused += self._refused(result, parts[sent])
+                refused_spans += result.rejected_spans
                 sent += 1
                 self._recovered()
                 continue
@@ -259,14 +286,26 @@ class Sender:
             if result.outcome in (REJECTED, TOO_LARGE):
                 logger.warning("otel-kvtrace: receiver %s refused a batch (%s); it stays in %s for `kvtrace resend`",
                                self.transport.endpoint, result.detail, self.spool.directory)
-                self._settle(entry, parts, sent, rejected=True)
+                self._settle(entry, parts, sent, (refused, refused_spans), rejected=True)
                 return True
             self._failed(result)
             if self._stop.is_set() or not self._back_off(result, deadline):
-                self._settle(entry, parts, sent)
+                self._settle(entry, parts, sent, (refused, refused_spans))
                 return True
-        self._settle(entry, parts, sent)
+        self._settle(entry, parts, sent, (refused, refused_spans))
         return True
+
+    def _refused(self, result: Attempt, request: ExportTraceServiceRequest) -> int:
+        """Tasks lost to a partial success (see ``DeliveryStats``); logged at most every 10 s."""
+        if result.rejected_spans <= 0:
+            return 0
+        lost = min(root_count(request), result.rejected_spans)
+        now = time.monotonic()
+        if now - self._partial_logged >= 10.0:
+            self._partial_logged = now
+            logger.warning("otel-kvtrace: receiver %s rejected %d spans of a request (%s); %d tasks counted as "
+                           "dropped", self.transport.endpoint, result.rejected_spans, result.detail, lost)
+        return lost
 
     def _fit(self, request: ExportTraceServiceRequest) -> list[ExportTraceServiceRequest]:
         """Split until every part is within ``max_request_bytes`` (or is a single span)."""
@@ -283,11 +322,15 @@ class Sender:
         return out
 
     def _settle(self, entry: SpoolEntry, parts: list[ExportTraceServiceRequest], sent: int,
-                *, rejected: bool = False) -> None:
-        """Account for ``parts[:sent]`` delivered; keep the rest on disk (exactly the rest)."""
+                refused: tuple[int, int] = (0, 0), *, rejected: bool = False) -> None:
+        """Account for ``parts[:sent]`` acknowledged (``refused`` = (tasks, spans) of them lost to partial
+        successes); keep the rest on disk (exactly the rest)."""
         with self.lock:
             if self._closed:
                 return  # shut down meanwhile: the batch stays whole in the spool (resend may duplicate)
+            self.refused += refused[0]
+            self.refused_spans += refused[1]
+            self.delivered -= refused[0]
             if sent == len(parts):
                 self.spool.done(entry)
                 self.delivered += entry.tasks
@@ -372,6 +415,8 @@ class DeliveringSink:
         self._start(os.getpid())
 
     def _start(self, pid: int) -> None:
+        if getattr(self, "spool", None) is not None:
+            self.spool.forget_lock()  # forked: the parent's spool stays locked by the parent
         self._pid = pid
         self.accepted = 0
         self.transport = self._make_transport()
@@ -382,7 +427,7 @@ class DeliveringSink:
         name = trace_file_path(".", self.run_id, pid).stem.removeprefix("kvtrace-")
         meta = {"endpoint": str(getattr(self.transport, "endpoint_url", None) or self.endpoint),
                 "protocol": self.protocol, "pid": pid, "run_id": self.run_id}
-        self.spool = Spool(self._fresh_directory(name), self.max_bytes, meta)
+        self.spool = Spool(self._fresh_directory(name), self.max_bytes, meta, lock=True)
         self.sender = Sender(self.spool, self.transport, max_request_bytes=self.max_request_bytes)
         self.sender.start()
 
@@ -409,7 +454,7 @@ class DeliveringSink:
             self._start(os.getpid())
         if self._shutdown_done:
             return False
-        line = texts_to_json_line(span_texts, self._resource, dropped + self.spool.evicted_tasks)
+        line = texts_to_json_line(span_texts, self._resource, dropped + self.spool.evicted_tasks + self.sender.refused)
         try:
             stored = self.spool.put(line, len(span_texts))
         except OSError as exc:
@@ -423,22 +468,29 @@ class DeliveringSink:
         return True
 
     def stats(self) -> DeliveryStats:
-        """Where every accepted task is now (consistent snapshot)."""
+        """Where every accepted task is now (consistent snapshot). A forked child that has not exported yet
+        has accepted nothing: it reports zeros and never touches the parent's lock (held at fork, maybe)."""
+        if os.getpid() != self._pid:
+            return DeliveryStats(0, 0, 0, 0, 0, 0, 0, 0)
         sender, spool = self.sender, self.spool
         with sender.lock:
             return DeliveryStats(
                 accepted=self.accepted,
                 delivered=sender.delivered,
                 spooled=spool.tasks,
-                dropped=spool.evicted_tasks,
+                dropped=spool.evicted_tasks + sender.refused,
                 spooled_batches=spool.batches,
                 retries=sender.retries,
                 splits=sender.splits,
                 rejected_batches=sender.rejected_batches,
+                refused=sender.refused,
+                refused_spans=sender.refused_spans,
             )
 
     def flush(self, timeout_s: float) -> bool:
         """Wait until everything sendable was delivered, at most ``timeout_s``. True when the spool is empty."""
+        if os.getpid() != self._pid:
+            return True  # forked, nothing exported here yet
         deadline = time.monotonic() + timeout_s
         self.sender.wake()
         while self.spool.sendable and time.monotonic() < deadline:
@@ -466,5 +518,6 @@ class DeliveringSink:
                 stats.spooled, stats.spooled_batches, self.endpoint, self.sender.last_failure or "deadline",
                 self.spool.directory, resend_command(self.spool.directory, self.transport),
             )
+            self.spool.close()  # unlocked: `kvtrace resend` may take it from now on
         else:
             self.spool.remove_if_empty()

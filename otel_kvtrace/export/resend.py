@@ -3,7 +3,9 @@
 A ``DeliveringSink`` that could not reach its endpoint before shutdown leaves its batches in
 ``{OTEL_KVTRACE_SPOOL_DIR}/{run_id}-{pid}/`` and logs this command. It sends every batch oldest first
 with the same retry, back-off and splitting as the sink, deleting each batch once the receiver
-acknowledged it, so running it again after an interruption sends only what is left.
+acknowledged it, so running it again after an interruption sends only what is left. A spool whose
+process is still running (it holds the spool's lock) is skipped and counted as left: sending it too
+would deliver its batches twice.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import click
 
 from otel_kvtrace import config
 from otel_kvtrace.export.delivery import Sender
-from otel_kvtrace.export.spool import Spool, is_spool_dir, read_meta
+from otel_kvtrace.export.spool import Spool, SpoolBusy, is_spool_dir, read_meta
 
 
 class ResendError(ValueError):
@@ -33,6 +35,7 @@ class ResendResult:
     delivered: int = 0
     left: int = 0  # still on disk (receiver down until the deadline, or it refused them)
     left_batches: int = 0
+    busy: list[str] = field(default_factory=list)  # why each skipped spool was not sent (a live process has it)
 
 
 def spool_directories(path: Path) -> list[Path]:
@@ -72,8 +75,19 @@ def resend(
             raise ResendError(f"{directory}: no endpoint recorded in spool.json; pass --endpoint")
         if chosen not in config.PROTOCOLS:
             raise ResendError(f"{directory}: protocol {chosen!r} is not one of {', '.join(config.PROTOCOLS)}")
-        transport = (OtlpGrpcSink if chosen == config.PROTOCOL_GRPC else OtlpHttpSink)({}, url)
-        spool = Spool(directory, max_bytes=sys.maxsize)
+        try:
+            spool = Spool(directory, max_bytes=sys.maxsize, lock=True)
+        except SpoolBusy as exc:
+            waiting = Spool(directory, max_bytes=sys.maxsize)  # read-only look: counts what is left
+            result.busy.append(str(exc))
+            result.left += waiting.tasks
+            result.left_batches += waiting.batches
+            continue
+        try:
+            transport = (OtlpGrpcSink if chosen == config.PROTOCOL_GRPC else OtlpHttpSink)({}, url)
+        except RuntimeError as exc:  # an SDK the sinks cannot send through
+            spool.close()
+            raise ResendError(str(exc)) from exc
         sender = Sender(spool, transport, max_request_bytes=config.env_int(
             config.OTEL_KVTRACE_EXPORT_MAX_REQUEST_BYTES, config.DEFAULT_EXPORT_MAX_REQUEST_BYTES))
         report = (lambda: progress(directory, sender.delivered, spool.tasks)) if progress is not None else None
@@ -81,6 +95,7 @@ def resend(
             sender.run_until(deadline, report)
         finally:
             transport.shutdown()
+            spool.close()
         result.directories.append(directory)
         result.delivered += sender.delivered
         result.left += spool.tasks
@@ -115,6 +130,8 @@ def resend_command(spool: Path, endpoint: str | None, protocol: str | None, time
         result = resend(spool, endpoint=endpoint, protocol=protocol, timeout_s=timeout_s, progress=progress)
     except ResendError as exc:
         raise click.BadParameter(str(exc), param_hint="SPOOL") from exc
+    for reason in result.busy:
+        click.echo(f"skipped {reason}; resend it once that process has exited", err=True)
     click.echo(f"resend: {result.delivered} tasks delivered from {len(result.directories)} spool(s), "
                f"{result.left} left in {result.left_batches} batches", err=True)
     if result.left:

@@ -28,7 +28,6 @@ from opentelemetry.sdk.trace.export import SpanExportResult
 from otel_kvtrace.export.encode import (
     resource_json,
     resource_text,
-    spans_to_readable_spans,
     spans_to_request,
     texts_to_json_line,
     texts_to_spans,
@@ -131,11 +130,35 @@ REJECTED = "rejected"  # permanent: the receiver refuses this request (kept on d
 
 @dataclass(slots=True, frozen=True)
 class Attempt:
-    """The outcome of sending one request once; ``delay`` is the receiver's own retry hint, if any."""
+    """The outcome of sending one request once; ``delay`` is the receiver's own retry hint, if any.
+
+    An ``OK`` with ``rejected_spans`` is an OTLP partial success: the receiver took the request but
+    dropped that many of its spans (``detail`` is its ``error_message``)."""
 
     outcome: str
     detail: str = ""
     delay: float | None = None
+    rejected_spans: int = 0
+
+
+def accepted(response: Any) -> Attempt:
+    """``OK``, with the ``partial_success`` of an ``ExportTraceServiceResponse`` (OTLP spec) when spans
+    were rejected."""
+    partial = getattr(response, "partial_success", None)
+    rejected = int(getattr(partial, "rejected_spans", 0) or 0)
+    if rejected <= 0:
+        return Attempt(OK)
+    return Attempt(OK, str(getattr(partial, "error_message", "") or "no reason given"), rejected_spans=rejected)
+
+
+def _http_response(body: bytes) -> Attempt:
+    """A 2xx body: an ``ExportTraceServiceResponse`` (protobuf; empty = full success)."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceResponse
+
+    try:
+        return accepted(ExportTraceServiceResponse.FromString(body or b""))
+    except Exception:  # noqa: BLE001 - a 2xx with a body we cannot read: the spec says success
+        return Attempt(OK)
 
 
 #: gRPC codes worth retrying (OTLP spec), plus RESOURCE_EXHAUSTED: a Collector's memory limiter sends it.
@@ -264,19 +287,39 @@ class OtlpGrpcSink(_SdkExporterSink):
                 call.cancel()
                 return Attempt(RETRY, "aborted at shutdown")
         try:
-            call.result()
-            return Attempt(OK)
+            return accepted(call.result())
         except grpc.RpcError as error:
             code = error.code()
             name = getattr(code, "name", str(code))
             detail = f"{name}: {error.details()}"
             if name == "UNAVAILABLE":
-                exporter._initialize_channel_and_stub()  # reconnect now, not after gRPC's own back-off
+                _reconnect(exporter)
             if name == "RESOURCE_EXHAUSTED" and "larger than max" in (error.details() or "").lower():
                 return Attempt(TOO_LARGE, detail)
             if name in GRPC_RETRYABLE:
                 return Attempt(RETRY, detail, _grpc_retry_delay(error))
             return Attempt(REJECTED, detail)
+
+
+def _reconnect(exporter: Any) -> None:
+    """Close the channel and open a new one now, not after gRPC's own back-off (what the SDK exporter
+    does on UNAVAILABLE). An SDK without ``_initialize_channel_and_stub`` (< 1.40) keeps its channel,
+    which reconnects by itself."""
+    reinit = getattr(exporter, "_initialize_channel_and_stub", None)
+    if reinit is None:
+        return
+    try:
+        channel = getattr(exporter, "_channel", None)
+        if channel is not None:
+            channel.close()
+        reinit()
+    except Exception as exc:  # noqa: BLE001 - the next attempt fails and is retried
+        logger.debug("otel-kvtrace: gRPC reconnect failed: %r", exc)
+
+
+#: The first release whose HTTP exporter has ``_client._submit`` / ``_client._compress`` (one POST, no
+#: SDK retry loop) that ``OtlpHttpSink.attempt`` sends through; ``pyproject.toml`` requires it.
+MIN_HTTP_EXPORTER = "1.45.0"
 
 
 def http_traces_url(endpoint: str) -> str:
@@ -296,7 +339,7 @@ class OtlpHttpSink(_SdkExporterSink):
 
     protocol = "http/protobuf"
 
-    def _make_exporter(self) -> Any:
+    def _make_sdk_exporter(self) -> Any:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         endpoint = self._endpoint_arg
@@ -306,33 +349,29 @@ class OtlpHttpSink(_SdkExporterSink):
         exporter = self._current()
         if getattr(exporter, "_shutdown", False):
             return False
-        spans = texts_to_spans(span_texts)
-        # The SDK's HTTP client (retries, compression, headers) takes serialized bytes; older SDKs
-        # lack it, and then the batch goes through the public ReadableSpan path instead.
-        send_bytes = getattr(getattr(exporter, "_client", None), "export", None)
-        if send_bytes is not None:
-            data = spans_to_request(spans, self._resource, dropped).SerializeToString()
-            return bool(send_bytes(data).success)
-        from opentelemetry.sdk.resources import Resource
+        # The SDK's HTTP client (retries, compression, headers) takes serialized bytes.
+        data = spans_to_request(texts_to_spans(span_texts), self._resource, dropped).SerializeToString()
+        return bool(exporter._client.export(data).success)
 
-        readable = spans_to_readable_spans(spans, Resource(self._resource_attrs), dropped)
-        return exporter.export(readable) == SpanExportResult.SUCCESS
+    def _make_exporter(self) -> Any:
+        exporter = self._make_sdk_exporter()
+        client = getattr(exporter, "_client", None)
+        if not all(callable(getattr(client, name, None)) for name in ("_submit", "_compress")):
+            raise RuntimeError(f"OTLP/HTTP delivery needs opentelemetry-exporter-otlp-proto-http>={MIN_HTTP_EXPORTER} "
+                               f"(its exporter has no _client._submit/_compress: {type(exporter).__module__})")
+        return exporter
 
     def attempt(self, request: ExportTraceServiceRequest, abort: threading.Event) -> Attempt:
         """POST once (no SDK retry loop) with the SDK client's URL, headers, compression and timeout."""
-        exporter = self._current()
-        client = getattr(exporter, "_client", None)
-        data = request.SerializeToString()
-        submit = getattr(client, "_submit", None)
-        compress = getattr(client, "_compress", None)
-        if submit is None or compress is None:  # another SDK: its own export (with its own retries)
-            export = getattr(client, "export", None)
-            ok = bool(export(data).success) if export is not None else False
-            return Attempt(OK) if ok else Attempt(RETRY, "failed")
-        result = submit(compress(data), client._timeout)
+        client = self._current()._client
+        result = client._submit(client._compress(request.SerializeToString()), client._timeout)
         status = result.status_code
         if result.error is None and status is not None and 200 <= status < 300:
-            return Attempt(OK)
+            try:
+                body = result.content()
+            except Exception:  # noqa: BLE001 - no readable body: a plain success
+                body = b""
+            return _http_response(body)
         if status is None:  # refused, reset, timed out: the endpoint is not answering
             return Attempt(RETRY, f"{type(result.error).__name__}: {result.error}")
         detail = f"HTTP {status}"

@@ -6,21 +6,31 @@ half a batch and a process that dies leaves only whole batches. ``spool.json`` n
 endpoint and protocol they were meant for. When the directory would exceed its cap, the oldest batches
 are deleted and their tasks counted as dropped: the only place where delivery drops anything.
 
+A writing process holds an exclusive ``flock`` on ``spool.lock`` while it lives (the kernel releases it
+when the process dies, however it dies), so ``kvtrace resend`` never sends the spool of a running process.
+
 Files are not fsync'ed: the spool survives the death of the process, not the loss of the machine.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import threading
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 META_FILE = "spool.json"
+LOCK_FILE = "spool.lock"
+
+
+class SpoolBusy(OSError):
+    """Another live process holds the spool (its sink, or a running ``kvtrace resend``)."""
 _BATCH_NAME = re.compile(r"^(\d{12})-t(\d+)\.jsonl$")
 
 
@@ -59,7 +69,9 @@ class Spool:
     batch claimed by the sender is never evicted under it (its bytes still count toward the cap).
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, meta: dict[str, Any] | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike[str], max_bytes: int, meta: dict[str, Any] | None = None,
+                 *, lock: bool = False) -> None:
+        """``lock``: take the directory's lock first (raises :class:`SpoolBusy` when a live process has it)."""
         self.directory = Path(directory)
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
@@ -67,9 +79,13 @@ class Spool:
         self._claimed: set[int] = set()
         self._skipped: set[int] = set()  # rejected by the receiver: kept on disk, not retried here
         self.bytes = 0
+        self._tasks = 0  # sum of the entries' tasks, kept so ``tasks`` is O(1)
         self.evicted_tasks = 0
         self.evicted_batches = 0
+        self._lock_fd: int | None = None
         self.directory.mkdir(parents=True, exist_ok=True)
+        if lock:
+            self._take_lock()
         if meta is not None:
             tmp = self.directory / f".{META_FILE}.tmp"
             tmp.write_text(json.dumps(meta, sort_keys=True))
@@ -86,6 +102,30 @@ class Spool:
             entry = SpoolEntry(int(m.group(1)), path, int(m.group(2)), path.stat().st_size)
             self._entries[entry.seq] = entry
             self.bytes += entry.size
+            self._tasks += entry.tasks
+
+    def _take_lock(self) -> None:
+        fd = os.open(self.directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            meta = read_meta(self.directory)
+            raise SpoolBusy(f"{self.directory}: in use by a running process (pid {meta.get('pid', '?')} wrote it)") from None
+        self._lock_fd = fd
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: (spool := ref()) is not None and spool.forget_lock())
+
+    def close(self) -> None:
+        """Release the directory's lock (the batches stay). Idempotent."""
+        fd, self._lock_fd = self._lock_fd, None
+        if fd is not None:
+            os.close(fd)  # closing the only descriptor releases the flock
+
+    def forget_lock(self) -> None:
+        """In a forked child: drop the inherited descriptor without unlocking (the parent keeps its lock
+        until it exits or closes, the child does not prolong it)."""
+        self.close()
 
     # ---- writer ---------------------------------------------------------------------------------
     def put(self, line: bytes, tasks: int) -> bool:
@@ -112,20 +152,29 @@ class Spool:
             raise
         with self._lock:
             self._entries[seq] = SpoolEntry(seq, path, tasks, size)
+            self._tasks += tasks
         return True
 
     def _make_room(self, size: int) -> bool:
+        """Evict the oldest unclaimed batches until ``size`` more bytes fit; O(evicted + claimed), no copy."""
         if size > self.max_bytes:
             return False
-        for seq in list(self._entries):
-            if self.bytes + size <= self.max_bytes:
+        if self.bytes + size <= self.max_bytes:
+            return True
+        victims: list[int] = []
+        freed = 0
+        for seq, entry in self._entries.items():  # oldest first
+            if self.bytes - freed + size <= self.max_bytes:
                 break
-            if seq in self._claimed:
-                continue
+            if seq not in self._claimed:
+                victims.append(seq)
+                freed += entry.size
+        for seq in victims:
             entry = self._entries.pop(seq)
             self._skipped.discard(seq)
             self._unlink(entry.path)
             self.bytes -= entry.size
+            self._tasks -= entry.tasks
             self.evicted_tasks += entry.tasks
             self.evicted_batches += 1
         return self.bytes + size <= self.max_bytes
@@ -155,12 +204,19 @@ class Spool:
             if rejected and entry.seq in self._entries:
                 self._skipped.add(entry.seq)
 
+    def release_claimed(self) -> None:
+        """Give every claimed batch back (the sender's step failed half-way)."""
+        with self._lock:
+            self._claimed.clear()
+
     def done(self, entry: SpoolEntry) -> None:
         """The receiver acknowledged the whole batch: delete it."""
         with self._lock:
             self._claimed.discard(entry.seq)
-            if self._entries.pop(entry.seq, None) is not None:
-                self.bytes -= entry.size
+            gone = self._entries.pop(entry.seq, None)
+            if gone is not None:
+                self.bytes -= gone.size
+                self._tasks -= gone.tasks
         self._unlink(entry.path)
 
     def replace(self, entry: SpoolEntry, line: bytes, tasks: int) -> SpoolEntry:
@@ -174,17 +230,18 @@ class Spool:
             self._unlink(entry.path)
         new = SpoolEntry(entry.seq, path, tasks, len(line))
         with self._lock:
-            if entry.seq in self._entries:
+            old = self._entries.get(entry.seq)
+            if old is not None:
                 self._entries[entry.seq] = new
-                self.bytes += new.size - entry.size
+                self.bytes += new.size - old.size
+                self._tasks += new.tasks - old.tasks
         return new
 
     # ---- state ----------------------------------------------------------------------------------
     @property
     def tasks(self) -> int:
         """Tasks on disk, not yet acknowledged (including batches the receiver rejected)."""
-        with self._lock:
-            return sum(e.tasks for e in self._entries.values())
+        return self._tasks
 
     @property
     def batches(self) -> int:
@@ -204,6 +261,8 @@ class Spool:
                 return False
         try:
             (self.directory / META_FILE).unlink(missing_ok=True)
+            (self.directory / LOCK_FILE).unlink(missing_ok=True)
+            self.close()
             self.directory.rmdir()
         except OSError:
             return False

@@ -7,9 +7,11 @@ vLLM-Ascend by default), starts the session (:func:`otel_kvtrace.api.start_traci
 per-worker resource update. Idempotence is ``BaseInstrumentor``'s: the instrumentor is a per-process
 singleton, and ``instrument()`` after a first call is a no-op until ``uninstrument()``.
 
-A call that cannot work raises (an unknown keyword, a bad value); a process that cannot be traced
-(vLLM-Ascend missing or lacking a required patch point, ``OTEL_SDK_DISABLED``) logs one warning, stays
-untouched, and says why in ``off_reason``.
+A call that cannot work raises (an unknown keyword, a bad value: checked by :func:`check_options`
+before anything is touched); everything after that never raises: a process that cannot be traced
+(vLLM-Ascend missing or lacking a required patch point, ``OTEL_SDK_DISABLED``, a bad
+``OTEL_EXPORTER_OTLP_*`` setting, a bug of ours) logs once, stays untouched, and says why in
+``off_reason``. The vLLM plugin runs this inside vLLM's import of the KV-pool worker module.
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ def _start_tracing_options() -> frozenset[str]:
     from otel_kvtrace.api import start_tracing
 
     return frozenset(p for p in inspect.signature(start_tracing).parameters if p != "targets")
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Raise ``TypeError``/``ValueError`` for keywords the caller got wrong (unknown names, values of the
+    wrong kind); checked before anything is patched or started."""
+    unknown = set(options) - _start_tracing_options()
+    if unknown:
+        raise TypeError(f"KVTraceInstrumentor.instrument() got unknown keyword(s): {', '.join(sorted(unknown))}")
+    protocol = options.get("protocol")
+    if protocol is not None and protocol not in config.PROTOCOLS:
+        raise ValueError(f"protocol must be one of {', '.join(config.PROTOCOLS)}, got {protocol!r}")
+    capacity = options.get("capacity")
+    if capacity is not None and (not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1):
+        raise ValueError(f"capacity must be an int >= 1, got {capacity!r}")
+    resource = options.get("resource")
+    if resource is not None and not isinstance(resource, Mapping):
+        raise TypeError(f"resource must be a mapping of attributes, got {type(resource).__name__}")
+    for name in ("endpoint", "run_id"):
+        value = options.get(name)
+        if value is not None and not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__}")
 
 
 def upstream_resource(targets: Targets) -> dict[str, Any]:
@@ -79,9 +102,7 @@ class KVTraceInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         targets = kwargs.pop("targets", None)
         force = kwargs.pop("enabled", None)
         tracer_provider = kwargs.pop("tracer_provider", None)
-        unknown = set(kwargs) - _start_tracing_options()
-        if unknown:  # raised, so BaseInstrumentor does not mark the process instrumented
-            raise TypeError(f"KVTraceInstrumentor.instrument() got unknown keyword(s): {', '.join(sorted(unknown))}")
+        check_options(kwargs)  # raised, so BaseInstrumentor does not mark the process instrumented
         self._session, self.off_reason = None, None
         if force is False or (force is None and targets is None and not config.tracing_enabled()):
             self.off_reason = f"{config.OTEL_KVTRACE_ENABLED} is not set" if force is None else "enabled=False"
@@ -95,11 +116,18 @@ class KVTraceInstrumentor(BaseInstrumentor):  # type: ignore[misc]
             if targets is None:
                 return
             self._session = self._start(targets, tracer_provider, kwargs)
-        except (TypeError, ValueError):
-            raise  # a wrong call, not a property of this process
-        except Exception as exc:  # never break the host process
+        except Exception as exc:  # noqa: BLE001 - never break the host process (the call itself was checked)
+            self._session = None
             self.off_reason = f"{type(exc).__name__}: {exc}"
-            logger.warning("otel-kvtrace: tracing off, could not instrument: %s", self.off_reason)
+            from otel_kvtrace.instrument.upstream import UpstreamNotFound
+
+            if isinstance(exc, UpstreamNotFound):  # plain vLLM: say what is on (one message, logged once)
+                from otel_kvtrace.asynccheck.instrument import active as engine_loop_active
+                from otel_kvtrace.instrument.plugin import log_kv_pool_off
+
+                log_kv_pool_off(engine_loop_active())
+            else:
+                logger.warning("otel-kvtrace: tracing off, could not instrument: %s", self.off_reason)
 
     def _resolve(self, targets: Any) -> Targets | None:
         if targets is None:

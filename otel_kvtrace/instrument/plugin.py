@@ -87,8 +87,12 @@ class _DelegatingLoader(importlib.abc.Loader):
         return self._inner.create_module(spec)
 
     def exec_module(self, module: types.ModuleType) -> None:
-        self._inner.exec_module(module)
-        self._after()
+        self._inner.exec_module(module)  # upstream's own import errors propagate unchanged
+        try:
+            self._after()
+        except Exception as exc:  # noqa: BLE001 - never break vLLM's import of its worker module
+            logger.warning("otel-kvtrace: binding to %s failed, tracing off: %s: %s",
+                           module.__name__, type(exc).__name__, exc)
 
     def __getattr__(self, name: str) -> Any:  # get_code, get_source, ... for tracebacks and tools
         return getattr(self._inner, name)
@@ -155,8 +159,9 @@ _kv_pool_off_logged = False
 """Logging once only (plain vLLM calls ``register`` in every process, sometimes several times)."""
 
 
-def _log_kv_pool_off(engine_loop_on: bool) -> None:
-    """Plain vLLM: say once what is on. Only a process with nothing traced gets a warning."""
+def log_kv_pool_off(engine_loop_on: bool) -> None:
+    """Plain vLLM (no vLLM-Ascend): say once what is on. Only a process with nothing traced gets a warning.
+    The one message for the plugin and ``KVTraceInstrumentor``."""
     global _kv_pool_off_logged
     if _kv_pool_off_logged:
         return
@@ -166,7 +171,7 @@ def _log_kv_pool_off(engine_loop_on: bool) -> None:
                     "(async-scheduling) tracing is on (pid %d)", os.getpid())
     else:
         logger.warning("otel-kvtrace: tracing off: vllm_ascend is not importable (no KV-pool tracing) and "
-                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0)")
+                       "engine-loop tracing is off (vLLM not importable, or OTEL_KVTRACE_ASYNC=0); see `kvtrace doctor`")
 
 
 def register() -> None:
@@ -194,7 +199,7 @@ def register() -> None:
         if WATCHED_MODULE in sys.modules:
             _bind()
         elif not _importable("vllm_ascend"):
-            _log_kv_pool_off(engine_loop is not None)
+            log_kv_pool_off(engine_loop is not None)
         else:
             _install_hook()
     except Exception as exc:  # never break vLLM's plugin loading

@@ -23,9 +23,23 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from otel_kvtrace.record.model import RECV_ROOT_SPAN
 
 
-def answer_ok(handler: BaseHTTPRequestHandler) -> None:
-    """The OTLP/HTTP success answer: 200 with an empty protobuf ``ExportTraceServiceResponse``."""
-    payload = ExportTraceServiceResponse().SerializeToString()
+def partial_response(acked: "Acked", req: ExportTraceServiceRequest, reject_one: bool) -> ExportTraceServiceResponse:
+    """Keep the request's spans; with ``reject_one`` drop its last span and say so (OTLP partial success)."""
+    resp = ExportTraceServiceResponse()
+    if reject_one:
+        last = req.resource_spans[-1].scope_spans[-1].spans
+        del last[len(last) - 1]
+        resp.partial_success.rejected_spans = 1
+        resp.partial_success.error_message = "test receiver: one span dropped"
+        with acked.lock:
+            acked.partials += 1
+    acked.add(req)
+    return resp
+
+
+def answer_ok(handler: BaseHTTPRequestHandler, response: ExportTraceServiceResponse | None = None) -> None:
+    """The OTLP/HTTP success answer: 200 with a protobuf ``ExportTraceServiceResponse`` (empty: all taken)."""
+    payload = (response or ExportTraceServiceResponse()).SerializeToString()
     handler.send_response(200)
     handler.send_header("Content-Type", "application/x-protobuf")
     handler.send_header("Content-Length", str(len(payload)))
@@ -42,6 +56,7 @@ class Acked:
         self.roots: set[bytes] = set()
         self.requests = 0
         self.refused = 0
+        self.partials = 0  # answers with partial_success.rejected_spans = 1
 
     def add(self, req: ExportTraceServiceRequest) -> None:
         with self.lock:
@@ -60,8 +75,10 @@ class GrpcReceiver:
     the same port."""
 
     def __init__(self, *, sleep_s: float = 0.0, refuse: int = 0, code: grpc.StatusCode = grpc.StatusCode.UNAVAILABLE,
-                 retry_delay_s: float | None = None, max_receive_bytes: int | None = None) -> None:
+                 retry_delay_s: float | None = None, max_receive_bytes: int | None = None,
+                 reject_one_span: bool = False) -> None:
         self.acked = Acked()
+        self.reject_one_span = reject_one_span
         self.sleep_s = sleep_s
         self.refuse = refuse
         self.code = code
@@ -92,8 +109,7 @@ class GrpcReceiver:
                         info.retry_delay.FromNanoseconds(int(receiver.retry_delay_s * 1e9))
                         context.set_trailing_metadata((("google.rpc.retryinfo-bin", info.SerializeToString()),))
                     context.abort(receiver.code, "test receiver: try later")
-                receiver.acked.add(request)
-                return ExportTraceServiceResponse()
+                return partial_response(receiver.acked, request, receiver.reject_one_span)
 
         options = [("grpc.max_receive_message_length", self.max_receive_bytes)] if self.max_receive_bytes else []
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=options)
@@ -111,7 +127,7 @@ class HttpReceiver:
     """http.server OTLP/HTTP: the first ``refuse`` requests get ``status`` with ``Retry-After``."""
 
     def __init__(self, *, refuse: int = 0, status: int = 503, retry_after: str | None = "0",
-                 sleep_s: float = 0.0) -> None:
+                 sleep_s: float = 0.0, reject_one_span: bool = False) -> None:
         self.acked = Acked()
         receiver = self
 
@@ -131,8 +147,8 @@ class HttpReceiver:
                     self.send_header("Content-Length", "0")
                     self.end_headers()
                     return
-                receiver.acked.add(ExportTraceServiceRequest.FromString(body))
-                answer_ok(self)
+                answer_ok(self, partial_response(receiver.acked, ExportTraceServiceRequest.FromString(body),
+                                                 reject_one_span))
 
             def log_message(self, *args: Any) -> None:
                 pass

@@ -94,4 +94,42 @@ def test_an_untraceable_process_says_why(monkeypatch: pytest.MonkeyPatch, caplog
         instrumentor.instrument()  # what opentelemetry-instrument does; vllm_ascend is not importable here
     assert instrumentor.session is None
     assert instrumentor.off_reason is not None and "vllm_ascend is not importable" in instrumentor.off_reason
-    assert sum("tracing off" in r.getMessage() for r in caplog.records) == 1
+    # nothing is traced in this process (no vLLM either): one warning that says so for both parts
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert "vllm_ascend is not importable" in warning and "engine-loop tracing is off" in warning, warning
+
+
+PLAIN_VLLM_INSTRUMENT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(levelname)s %(message)s")
+from tests.asynccheck import vllm_engine as ve
+from tests.asynccheck.vllm_src import vllm_modules
+from otel_kvtrace.instrument import plugin
+from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
+with vllm_modules("0.33.0", ve.setup_torch):
+    plugin.register()                 # vLLM's plugin hook: engine-loop tracing on, no vllm_ascend
+    KVTraceInstrumentor().instrument()  # then opentelemetry-instrument's entry point in the same process
+    print("OFF_REASON", KVTraceInstrumentor().off_reason)
+"""
+
+
+def test_plain_vllm_with_engine_loop_tracing_on_is_not_reported_as_tracing_off(tmp_path: Path) -> None:
+    """Issue #13: on plain vLLM the engine loop is traced, so neither the plugin nor the instrumentor may
+    warn "tracing off"; one INFO line says KV-pool tracing is off and engine-loop tracing is on."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.asynccheck.vllm_src import vllm_source
+
+    vllm_source("0.33.0")
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, OTEL_KVTRACE_ENABLED="1", OTEL_KVTRACE_DATA_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-c", PLAIN_VLLM_INSTRUMENT], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stdout.splitlines() if "otel-kvtrace" in ln or ln.startswith("OFF_REASON")]
+    assert not [ln for ln in lines if ln.startswith("WARNING")], lines
+    off = [ln for ln in lines if "KV-pool tracing off" in ln]
+    assert len(off) == 1 and off[0].startswith("INFO") and "engine-loop (async-scheduling) tracing is on" in off[0]
+    assert any(ln.startswith("OFF_REASON") and "vllm_ascend is not importable" in ln for ln in lines), lines

@@ -154,3 +154,35 @@ def test_plugin_adds_the_worker_config_and_ranks_to_the_exported_resource(
     assert last["kvtrace.cfg.num_layers"] == {"intValue": "4"}
     assert last["kvtrace.cfg.prefetch_layers"] == {"intValue": "2"}
     assert "kvtrace.rank.tp" in last and last["kvtrace.source"] == {"stringValue": "upstream"}
+
+
+@pytest.mark.parametrize("where", ["start_tracing", "after_import"])
+def test_a_failing_bind_never_breaks_vllms_import_of_the_worker_module(
+        where: str, upstream: Upstream, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A bug of ours deep inside ``start_tracing`` (a ValueError), or anywhere in the post-import hook:
+    vLLM's ``import pool_worker`` still succeeds with the real module, and tracing is off with a reason."""
+    import importlib
+    import logging
+    import sys
+
+    from otel_kvtrace.instrument import patches
+    from otel_kvtrace.schedule import install as schedule_install
+
+    def bug(*args: object, **kwargs: object) -> None:
+        raise ValueError("a bug deep inside the binding")
+
+    monkeypatch.setattr(patches if where == "start_tracing" else schedule_install,
+                        "install" if where == "start_tracing" else "bind_installed", bug)
+    monkeypatch.setenv(plugin.ENV_ENABLED, "1")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, plugin.WATCHED_MODULE)  # restored (the fixture's module) afterwards
+    plugin.register()
+    with caplog.at_level(logging.WARNING, logger="otel_kvtrace"):
+        module = importlib.import_module(plugin.WATCHED_MODULE)  # what vLLM does when it builds the worker
+    assert module.KVPoolWorker.__name__ == "KVPoolWorker"
+    assert plugin.current_session() is None
+    warnings = [r.getMessage() for r in caplog.records if "a bug deep inside the binding" in r.getMessage()]
+    assert len(warnings) == 1 and "tracing off" in warnings[0], warnings
+    if where == "start_tracing":
+        assert KVTraceInstrumentor().off_reason == "ValueError: a bug deep inside the binding"
