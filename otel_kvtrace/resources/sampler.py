@@ -7,7 +7,8 @@ the step's peak of each counter and the host/NPU memory read once. Records go to
 
 - ``{data_dir}/metrics/resources-{run_id}.jsonl`` (one JSON object per record; ``kvtrace report`` and the
   experiment load it into DuckDB table ``resources``), and
-- the OTel SDK metrics API (``kvtrace.resource.*`` gauges): a ``MeterProvider`` with a periodic reader
+- the OTel SDK metrics API (``kvtrace.resource.*`` gauges, plus ``kvtrace.resource.step``, the step of the
+  record the other gauges show): a ``MeterProvider`` with a periodic reader
   exporting OTLP (gRPC or HTTP, from ``OTEL_EXPORTER_OTLP_*``) when an endpoint is set, so the Collector
   -> Prometheus -> Grafana path shows them; with no endpoint, OTLP/JSON metric lines under
   ``{data_dir}/metrics/otlp-metrics-{run_id}.jsonl``.
@@ -136,7 +137,7 @@ class ResourceSampler:
             meter.create_observable_gauge(name, [callback], unit=unit,
                                           description=f"per-step peak of {key} (docs/schema.md)")
 
-        for key in FIELDS:
+        for key in ("step", *FIELDS):  # step: lets a reader of the OTLP points count each step once
             gauge(key)
 
 
