@@ -65,6 +65,7 @@ def test_serve_replica_resources_over_grpc_and_http_reach_collect_and_report(tmp
     report_json = tmp_path / "report.json"
     res = CliRunner().invoke(main, ["report", str(out), "--no-cache", "--json", str(report_json)])
     assert res.exit_code == 0, res.output
+    assert "malformed" not in res.output  # the metrics file is not read as traces
     assert "Resources per step" in res.output and "outstanding_leases" in res.output
     resources = orjson.loads(report_json.read_bytes())["resources"]
     assert resources["files"] == [str(metric_files[0])] and resources["skipped"] == []
