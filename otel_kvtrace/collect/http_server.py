@@ -1,6 +1,7 @@
-"""OTLP/HTTP ``POST /v1/traces`` and ``POST /v1/metrics`` endpoint (``application/x-protobuf`` and ``application/json``).
+"""OTLP/HTTP ``POST /v1/traces`` and ``POST /v1/metrics`` endpoint (``application/x-protobuf`` and
+``application/json``).
 
-Answers follow the OTLP/HTTP spec: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
+Answers follow the OTLP/HTTP spec: 200 with an ``Export{Trace,Metrics}ServiceResponse`` in the request's encoding
 once the request is written; 400 with a ``google.rpc.Status`` body for a body that is not an OTLP request;
 503 with ``Retry-After`` when it cannot be written now (queue full, memory budget used, disk full,
 stopping; the exporters retry on 503). Every request gets an answer and lands in one counter; a body
@@ -76,7 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.close_connection = True  # a body, if any, is not read
         self.server.endpoint.count("malformed_http")
-        self.server.endpoint.reply_error(self, HTTPStatus.METHOD_NOT_ALLOWED, "use POST /v1/traces or /v1/metrics", _JSON)
+        self.server.endpoint.reply_error(self, HTTPStatus.METHOD_NOT_ALLOWED, "use POST /v1/traces or /v1/metrics",
+                                         _JSON)
 
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 

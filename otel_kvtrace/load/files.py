@@ -15,7 +15,8 @@ def _is_trace_file(path: Path) -> bool:
     ``otlp-metrics-*``: ``otel_kvtrace.resources`` reads those beside the traces)."""
     from otel_kvtrace.resources.table import OTLP_PREFIX, RECORD_PREFIX
 
-    return path.is_file() and path.name.endswith(TRACE_SUFFIXES) and not path.name.startswith((OTLP_PREFIX, RECORD_PREFIX))
+    name = path.name
+    return path.is_file() and name.endswith(TRACE_SUFFIXES) and not name.startswith((OTLP_PREFIX, RECORD_PREFIX))
 
 
 class LoadError(ValueError):
