@@ -1,8 +1,9 @@
 """Embedded OTLP receiver (``kvtrace collect``) for machines without docker.
 
-It accepts OTLP traces over gRPC (``TraceService/Export``) and HTTP (``POST /v1/traces``, protobuf or
-JSON) on loopback and writes each request as one OTLP/JSON line, the layout the Collector's file
-exporter writes and ``kvtrace report`` reads.
+It accepts OTLP traces and metrics over gRPC (``TraceService/Export``, ``MetricsService/Export``) and HTTP
+(``POST /v1/traces``, ``/v1/metrics``; protobuf or JSON) on loopback and writes each request as one OTLP/JSON
+line, the layout the Collector's file exporter writes and ``kvtrace report`` reads (metrics under
+``metrics/``, read as the resource series).
 """
 
 from otel_kvtrace.collect.bind import HostError

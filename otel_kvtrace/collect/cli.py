@@ -30,7 +30,7 @@ from otel_kvtrace.collect.run import collect
 @click.option("--grpc-port", type=click.IntRange(0, 65535), default=DEFAULT_GRPC_PORT, show_default=True,
               help="OTLP/gRPC port (0 = any free port).")
 @click.option("--http-port", type=click.IntRange(0, 65535), default=DEFAULT_HTTP_PORT, show_default=True,
-              help="OTLP/HTTP port, path /v1/traces (0 = any free port).")
+              help="OTLP/HTTP port, paths /v1/traces and /v1/metrics (0 = any free port).")
 @click.option("--no-grpc", is_flag=True, help="Do not listen for gRPC.")
 @click.option("--no-http", is_flag=True, help="Do not listen for HTTP.")
 @click.option("--host", default=DEFAULT_HOST, show_default=True,
@@ -52,11 +52,11 @@ def collect_command(
     max_queue_mb: int,
     status_interval: float,
 ) -> None:
-    """Receive OTLP traces from kvtrace-instrumented workers and write them for `kvtrace report`.
+    """Receive OTLP traces (and resource metrics) from kvtrace-instrumented workers for `kvtrace report`.
 
     An OpenTelemetry Collector for one machine without docker: OTLP over gRPC and HTTP (protobuf or
     JSON) on loopback, one OTLP/JSON line per request, the same layout as the Collector's file
-    exporter. Several worker processes can export at once. Stop with Ctrl-C or SIGTERM: everything
+    exporter; metrics (the kvtrace.resource.* series) go to OUT/metrics/, shown by `kvtrace report OUT`. Several worker processes can export at once. Stop with Ctrl-C or SIGTERM: everything
     received is written before it exits, then it prints the counts.
 
     \b

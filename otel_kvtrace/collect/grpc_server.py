@@ -1,6 +1,6 @@
-"""OTLP/gRPC ``TraceService/Export`` endpoint.
+"""OTLP/gRPC ``TraceService/Export`` and ``MetricsService/Export`` endpoint.
 
-The method is registered with raw-bytes (de)serialisation so that a body that does not decode is answered
+Each method is registered with raw-bytes (de)serialisation so that a body that does not decode is answered
 with INVALID_ARGUMENT and counted here, instead of grpcio's generic INTERNAL "Exception deserializing".
 """
 
@@ -16,9 +16,7 @@ from google.rpc.error_details_pb2 import RetryInfo
 
 from otel_kvtrace.collect.queue import MemoryBudget
 from otel_kvtrace.collect.stats import StatsCounter
-from otel_kvtrace.collect.validate import AcceptFn, MalformedRequest, decode_protobuf
-
-SERVICE = "opentelemetry.proto.collector.trace.v1.TraceService"
+from otel_kvtrace.collect.validate import SIGNALS, AcceptFn, MalformedRequest, Signal
 
 _RETRY_INFO_KEY = "google.rpc.retryinfo-bin"
 _log = logging.getLogger(__name__)
@@ -31,7 +29,7 @@ def _retry_info(seconds: float) -> bytes:
 
 
 class GrpcEndpoint:
-    """A grpc server with one method, bound to ``host:port`` (port 0 picks a free port)."""
+    """A grpc server with one Export method per signal, bound to ``host:port`` (port 0 picks a free port)."""
 
     def __init__(
         self,
@@ -59,8 +57,9 @@ class GrpcEndpoint:
                 ("grpc.max_concurrent_streams", max_workers),
             ],
         )
-        handler = grpc.unary_unary_rpc_method_handler(self._export)  # bytes in, bytes out
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Export": handler}),))
+        self._server.add_generic_rpc_handlers(tuple(
+            grpc.method_handlers_generic_handler(signal.grpc_service, {"Export": self._handler(signal)})
+            for signal in SIGNALS))
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
             bound = self._server.add_insecure_port(address)
@@ -77,24 +76,28 @@ class GrpcEndpoint:
         """Refuse new RPCs and wait up to ``grace_s`` for running ones to finish."""
         self._server.stop(grace_s).wait()
 
-    def _export(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+    def _handler(self, signal: Signal) -> grpc.RpcMethodHandler:
+        """bytes in, bytes out: decoding happens in ``_export_reserved``, where a failure is counted."""
+        return grpc.unary_unary_rpc_method_handler(lambda body, context: self._export(signal, body, context))
+
+    def _export(self, signal: Signal, body: bytes, context: grpc.ServicerContext) -> bytes:
         """Decode, hand to the receiver, answer; grpcio has already decompressed and size-checked ``body``."""
         if not self._memory.try_reserve(len(body)):
             self._stats.add(refused_memory=1)
             self._abort_retry(context, "receiver memory budget in use by other requests; retry")
         try:
-            return self._export_reserved(body, context)
+            return self._export_reserved(signal, body, context)
         finally:
             self._memory.release(len(body))
 
-    def _export_reserved(self, body: bytes, context: grpc.ServicerContext) -> bytes:
+    def _export_reserved(self, signal: Signal, body: bytes, context: grpc.ServicerContext) -> bytes:
         try:
-            req = decode_protobuf(body)
+            req = signal.decode_protobuf(body)
         except MalformedRequest as exc:
             self._on_malformed()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
-            result = self._accept(req, len(body))
+            result = self._accept(signal, req, len(body))
         except Exception:  # noqa: BLE001 - a bug must cost one request an INTERNAL answer, never the server
             _log.exception("kvtrace collect: unexpected error handling a gRPC request")
             self._stats.add(internal_errors=1)

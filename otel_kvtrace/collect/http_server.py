@@ -1,6 +1,7 @@
-"""OTLP/HTTP ``POST /v1/traces`` endpoint (``application/x-protobuf`` and ``application/json``).
+"""OTLP/HTTP ``POST /v1/traces`` and ``POST /v1/metrics`` endpoint (``application/x-protobuf`` and
+``application/json``).
 
-Answers follow the OTLP/HTTP spec: 200 with an ``ExportTraceServiceResponse`` in the request's encoding
+Answers follow the OTLP/HTTP spec: 200 with an ``Export{Trace,Metrics}ServiceResponse`` in the request's encoding
 once the request is written; 400 with a ``google.rpc.Status`` body for a body that is not an OTLP request;
 503 with ``Retry-After`` when it cannot be written now (queue full, memory budget used, disk full,
 stopping; the exporters retry on 503). Every request gets an answer and lands in one counter; a body
@@ -27,14 +28,9 @@ from google.rpc.status_pb2 import Status
 
 from otel_kvtrace.collect.queue import MemoryBudget
 from otel_kvtrace.collect.stats import StatsCounter
-from otel_kvtrace.collect.validate import (
-    AcceptFn,
-    MalformedRequest,
-    decode_json,
-    decode_protobuf,
-)
+from otel_kvtrace.collect.validate import SIGNALS, AcceptFn, MalformedRequest
 
-TRACES_PATH = "/v1/traces"
+PATHS = {signal.http_path: signal for signal in SIGNALS}
 _PROTOBUF = "application/x-protobuf"
 _JSON = "application/json"
 _GRPC_INVALID_ARGUMENT = 3
@@ -81,7 +77,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         self.close_connection = True  # a body, if any, is not read
         self.server.endpoint.count("malformed_http")
-        self.server.endpoint.reply_error(self, HTTPStatus.METHOD_NOT_ALLOWED, "use POST /v1/traces", _JSON)
+        self.server.endpoint.reply_error(self, HTTPStatus.METHOD_NOT_ALLOWED, "use POST /v1/traces or /v1/metrics",
+                                         _JSON)
 
     do_PUT = do_DELETE = do_PATCH = do_HEAD = do_OPTIONS = do_GET
 
@@ -211,8 +208,9 @@ class HttpEndpoint:
             return
         # read even when refusing, so a keep-alive connection stays in sync
         body = self._read_body(h, length, reserved)
-        if h.path.split("?")[0] != TRACES_PATH:
-            message = f"unknown path {h.path!r}; OTLP traces go to {TRACES_PATH}"
+        signal = PATHS.get(h.path.split("?")[0])
+        if signal is None:
+            message = f"unknown path {h.path!r}; OTLP traces go to /v1/traces, metrics to /v1/metrics"
             self._malformed(h, HTTPStatus.NOT_FOUND, message, reply_type)
             return
         if content_type not in (_PROTOBUF, _JSON):
@@ -225,11 +223,11 @@ class HttpEndpoint:
             return
         try:
             body = self._decompress(body, (h.headers.get("Content-Encoding") or "").strip().lower(), reserved)
-            req = decode_json(body) if content_type == _JSON else decode_protobuf(body)
+            req = signal.decode_json(body) if content_type == _JSON else signal.decode_protobuf(body)
         except MalformedRequest as exc:
             self._malformed(h, HTTPStatus.BAD_REQUEST, str(exc), reply_type)
             return
-        result = self._accept(req, len(body))
+        result = self._accept(signal, req, len(body))
         if result.response is not None:
             if reply_type == _JSON:
                 payload = json_format.MessageToJson(result.response, indent=None).encode()

@@ -1,4 +1,4 @@
-"""The embedded OTLP receiver: gRPC + HTTP endpoints -> bounded queue -> one OTLP/JSON lines file."""
+"""The embedded OTLP receiver: gRPC + HTTP endpoints -> bounded queue -> one OTLP/JSON lines file per signal."""
 
 from __future__ import annotations
 
@@ -9,23 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Self, TypeVar
 
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-    ExportTraceServiceRequest,
-)
-
 from otel_kvtrace.collect.grpc_server import GrpcEndpoint
 from otel_kvtrace.collect.http_server import HttpEndpoint
 from otel_kvtrace.collect.bind import check_host
 from otel_kvtrace.collect.queue import ByteBoundedQueue, MemoryBudget
 from otel_kvtrace.collect.stats import ReceiverStats, StatsCounter
-from otel_kvtrace.collect.validate import (
-    AcceptResult,
-    count_spans,
-    drop_invalid_spans,
-    export_response,
-)
+from otel_kvtrace.collect.validate import METRICS, TRACES, AcceptResult, Signal
 from otel_kvtrace.collect.writer import JsonLinesWriter, PendingWrite
-from otel_kvtrace.export.otlp_json import MAX_LINE_BYTES, request_to_json_line
+from otel_kvtrace.export.otlp_json import MAX_LINE_BYTES
 
 _Endpoint = TypeVar("_Endpoint", GrpcEndpoint, HttpEndpoint)
 
@@ -46,6 +37,12 @@ DEFAULT_ACK_TIMEOUT_S = 5.0
 def collected_file_name(pid: int | None = None) -> str:
     """Name of the file a receiver in process ``pid`` writes: ``collected-{pid}.jsonl``."""
     return f"collected-{os.getpid() if pid is None else pid}.jsonl"
+
+
+def collected_metrics_path(out_dir: str | os.PathLike[str], pid: int | None = None) -> Path:
+    """Where a receiver in process ``pid`` writes metrics: ``{out}/metrics/otlp-metrics-collected-{pid}.jsonl``,
+    the layout ``otel_kvtrace.resources`` reads beside the traces (and the trace loader skips)."""
+    return Path(out_dir) / "metrics" / f"otlp-metrics-collected-{os.getpid() if pid is None else pid}.jsonl"
 
 
 class PortInUseError(OSError):
@@ -69,7 +66,8 @@ class OutputDirError(OSError):
 
 
 class Receiver:
-    """OTLP trace receiver writing every accepted request as one OTLP/JSON line to ``out_dir``.
+    """OTLP trace and metrics receiver writing every accepted request as one OTLP/JSON line to ``out_dir``
+    (traces: ``collected-{pid}.jsonl``; metrics: ``metrics/otlp-metrics-collected-{pid}.jsonl``).
 
     Several worker processes can export to it at once. A request is answered success only after its line
     was written and fsync-ed; when it cannot be written (disk full) the answer is UNAVAILABLE / 503, which
@@ -109,6 +107,7 @@ class Receiver:
                              f"({max_request_bytes})")
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / collected_file_name()
+        self.metrics_path = collected_metrics_path(self.out_dir)
         self.host = check_host(host, allow_remote)
         self._grpc_port_wanted = grpc_port
         self._http_port_wanted = http_port
@@ -116,9 +115,15 @@ class Receiver:
         self._max_line_bytes = max_line_bytes
         self._ack_timeout_s = ack_timeout_s
         self.memory = MemoryBudget(max_memory_bytes)
-        self._queue: ByteBoundedQueue[PendingWrite] = ByteBoundedQueue(max_queue_bytes)
         self._stats = StatsCounter()
-        self._writer = JsonLinesWriter(self.path, self._queue, self._stats)
+        # one queue + writer per signal (each file has one appender); each queue has the same byte bound
+        self._queues: dict[str, ByteBoundedQueue[PendingWrite]] = {
+            s.name: ByteBoundedQueue(max_queue_bytes) for s in (TRACES, METRICS)}
+        self._writers = {
+            TRACES.name: JsonLinesWriter(self.path, self._queues[TRACES.name], self._stats),
+            METRICS.name: JsonLinesWriter(self.metrics_path, self._queues[METRICS.name], self._stats,
+                                          items_counter="metric_points_written"),
+        }
         self._grpc: GrpcEndpoint | None = None
         self._http: HttpEndpoint | None = None
         self._stopping = False
@@ -146,10 +151,11 @@ class Receiver:
                 self._grpc = self._bind(GrpcEndpoint, "grpc", self._grpc_port_wanted, self._malformed_grpc, "--grpc-port")
             if self._http_port_wanted is not None:
                 self._http = self._bind(HttpEndpoint, "http", self._http_port_wanted, self._malformed_http, "--http-port")
-            try:
-                self._writer.start()
-            except OSError as exc:
-                raise OutputDirError(self.path, str(exc)) from exc
+            for writer in self._writers.values():
+                try:
+                    writer.start()
+                except OSError as exc:
+                    raise OutputDirError(writer.path, str(exc)) from exc
         except BaseException:
             if self._grpc is not None:
                 self._grpc.stop(0)
@@ -180,7 +186,7 @@ class Receiver:
     def stats(self) -> ReceiverStats:
         """Current counters."""
         snap = self._stats.snapshot()
-        snap.queue_high_water_bytes = self._queue.high_water_bytes
+        snap.queue_high_water_bytes = max(q.high_water_bytes for q in self._queues.values())
         return snap
 
     def stop(self, grace_s: float = 10.0) -> ReceiverStats:
@@ -194,7 +200,8 @@ class Receiver:
                 self._grpc.stop(grace_s)
             if self._http is not None:
                 self._http.stop(grace_s)
-            self._writer.stop()
+            for writer in self._writers.values():
+                writer.stop()
         return self.stats()
 
     def __enter__(self) -> Self:
@@ -206,34 +213,36 @@ class Receiver:
 
     # --- called by the endpoints' threads ---------------------------------------------------
 
-    def _accept(self, req: ExportTraceServiceRequest, size: int, protocol: str = "") -> AcceptResult:
-        """Queue ``req``'s line and wait until the writer has written and fsync-ed it (or failed)."""
+    def _accept(self, signal: Signal, req: object, size: int, protocol: str = "") -> AcceptResult:
+        """Queue ``req``'s line and wait until its signal's writer has written and fsync-ed it (or failed)."""
+        writer, queue = self._writers[signal.name], self._queues[signal.name]
+        received = "spans_received" if signal is TRACES else "metric_points_received"
         with self._state_lock:
             stopping = self._stopping
-        if stopping or not self._writer.alive:
+        if stopping or not writer.alive:
             self._stats.add(refused_stopping=1)
             return AcceptResult(None, message="receiver is shutting down; retry against the next one")
-        rejected = drop_invalid_spans(req)
-        spans = count_spans(req)
+        rejected = signal.drop_invalid(req)
+        spans = signal.items(req)
         if spans == 0:  # nothing to keep: answer success without writing an empty line
             self._stats.add(spans_rejected=rejected, **{f"{protocol}_requests": 1})
-            return AcceptResult(export_response(rejected))
-        line = request_to_json_line(req)
+            return AcceptResult(signal.response(rejected))
+        line = signal.to_line(req)
         if len(line) > self._max_line_bytes:
             self._stats.add(too_large=1)
             return AcceptResult(None, too_large=True, message=(
                 f"request is {len(line)} bytes as an OTLP/JSON line, over the {self._max_line_bytes} the loader "
                 "reads; export smaller batches"))
         pending = PendingWrite(line, spans)
-        if not self._queue.offer(pending, len(line)):
+        if not queue.offer(pending, len(line)):
             self._stats.add(refused_full=1)
             return AcceptResult(None, queue_full=True, message="write queue full; retry later")
         outcome = pending.wait(self._ack_timeout_s)
         if outcome == "in progress":  # the writer holds it: it will be written or fail soon
             outcome = pending.wait(self._ack_timeout_s)
         if outcome is None:
-            self._stats.add(spans_received=spans, spans_rejected=rejected, **{f"{protocol}_requests": 1})
-            return AcceptResult(export_response(rejected))
+            self._stats.add(spans_rejected=rejected, **{received: spans, f"{protocol}_requests": 1})
+            return AcceptResult(signal.response(rejected))
         if outcome.startswith("failed"):  # counted by the writer as write_errors
             return AcceptResult(None, message=f"{outcome.removeprefix('failed: ')}; retry later")
         self._stats.add(refused_timeout=1)

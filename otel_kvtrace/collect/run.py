@@ -36,7 +36,7 @@ def collect(
     stop_event: threading.Event | None = None,
     progress: Callable[[str], None] = _print_stderr,
 ) -> ReceiverStats:
-    """Receive OTLP traces until SIGINT/SIGTERM (or ``stop_event``), write them, return the final counts.
+    """Receive OTLP traces and metrics until SIGINT/SIGTERM (or ``stop_event``), write them, return the final counts.
 
     Prints where it listens and writes, then the counts every ``status_interval`` seconds when they
     changed (0 turns that off), and the final counts on exit. Raises ``PortInUseError`` when a port is taken,
@@ -60,6 +60,7 @@ def collect(
         if receiver.http_port is not None:
             endpoints.append(f"http {receiver.host}:{receiver.http_port}/v1/traces")
         progress(f"kvtrace collect: listening on {', '.join(endpoints)}; writing {receiver.path}")
+        progress(f"kvtrace collect: metrics (gRPC MetricsService, POST /v1/metrics) go to {receiver.metrics_path}")
         last = receiver.stats()
         while not stop.wait(status_interval if status_interval > 0 else None):
             now = receiver.stats()

@@ -17,6 +17,8 @@ class ReceiverStats:
     """Export requests accepted over HTTP (protobuf or JSON)."""
     spans_received: int = 0
     """Spans in acknowledged requests (excluding rejected spans): written and fsync-ed before the answer."""
+    metric_points_received: int = 0
+    """Metric data points in acknowledged metrics requests: written and fsync-ed before the answer."""
     spans_rejected: int = 0
     """Spans dropped from accepted requests because a trace/span id had the wrong length (partial success)."""
     malformed_grpc: int = 0
@@ -41,6 +43,8 @@ class ReceiverStats:
     """JSON lines (one per accepted request) written to the output file."""
     spans_written: int = 0
     """Spans in the written lines."""
+    metric_points_written: int = 0
+    """Metric data points in the written lines (``metrics/otlp-metrics-collected-{pid}.jsonl``)."""
     write_errors: int = 0
     """Requests whose line could not be written or fsync-ed (disk full, ...); answered UNAVAILABLE / 503."""
     queue_high_water_bytes: int = 0
@@ -56,7 +60,8 @@ class ReceiverStats:
             f"refused {self.refused_full} (queue full) + {self.refused_stopping} (stopping) "
             f"+ {self.refused_memory} (memory) + {self.refused_timeout} (write timeout); "
             f"rejected spans {self.spans_rejected}; write errors {self.write_errors}; "
-            f"internal errors {self.internal_errors}"
+            f"internal errors {self.internal_errors}; "
+            f"metric points: received {self.metric_points_received}, written {self.metric_points_written}"
         )
 
 

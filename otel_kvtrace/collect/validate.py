@@ -1,17 +1,24 @@
-"""Decode and check incoming OTLP trace requests (the part both protocols share)."""
+"""Decode and check incoming OTLP requests (the part both protocols share), per signal: traces, metrics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from google.protobuf.message import DecodeError
+import orjson
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError, Message
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
 )
 
-from otel_kvtrace.export.otlp_json import json_line_to_request
+from otel_kvtrace.export.otlp_json import json_line_to_request, request_to_json_line
 
 
 @dataclass(slots=True)
@@ -20,26 +27,42 @@ class AcceptResult:
 
     ``queue_full`` / ``too_large`` pick the refusal's status; any other refusal is "unavailable, retry"."""
 
-    response: ExportTraceServiceResponse | None
+    response: Message | None
     queue_full: bool = False
     message: str = ""
     too_large: bool = False
 
 
-AcceptFn = Callable[[ExportTraceServiceRequest, int], AcceptResult]
-"""(request, wire size in bytes) -> result; implemented by the receiver, called by both endpoints."""
-
-
 class MalformedRequest(ValueError):
-    """The request body is not an OTLP trace export request."""
+    """The request body is not an OTLP export request of the signal it was sent to."""
 
 
-def decode_protobuf(body: bytes) -> ExportTraceServiceRequest:
-    """Parse a binary ``ExportTraceServiceRequest``; raise ``MalformedRequest`` if it does not decode."""
-    try:
-        return ExportTraceServiceRequest.FromString(body)
-    except DecodeError as exc:
-        raise MalformedRequest(f"protobuf body does not decode as ExportTraceServiceRequest: {exc}") from exc
+@dataclass(frozen=True, slots=True)
+class Signal:
+    """One OTLP signal the receiver takes: where it arrives (gRPC service, HTTP path) and how it is
+    decoded, counted (``items``: spans or data points), trimmed of invalid items and written as a line."""
+
+    name: str
+    grpc_service: str
+    http_path: str
+    request_type: type[Any]
+    decode_json: Callable[[bytes], Any]
+    to_line: Callable[[Any], bytes]
+    items: Callable[[Any], int]
+    drop_invalid: Callable[[Any], int]
+    response: Callable[[int], Message]
+
+    def decode_protobuf(self, body: bytes) -> Any:
+        """Parse a binary export request of this signal; raise ``MalformedRequest`` if it does not decode."""
+        try:
+            return self.request_type.FromString(body)
+        except DecodeError as exc:
+            raise MalformedRequest(
+                f"protobuf body does not decode as {self.request_type.__name__}: {exc}") from exc
+
+
+AcceptFn = Callable[[Signal, Any, int], AcceptResult]
+"""(signal, request, wire size in bytes) -> result; implemented by the receiver, called by both endpoints."""
 
 
 def decode_json(body: bytes) -> ExportTraceServiceRequest:
@@ -84,3 +107,49 @@ def export_response(rejected: int) -> ExportTraceServiceResponse:
         resp.partial_success.rejected_spans = rejected
         resp.partial_success.error_message = "spans with invalid trace_id/span_id length were dropped"
     return resp
+
+
+def decode_metrics_json(body: bytes) -> ExportMetricsServiceRequest:
+    """Parse an OTLP/JSON metrics request body (unknown fields ignored, as OTLP receivers must)."""
+    try:
+        doc = orjson.loads(body)
+        if not isinstance(doc, dict):
+            raise TypeError("an OTLP/JSON metrics request is a JSON object with 'resourceMetrics'")
+        return json_format.ParseDict(doc, ExportMetricsServiceRequest(), ignore_unknown_fields=True)
+    except (orjson.JSONDecodeError, json_format.ParseError, TypeError, ValueError, RecursionError) as exc:
+        raise MalformedRequest(f"not an OTLP/JSON metrics request: {type(exc).__name__}: {exc}") from exc
+
+
+def metrics_to_json_line(req: ExportMetricsServiceRequest) -> bytes:
+    """One OTLP/JSON line, the shape ``otel_kvtrace.resources`` reads (and its no-endpoint exporter writes)."""
+    return orjson.dumps(json_format.MessageToDict(req, use_integers_for_enums=True)) + b"\n"
+
+
+_POINT_FIELDS = ("gauge", "sum", "histogram", "exponential_histogram", "summary")
+
+
+def count_points(req: ExportMetricsServiceRequest) -> int:
+    """Number of data points in ``req`` (of every metric type)."""
+    n = 0
+    for rm in req.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                kind = metric.WhichOneof("data")
+                n += len(getattr(metric, kind).data_points) if kind in _POINT_FIELDS else 0
+    return n
+
+
+def metrics_response(rejected: int) -> ExportMetricsServiceResponse:
+    """The success response of a metrics export (nothing is rejected: a metric without points is kept as is)."""
+    return ExportMetricsServiceResponse()
+
+
+TRACES = Signal(
+    name="traces", grpc_service="opentelemetry.proto.collector.trace.v1.TraceService", http_path="/v1/traces",
+    request_type=ExportTraceServiceRequest, decode_json=decode_json, to_line=request_to_json_line,
+    items=count_spans, drop_invalid=drop_invalid_spans, response=export_response)
+METRICS = Signal(
+    name="metrics", grpc_service="opentelemetry.proto.collector.metrics.v1.MetricsService",
+    http_path="/v1/metrics", request_type=ExportMetricsServiceRequest, decode_json=decode_metrics_json,
+    to_line=metrics_to_json_line, items=count_points, drop_invalid=lambda req: 0, response=metrics_response)
+SIGNALS = (TRACES, METRICS)

@@ -28,7 +28,7 @@ _PENDING, _TAKEN, _WRITTEN, _FAILED, _CANCELLED = range(5)
 class PendingWrite:
     """One request's line on its way to the file; its sender waits on ``wait``."""
 
-    __slots__ = ("line", "spans", "_state", "error", "_cond")
+    __slots__ = ("line", "spans", "_state", "error", "_cond")  # spans: the line's items (spans or points)
 
     def __init__(self, line: bytes, spans: int) -> None:
         self.line = line
@@ -70,8 +70,9 @@ class JsonLinesWriter:
     leaves no empty file) and opened for append, so a restart never truncates earlier data."""
 
     def __init__(self, path: Path, queue: ByteBoundedQueue[PendingWrite], stats: StatsCounter,
-                 fsync: bool = True) -> None:
+                 fsync: bool = True, items_counter: str = "spans_written") -> None:
         self.path = path
+        self._items_counter = items_counter
         self._queue = queue
         self._stats = stats
         self._fsync = fsync
@@ -122,7 +123,7 @@ class JsonLinesWriter:
             for p in batch:
                 p._finish(error)
             return
-        self._stats.add(lines_written=len(batch), spans_written=sum(p.spans for p in batch))
+        self._stats.add(lines_written=len(batch), **{self._items_counter: sum(p.spans for p in batch)})
         for p in batch:
             p._finish(None)
 

@@ -10,6 +10,15 @@ TRACE_SUFFIXES = (".jsonl", ".jsonl.gz", ".json", ".json.gz", ".ndjson", ".ndjso
 """File names a directory is searched for (recursively)."""
 
 
+def _is_trace_file(path: Path) -> bool:
+    """A file a directory contributes: a trace suffix, and not a resource series file (``resources-*``,
+    ``otlp-metrics-*``: ``otel_kvtrace.resources`` reads those beside the traces)."""
+    from otel_kvtrace.resources.table import OTLP_PREFIX, RECORD_PREFIX
+
+    name = path.name
+    return path.is_file() and name.endswith(TRACE_SUFFIXES) and not name.startswith((OTLP_PREFIX, RECORD_PREFIX))
+
+
 class LoadError(ValueError):
     """Input that cannot be loaded: no such file, no usable spans, undecodable file."""
 
@@ -17,7 +26,8 @@ class LoadError(ValueError):
 def resolve_inputs(paths: Iterable[str | Path]) -> list[Path]:
     """Expand ``paths`` into a sorted, de-duplicated list of existing trace files.
 
-    A directory contributes every ``*.jsonl``/``*.json``/``*.ndjson`` file below it (``.gz`` too); a
+    A directory contributes every ``*.jsonl``/``*.json``/``*.ndjson`` file below it (``.gz`` too) except
+    resource series files (``resources-*``, ``otlp-metrics-*``); a
     pattern with ``*``/``?``/``[`` is a glob (``**`` recurses). Raises ``LoadError`` naming the path when
     something matches nothing, so a typo is never silently an empty report.
     """
@@ -33,7 +43,7 @@ def resolve_inputs(paths: Iterable[str | Path]) -> list[Path]:
             continue
         path = Path(text)
         if path.is_dir():
-            files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(TRACE_SUFFIXES))
+            files = sorted(p for p in path.rglob("*") if _is_trace_file(p))
             if not files:
                 raise LoadError(
                     f"directory {text!r} holds no trace files ({', '.join(TRACE_SUFFIXES)}); `kvtrace collect --out "

@@ -114,7 +114,7 @@ def report(paths: tuple[str, ...], json_path: Path | None, png_dir: Path | None,
                   written=written)
     from otel_kvtrace.resources.table import print_resources
 
-    print_resources(paths, console)  # resource series written beside the traces (kvtrace serve-replica)
+    print_resources(result.resources, console)  # resource series beside the traces (serve-replica, collect)
     if db_path:
         install_views(con)
         con.close()

@@ -17,7 +17,9 @@ INTERVAL_FIELDS = (
 
 def report_to_dict(report: Report) -> dict[str, Any]:
     """The report as plain JSON types: ``load``, ``tasks``, ``stages``, ``hol`` (with ``events``,
-    ``total_ms``, percentiles and every interval), ``queue_depth``, ``consumer_stall``, ``wait_explained``."""
+    ``total_ms``, percentiles and every interval), ``queue_depth``, ``consumer_stall``, ``wait_explained``,
+    ``resources`` (``files``, per-field ``summary`` {samples, peak, p50, p95, p99}, ``skipped``; ``{}`` when
+    no resource series lie beside the traces)."""
     intervals = [{k: r[k] for k in INTERVAL_FIELDS} for r in report.hol_intervals.records()]
     return {
         "load": report.stats.to_dict(),
@@ -35,6 +37,7 @@ def report_to_dict(report: Report) -> dict[str, Any]:
             "listed": report.wait_explained_total,
             "rows": report.wait_explained.records(),
         },
+        "resources": report.resources,
     }
 
 

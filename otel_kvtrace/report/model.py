@@ -44,6 +44,7 @@ class Report:
     timeline: dict[str, Any] = field(default_factory=dict)
     stage_samples: dict[str, dict[str, list[int]]] = field(default_factory=dict)  # cfg -> stage -> ns
     pngs: dict[str, bytes] = field(default_factory=dict)  # rendered plots, filled by report.plots
+    resources: dict[str, Any] = field(default_factory=dict)  # otel_kvtrace.resources.table.resource_report
 
 
 def build_report(
@@ -62,6 +63,8 @@ def build_report(
         report = build_report(["kvtrace-data/traces"])
         report.hol_overall["events"]
     """
+    if not isinstance(paths, (LoadResult, str, Path)):
+        paths = list(paths)  # read twice: traces, then the resource series beside them
     loaded = paths if isinstance(paths, LoadResult) else load_traces(
         paths, cache_dir=cache_dir, con=con, progress=progress)
     con = loaded.con
@@ -94,6 +97,10 @@ def build_report(
         report.timeline["npu"] = (npu_timeline(npu, report.timeline) if npu
                                   else {"lanes": [], "events": [], "run": None})
         report.stage_samples = stage_samples(con)
+        if not isinstance(paths, LoadResult):  # resource series written beside the traces (or collected)
+            from otel_kvtrace.resources.table import resource_report
+
+            report.resources = resource_report([paths] if isinstance(paths, (str, Path)) else list(paths))
     finally:  # a later load into this connection must not meet stale intervals
         con.execute("DROP TABLE IF EXISTS temp.hol_intervals").fetchall()
     return report

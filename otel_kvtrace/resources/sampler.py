@@ -11,10 +11,12 @@ is written too. Records go to
 - ``{data_dir}/metrics/resources-{run_id}.jsonl`` (one JSON object per record; ``kvtrace report`` and the
   experiment load it into DuckDB table ``resources``), and
 - the OTel SDK metrics API (``kvtrace.resource.*`` gauges, each the maximum over the records since the
-  previous collection, so an export interval longer than a step loses no peak): the caller's
-  ``meter_provider`` (the instrumentor's), else a ``MeterProvider`` of its own with a periodic reader
-  exporting OTLP to the endpoint and protocol of ``export.resolve_otlp`` (the traces' resolution), so the
-  Collector -> Prometheus -> Grafana path shows them; with no endpoint, OTLP/JSON metric lines under
+  previous collection, so an export interval longer than a step loses no peak, plus
+  ``kvtrace.resource.step``, the latest step of those records, so a reader counts each step once): the
+  caller's ``meter_provider`` (the instrumentor's), else a ``MeterProvider`` of its own with a periodic
+  reader exporting OTLP to the endpoint and protocol of ``export.resolve_otlp`` (the traces' resolution),
+  so the Collector -> Prometheus -> Grafana path and ``kvtrace collect`` show them; with no endpoint,
+  OTLP/JSON metric lines under
   ``{data_dir}/metrics/otlp-metrics-{run_id}.jsonl``.
 
 A probe failure stops the sampler (logged once), never the server.
@@ -177,7 +179,7 @@ class ResourceSampler:
                                           description=f"peak of {key} over the steps since the last export "
                                                       "(docs/schema.md)")
 
-        for key in FIELDS:
+        for key in ("step", *FIELDS):  # step: lets a reader of the OTLP points count each step once
             gauge(key)
 
 

@@ -8,6 +8,7 @@ Collector's Prometheus exporter renders them (dots -> underscores, unit suffix, 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 import pytest
@@ -212,3 +213,31 @@ def test_a_panel_links_to_the_jaeger_search_for_the_task_correlation_id() -> Non
             if t.get("datasource", {}).get("uid") == "jaeger"
         ]
         assert any(t["queryType"] == "search" and "kvtrace.correlation_id=" in t["tags"] for t in searches), name
+
+
+def test_resource_panels_query_the_names_the_real_sampler_emits(tmp_path) -> None:
+    """Names from the sampler's real OTLP output (SDK -> encode_metrics -> OTLP/JSON), rendered the way the
+    Collector's Prometheus exporter does (dots -> underscores, unit By -> `_bytes`, braces units dropped)."""
+    import orjson
+
+    from otel_kvtrace.resources.sampler import ResourceSampler
+
+    values = dict.fromkeys(RESOURCE_FIELDS, 5)
+    sampler = ResourceSampler(None, tmp_path, "dash", poll_ms=1, probe=lambda: values, memory=lambda: values,
+                              export_interval_ms=30).start()
+    for step in range(3):
+        sampler.notify_step(step)
+        time.sleep(0.03)
+    sampler.stop()
+    emitted = set()
+    for line in (tmp_path / "metrics" / "otlp-metrics-dash.jsonl").read_bytes().splitlines():
+        for rm in orjson.loads(line)["resourceMetrics"]:
+            for sm in rm["scopeMetrics"]:
+                for metric in sm["metrics"]:
+                    suffix = "_bytes" if metric.get("unit") == "By" else ""
+                    emitted.add(_prom_name(metric["name"]) + suffix)
+    queried = {m for dash in dashboards().values() for _, e in _prom_targets(dash) for m in _metric_names(e)
+               if m.startswith("kvtrace_resource_")}
+    assert queried, "no resource panels"
+    assert queried <= emitted, f"panels query {queried - emitted}, never emitted ({sorted(emitted)})"
+    assert {f"kvtrace_resource_{f}" for f in RESOURCE_FIELDS} <= queried, "a resource field has no panel"

@@ -74,7 +74,7 @@ def test_malformed_grpc_is_invalid_argument_counted_and_serving_continues(rx: Re
         ("/v1/traces", JSON, b'{"resourceSpans":[{"scopeSpans":[{"spans":[{"traceId":"zz"}]}]}]}', 400),
         ("/v1/traces", JSON, b"[1, 2]", 400),
         ("/v1/traces", {"Content-Type": "text/plain"}, b"hello", 415),
-        ("/v1/metrics", PROTO, b"\x0a\x00", 404),
+        ("/v1/logs", PROTO, b"\x0a\x00", 404),
         ("/v1/traces", {"Content-Type": "text/plain"}, b"POST /v1/traces HTTP/1.1", 415),
         ("/v1/traces", {**PROTO, "Content-Encoding": "gzip"}, b"not gzip", 400),
         ("/v1/traces", {**PROTO, "Content-Encoding": "br"}, b"x", 400),

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import orjson
+import pytest
 from aiohttp import web
 from click.testing import CliRunner
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
@@ -61,8 +62,15 @@ def test_sampler_records_the_step_peak_not_the_boundary_value(tmp_path: Path) ->
     assert [r["tasks_in_flight"] for r in rows[:3]] == [3, 7, 5]
     summary = resource_summary(load_resources([tmp_path]))
     assert summary["tasks_in_flight"]["peak"] == 7 and summary["metadata_bytes"]["peak"] == 56
+    assert summary["tasks_in_flight"]["samples"] == len(rows)  # the run's OTLP points are not counted again
     otlp = (tmp_path / "metrics" / "otlp-metrics-r1.jsonl").read_bytes()
     assert b"kvtrace.resource.tasks_in_flight" in otlp and b"kvtrace.resource.host_rss" in otlp
+    (tmp_path / "metrics" / "resources-r1.jsonl").unlink()  # what a collector holds: the OTLP points only
+    from_otlp = resource_summary(load_resources([tmp_path]))
+    steps = {r["step"] for r in rows}
+    assert 1 <= from_otlp["tasks_in_flight"]["samples"] <= len(steps)  # one row per exported step, never more
+    assert from_otlp["host_rss_bytes"]["peak"] == 1 << 20
+    assert from_otlp["tasks_in_flight"]["peak"] <= 7
 
 
 def test_metrics_reach_a_real_otlp_http_receiver(tmp_path: Path, monkeypatch) -> None:
@@ -204,3 +212,21 @@ def test_instrumented_worker_gets_the_resource_series(tmp_path: Path) -> None:
     assert rows and max(r["step"] for r in rows) >= 1  # the worker's traced step counter drives the records
     names = {m.name for rm in reader.get_metrics_data().resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
     assert "kvtrace.resource.tasks_in_flight" in names
+
+
+def test_otlp_points_of_one_step_count_once_and_a_bad_otlp_line_is_named(tmp_path: Path) -> None:
+    def line(t: int, step: int, tasks: int) -> bytes:
+        gauge = lambda name, v: {"name": f"kvtrace.resource.{name}",  # noqa: E731
+                                 "gauge": {"dataPoints": [{"timeUnixNano": str(t), "asInt": str(v)}]}}
+        return orjson.dumps({"resourceMetrics": [{
+            "resource": {"attributes": [{"key": "kvtrace.run_id", "value": {"stringValue": "c"}}]},
+            "scopeMetrics": [{"metrics": [gauge("step", step), gauge("tasks_in_flight", tasks)]}]}]})
+
+    path = tmp_path / "metrics" / "otlp-metrics-collected-1.jsonl"
+    path.parent.mkdir()
+    # the second export repeats step 4 (the step did not move between two reader intervals)
+    path.write_bytes(b"\n".join([line(10, 4, 6), line(20, 4, 6), line(30, 5, 2), b'{"resourceMetrics": 3}']))
+    rejected: list[str] = []
+    summary = resource_summary(load_resources([tmp_path], rejected=rejected))
+    assert summary["tasks_in_flight"] == pytest.approx({"samples": 2, "peak": 6, "p50": 4.0, "p95": 5.8, "p99": 5.96})
+    assert len(rejected) == 1 and rejected[0].startswith(f"{path}:4: TypeError")
