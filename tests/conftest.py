@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+"""The synthetic OTLP/JSON writer (``synthetic_traces``) lives in bench/; tests import it from there."""
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
 
 
 @pytest.fixture(autouse=True)

@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-
-import pytest  # noqa: E402
-from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # noqa: E402
+import pytest
+from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # bench/, on sys.path via tests/conftest.py
 
 
 @pytest.fixture(scope="session")

@@ -16,10 +16,7 @@ from otel_kvtrace.cli import main
 
 from .msprof_writer import write_parse_folder
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # noqa: E402  (the writer lives in bench/)
+from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # bench/, on sys.path via tests/conftest.py
 
 
 @pytest.fixture(scope="module")

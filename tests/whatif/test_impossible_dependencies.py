@@ -77,8 +77,7 @@ def test_the_cli_exits_2_naming_the_task_of_a_cycle_in_a_trace(tmp_path) -> None
 
     import orjson
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    from synthetic_traces import QueueSpec, request_lines, simulate_queue
+    from synthetic_traces import QueueSpec, request_lines, simulate_queue  # bench/ (tests/conftest.py)
 
     spec = QueueSpec(run_id="cycle")
     lines = [orjson.loads(x) for x in request_lines(spec, simulate_queue(spec, 16, seed=1))]

@@ -9,8 +9,7 @@ from markdown_it import MarkdownIt
 
 from otel_kvtrace.whatif.api import whatif
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # noqa: E402
+from synthetic_traces import QueueSpec, simulate_queue, write_otlp_json  # bench/, on sys.path via tests/conftest.py
 
 PAYLOAD = '<script>alert(1)</script><img src=x onerror=alert(2)>|x*y*_z_ [l](javascript:alert(3)) `c`'
 
