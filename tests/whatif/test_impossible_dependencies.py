@@ -73,7 +73,6 @@ def test_random_valid_schedules_replay_and_random_cycles_are_refused(seed: int) 
 def test_the_cli_exits_2_naming_the_task_of_a_cycle_in_a_trace(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys
-    from pathlib import Path
 
     import orjson
 
