@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping
+from pathlib import Path
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -93,6 +94,16 @@ DEFAULT_DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_SPOOL_SUBDIR = "spool"
 DEFAULT_SPOOL_MAX_MB = 512
 DEFAULT_EXPORT_MAX_REQUEST_BYTES = 4 * 2**20
+
+# Default output folders of the commands (fixed paths under DEFAULT_DATA_DIR, not read from the env).
+DEFAULT_TRACES_DIR = Path(DEFAULT_DATA_DIR) / "traces"
+"""``kvtrace collect --out``: where the receiver writes (the embedded sink writes ``{data dir}/traces``)."""
+DEFAULT_ASYNC_DIR = Path(DEFAULT_DATA_DIR) / "async"
+"""``kvtrace async replica --out`` and the async tracer's default folder."""
+DEFAULT_SWEEP_DIR = Path(DEFAULT_DATA_DIR) / "sweep"
+"""``kvtrace sweep --out``: finished cells and the report."""
+DEFAULT_CACHE_DIR = Path(".kvtrace-cache")
+"""``kvtrace report/export --cache-dir``: Parquet cache of parsed traces."""
 
 # Standard OpenTelemetry variables the exporter honours.
 OTEL_SDK_DISABLED = "OTEL_SDK_DISABLED"

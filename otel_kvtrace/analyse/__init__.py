@@ -19,6 +19,7 @@ import duckdb
 from otel_kvtrace.analyse.queries import (
     QueryResult,
     all_queries,
+    drop_materialized,
     ensure_view,
     install_views,
     materialize,
@@ -60,6 +61,7 @@ __all__ = [
     "QueryResult",
     "all_queries",
     "consumer_stall",
+    "drop_materialized",
     "ensure_view",
     "hol_intervals",
     "hol_summary",

@@ -1,17 +1,24 @@
 """The SQL files in ``queries/``: find them, read their documented headers, run them.
 
 Each ``queries/<name>.sql`` is one SELECT over the tables ``spans``/``tasks`` with a header comment
-(``-- name:``, ``-- requires:``, ``-- purpose:``, ``-- definition:``, ``-- columns:``). A query may build on
+(``-- name:``, ``-- requires:``, ``-- purpose:``, ``-- definition:``, optional ``-- parameters:``,
+``-- columns:``). A query may build on
 another one (``hol_summary`` reads ``hol_intervals``); ``run_query`` creates the ones it requires as
 temporary views first, so every file stays a plain, readable SELECT. ``install_views`` creates a view per
 query, so a database written by the loader can be explored from the DuckDB CLI
 (``SELECT * FROM hol_summary``).
+
+A parameter is a DuckDB variable read as ``coalesce(getvariable('name'), default)``, so the file stays
+plain SQL (a view, the DuckDB CLI: ``SET VARIABLE timeline_tasks = 300``) and runs with its default when
+unset; ``run_query(con, name, params={...})`` sets the variables for one run and resets them after.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -44,6 +51,7 @@ class QueryDoc:
     requires: list[str] = field(default_factory=list)
     purpose: str = ""
     columns: list[ColumnDoc] = field(default_factory=list)
+    parameters: list[ColumnDoc] = field(default_factory=list)
 
     @property
     def query_dependencies(self) -> list[str]:
@@ -93,8 +101,8 @@ def parse_header(path: Path) -> QueryDoc:
         if not line.startswith("--"):
             break
         column = _COLUMN_LINE.match(line)
-        if section == "columns" and column:
-            doc.columns.append(ColumnDoc(*column.groups()))
+        if section in ("columns", "parameters") and column:
+            (doc.columns if section == "columns" else doc.parameters).append(ColumnDoc(*column.groups()))
             continue
         match = re.match(r"^--\s?(\w+):\s*(.*)$", line)
         if match:
@@ -143,16 +151,40 @@ def _ensure_views(con: duckdb.DuckDBPyConnection, doc: QueryDoc, temporary: bool
         done.add(dep)
 
 
-def run_query(con: duckdb.DuckDBPyConnection, name: str) -> QueryResult:
-    """Run ``queries/<name>.sql`` (after creating the queries it requires as temporary views)."""
+def _declared_parameters(doc: QueryDoc) -> set[str]:
+    names = {p.name for p in doc.parameters}
+    for dep in doc.query_dependencies:
+        names |= _declared_parameters(get_query(dep))
+    return names
+
+
+@contextmanager
+def _parameters(con: duckdb.DuckDBPyConnection, doc: QueryDoc, params: Mapping[str, Any] | None) -> Iterator[None]:
+    """Set the query's ``-- parameters:`` as DuckDB variables for one run; an undeclared one is an error."""
+    params = params or {}
+    unknown = set(params) - _declared_parameters(doc)
+    if unknown:
+        raise KeyError(f"{doc.name}.sql declares no parameter {', '.join(sorted(unknown))}")
+    for key, value in params.items():
+        con.execute(f"SET VARIABLE {key} = $value", {"value": value}).fetchall()
+    try:
+        yield
+    finally:
+        for key in params:
+            con.execute(f"RESET VARIABLE {key}").fetchall()
+
+
+def run_query(con: duckdb.DuckDBPyConnection, name: str, params: Mapping[str, Any] | None = None) -> QueryResult:
+    """Run ``queries/<name>.sql`` (after creating the queries it requires as temporary views), with
+    ``params`` for the parameters its header declares."""
     doc = get_query(name)
     if _is_materialized(con, name):  # computed once by materialize(): read it, do not recompute
         cursor = con.execute(f"SELECT * FROM temp.{name}")
-    else:
-        _ensure_views(con, doc, temporary=True, done=set())
+        return QueryResult([d[0] for d in cursor.description], cursor.fetchall())
+    _ensure_views(con, doc, temporary=True, done=set())
+    with _parameters(con, doc, params):
         cursor = con.execute(doc.sql)
-    columns = [d[0] for d in cursor.description]
-    return QueryResult(columns, cursor.fetchall())
+        return QueryResult([d[0] for d in cursor.description], cursor.fetchall())
 
 
 def install_views(con: duckdb.DuckDBPyConnection) -> list[str]:
@@ -166,9 +198,9 @@ def install_views(con: duckdb.DuckDBPyConnection) -> list[str]:
     return sorted(done)
 
 
-def materialize(con: duckdb.DuckDBPyConnection, name: str) -> str:
-    """Compute query ``name`` once into a temporary table of that name; later ``run_query`` calls that
-    require it (and SQL selecting from it) read the table instead of recomputing."""
+def materialize(con: duckdb.DuckDBPyConnection, name: str, params: Mapping[str, Any] | None = None) -> str:
+    """Compute query ``name`` once (with ``params``) into a temporary table of that name; later
+    ``run_query`` calls that require it (and SQL selecting from it) read the table instead of recomputing."""
     doc = get_query(name)
     _ensure_views(con, doc, temporary=True, done=set())
     for (kind,) in con.execute(
@@ -176,8 +208,15 @@ def materialize(con: duckdb.DuckDBPyConnection, name: str) -> str:
             "UNION ALL SELECT 'TABLE' FROM duckdb_tables() WHERE table_name = $n AND temporary",
             {"n": name}).fetchall():
         con.execute(f"DROP {kind} IF EXISTS temp.{name}").fetchall()
-    con.execute(f"CREATE TEMP TABLE {name} AS {doc.sql}").fetchall()
+    with _parameters(con, doc, params):
+        con.execute(f"CREATE TEMP TABLE {name} AS {doc.sql}").fetchall()
     return name
+
+
+def drop_materialized(con: duckdb.DuckDBPyConnection, name: str) -> None:
+    """Drop the table ``materialize`` made, so a later load into ``con`` does not meet stale rows."""
+    get_query(name)  # only query tables: never a loaded table by mistake
+    con.execute(f"DROP TABLE IF EXISTS temp.{name}").fetchall()
 
 
 def ensure_view(con: duckdb.DuckDBPyConnection, name: str) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from otel_kvtrace import config
 from otel_kvtrace.asynccheck.analysis import check, compare
 from otel_kvtrace.asynccheck.doctor import DoctorError, doctor
 
@@ -115,7 +116,7 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
               help="Engine loop(s) to run (repeat; default all three).")
 @click.option("--steps", "num_steps", type=click.IntRange(min=1), default=24, show_default=True, help="Engine steps.")
 @click.option("--comm-overlap", is_flag=True, help="Run each layer's all-reduce under the next layer's compute.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="kvtrace-data/async", show_default=True,
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=str(config.DEFAULT_ASYNC_DIR), show_default=True,
               help="Directory for the trace files.")
 def replica_command(mode: tuple[str, ...], num_steps: int, comm_overlap: bool, out_dir: str) -> None:
     """Run the engine-loop replica (virtual clock, fake device) and write traces for `check`.

@@ -28,6 +28,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
+from otel_kvtrace import config
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
 from otel_kvtrace.asynccheck.recorder import StampBuffer
@@ -38,7 +39,7 @@ from otel_kvtrace.record.recorder import ClockAnchor
 
 logger = logging.getLogger("otel_kvtrace")
 
-DEFAULT_DIR = Path("kvtrace-data") / "async"
+DEFAULT_DIR = config.DEFAULT_ASYNC_DIR
 SCOPE = InstrumentationScope("otel_kvtrace")
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Self, TypeVar
 
+from otel_kvtrace import config
 from otel_kvtrace.collect.grpc_server import GrpcEndpoint
 from otel_kvtrace.collect.http_server import HttpEndpoint
 from otel_kvtrace.collect.bind import check_host
@@ -20,7 +21,7 @@ from otel_kvtrace.export.otlp_json import MAX_LINE_BYTES
 
 _Endpoint = TypeVar("_Endpoint", GrpcEndpoint, HttpEndpoint)
 
-DEFAULT_OUT_DIR = Path("kvtrace-data/traces")
+DEFAULT_OUT_DIR = config.DEFAULT_TRACES_DIR
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_GRPC_PORT = 4317
 DEFAULT_HTTP_PORT = 4318

@@ -2,7 +2,7 @@
 
 Per run (from its own files): TTFT percentiles and output throughput (``load.json``), HOL events and total
 (``queries/hol_summary.sql`` over the run's traces), mean queue wait and consumer wait per recv task
-(``tasks``), peak host RSS and peak tasks in flight (the resource series).
+and wait percentiles (``queries/task_waits.sql``), peak host RSS and peak tasks in flight (the resource series).
 
 Factor analysis (``factor_effects``) works inside **complete sub-grids** only (cells that agree on every
 other factor), so a grid with collapsed axes or failed cells cannot mix one factor's effect into another's:
@@ -40,23 +40,18 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
     One rule for the waits: a stage that did not happen for a task counts 0 ms, in the means and in the
     percentiles alike (``coalesce(stage_ns, 0)``), over every recv task of the run."""
     from otel_kvtrace.analyse import run_query
-    from otel_kvtrace.load import DEPENDENCY_WAIT_STAGES, STAGES, load_traces
+    from otel_kvtrace.load import STAGES, load_traces
     from otel_kvtrace.resources import load_resources, resource_summary
 
     load = orjson.loads((rdir / "load.json").read_bytes())
     s = load["summary"]
     con = load_traces(rdir / "data" / "traces").con
     hol = run_query(con, "hol_summary").records()
-    waits = con.execute("SELECT avg(coalesce(queue_wait_ns, 0)) / 1e6, avg(coalesce(consumer_wait_ns, 0)) / 1e6, "
-                        "count(*) FROM tasks").fetchone()
+    waits = run_query(con, "task_waits").records()[0]
     res = resource_summary(load_resources([rdir / "data"]))
     ttft = s["ttft_ms"]
-    dep = " + ".join(f"coalesce({st}_ns, 0)" for st in DEPENDENCY_WAIT_STAGES)
-    pct = con.execute(
-        "SELECT quantile_cont(coalesce(queue_wait_ns, 0), [0.5, 0.95, 0.99]), "
-        f"quantile_cont({dep}, [0.5, 0.95, 0.99]) FROM tasks").fetchone()
     first = hol[0] if hol else {}
-    waits_pct = {"queue_wait_ms": _pcts(pct[0]), "dep_wait_ms": _pcts(pct[1]),
+    waits_pct = {"queue_wait_ms": _pcts(waits["queue_wait_ns"]), "dep_wait_ms": _pcts(waits["dep_wait_ns"]),
                  "hol_event_ms": {k: first.get(f"{k}_ms") for k in ("p50", "p95", "p99")}}
     return {
         "ttft_p50_ms": ttft["p50"], "ttft_p95_ms": ttft["p95"], "ttft_p99_ms": ttft["p99"],
@@ -66,7 +61,8 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
         "dep_wait_ms": float(sum(r["dep_wait_ms"] or 0.0 for r in hol)),
         "wait_percentiles": waits_pct,
         "stage_ms": _stage_means(con, STAGES),
-        "queue_wait_ms": float(waits[0] or 0.0), "consumer_wait_ms": float(waits[1] or 0.0), "tasks": int(waits[2]),
+        "queue_wait_ms": float(waits["queue_wait_ms"] or 0.0), "consumer_wait_ms": float(waits["consumer_wait_ms"] or 0.0),
+        "tasks": int(waits["tasks"]),
         "peak_host_rss_mb": _peak(res, "host_rss_bytes", 2**20),
         "peak_npu_allocated_mb": _peak(res, "npu_max_allocated_bytes", 2**20),
         "peak_inflight_tasks": _peak(res, "tasks_in_flight"),

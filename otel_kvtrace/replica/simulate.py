@@ -16,6 +16,7 @@ import gc
 import time
 from pathlib import Path
 
+from otel_kvtrace import config
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import ClockAnchor, Recorder
 from otel_kvtrace.replica.config import ReplicaConfig
@@ -79,7 +80,7 @@ def simulate_to_recorder(cfg: ReplicaConfig, recorder: Recorder | None = None, *
 
 def simulate_to_traces(
     cfg: ReplicaConfig,
-    out_dir: str | Path = "kvtrace-data",
+    out_dir: str | Path = config.DEFAULT_DATA_DIR,
     *,
     run_id: str | None = None,
     epoch_ns: int | None = None,

@@ -3,35 +3,25 @@
 from __future__ import annotations
 
 from pathlib import Path
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
 
+from otel_kvtrace import config
+from otel_kvtrace.cli_options import option_group, output_options
 from otel_kvtrace.load import LoadError
-
-F = TypeVar("F", bound=Callable[..., Any])
 
 if TYPE_CHECKING:
     from otel_kvtrace.npu_profile import NpuProfile
 
 
-def _options(*options: Callable[[F], F]) -> Callable[[F], F]:
-    """Several click options as one decorator, so commands sharing them declare them once."""
-    def apply(func: F) -> F:
-        for option in reversed(options):
-            func = option(func)
-        return func
-    return apply
-
-
-_cache_options = _options(
-    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=Path(".kvtrace-cache"),
+_cache_options = option_group(
+    click.option("--cache-dir", type=click.Path(file_okay=False, path_type=Path), default=config.DEFAULT_CACHE_DIR,
                  show_default=True, help="Parquet cache of parsed traces, keyed on the inputs' size and mtime."),
     click.option("--no-cache", is_flag=True, help="Parse the JSON every time; write no cache."))
 
-_npu_options = _options(
+_npu_options = option_group(
     click.option("--npu-profile", "npu_paths", multiple=True, type=click.Path(exists=True, path_type=Path),
                  help="torch_npu profiler output (a *_ascend_pt or ASCEND_PROFILER_OUTPUT directory, or "
                       "trace_view.json / kernel_details.csv / communication.json): attention kernels, copies "
@@ -60,12 +50,10 @@ def _read_npu(console: Console, npu_paths: tuple[Path, ...], offset_us: float) -
 
 @click.command("report")
 @click.argument("paths", nargs=-1, required=True)
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the machine-readable report (tasks, stages, hol with every interval) to this file.")
-@click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Write stage CDFs, the HOL duration histogram and per-queue timelines as PNG files here.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write one self-contained HTML page (zoomable timeline, tables, plots) to this file.")
+@output_options(
+    json="Write the machine-readable report (tasks, stages, hol with every interval) to this file.",
+    png_dir="Write stage CDFs, the HOL duration histogram and per-queue timelines as PNG files here.",
+    html="Write one self-contained HTML page (zoomable timeline, tables, plots) to this file.")
 @_cache_options
 @click.option("--db", "db_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Also keep the tables in this DuckDB database, with one view per queries/*.sql, "

@@ -14,7 +14,7 @@ from typing import Any
 import duckdb
 
 from otel_kvtrace import analyse
-from otel_kvtrace.analyse.queries import QueryResult, materialize, run_query
+from otel_kvtrace.analyse.queries import QueryResult, drop_materialized, materialize, run_query
 from otel_kvtrace.load import LoadResult, LoadStats, load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, STAGES
 from otel_kvtrace.npu_profile import NpuProfile
@@ -102,7 +102,7 @@ def build_report(
 
             report.resources = resource_report([paths] if isinstance(paths, (str, Path)) else list(paths))
     finally:  # a later load into this connection must not meet stale intervals
-        con.execute("DROP TABLE IF EXISTS temp.hol_intervals").fetchall()
+        drop_materialized(con, "hol_intervals")
     return report
 
 
@@ -139,16 +139,11 @@ def npu_timeline(npu: NpuProfile, timeline: dict[str, Any]) -> dict[str, Any]:
 
 
 def stage_samples(con: duckdb.DuckDBPyConnection, per_stage: int = STAGE_SAMPLE) -> dict[str, dict[str, list[int]]]:
-    """Per configuration, up to ``per_stage`` durations (ns) of every stage (a deterministic sample by
-    the hash of the correlation id), for the per-configuration CDF plots."""
+    """Per configuration, up to ``per_stage`` durations (ns) of every stage (``queries/stage_samples.sql``:
+    a deterministic sample by the hash of the correlation id), for the per-configuration CDF plots."""
     out: dict[str, dict[str, list[int]]] = {}
-    for stage in STAGES:
-        rows = con.execute(f"""
-            SELECT coalesce(cfg_label, '(no label)'), {stage}_ns FROM tasks WHERE {stage}_ns IS NOT NULL
-            QUALIFY row_number() OVER (PARTITION BY cfg_label ORDER BY hash(correlation_id), seq) <= $n""",
-            {"n": per_stage}).fetchall()
-        for cfg, value in rows:
-            out.setdefault(cfg, {}).setdefault(stage, []).append(value)
+    for cfg, stage, value in run_query(con, "stage_samples", {"stage_sample": per_stage}).rows:
+        out.setdefault(cfg, {}).setdefault(stage, []).append(value)
     for stages in out.values():
         for values in stages.values():
             values.sort()
@@ -169,39 +164,19 @@ def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMEL
     """Tasks for the timeline views: per queue, a window of consecutive tasks around its longest HOL
     event; queues with the most HOL first. Times are microseconds since the first task shown of the
     task's run (``runs[i].t0_ns``): every run has its own axis starting at 0."""
-    queues = [r[0] for r in con.execute("""
-        SELECT t.queue FROM tasks AS t LEFT JOIN (SELECT queue, sum(dur_ns) AS hol_ns FROM hol_intervals
-                                                  GROUP BY queue) AS h USING (queue)
-        GROUP BY t.queue ORDER BY any_value(h.hol_ns) DESC NULLS LAST, count(*) DESC, t.queue LIMIT $n""",
-        {"n": MAX_TIMELINE_QUEUES}).fetchall()]
+    materialize(con, "timeline_windows", {"timeline_tasks": max_tasks, "timeline_queues": MAX_TIMELINE_QUEUES})
+    try:
+        windows = run_query(con, "timeline_windows")
+        rows = run_query(con, "timeline_tasks").records()
+        hol = run_query(con, "timeline_hol").rows
+    finally:
+        drop_materialized(con, "timeline_windows")
+    queues = windows.column("queue")
     empty = {"runs": [], "queues": [], "queue_runs": [], "tasks": [], "hol": [], "shown": 0, "total": 0}
     if not queues:
         return empty
-    per_queue = max(20, max_tasks // len(queues))
-    centers = dict(con.execute("""
-        SELECT queue, arg_max(head_seq, dur_ns) FROM hol_intervals GROUP BY queue""").fetchall())
-    windows = []
-    for queue in queues:
-        center = centers.get(queue, per_queue // 2)
-        lo = max(0, center - per_queue // 2)
-        windows.append((queue, lo, lo + per_queue))
-    con.execute("CREATE OR REPLACE TEMP TABLE _kvtrace_timeline_windows (queue VARCHAR, lo BIGINT, hi BIGINT)").fetchall()
-    con.executemany("INSERT INTO _kvtrace_timeline_windows VALUES (?, ?, ?)", windows)
-    stage_cols = ", ".join(f"{s}_start, {s}_end" for s in STAGES)
-    dep_cols = ", ".join(f"ts_dep_{d}, ts_dep_{d}_lo, ts_dep_{d}_hi" for d in DEPS)
-    cursor = con.execute(f"""
-        SELECT t.queue, t.seq, t.correlation_id, t.step, t.layer_id, t.final_layer, t.outcome, t.ready_precision,
-               t.run_id, t.cfg_label, t.wait_for_save_layer, t.gate_id, t.cfg_num_shared_buffers,
-               t.cfg_num_layers, t.cfg_independent_layers, t.trace_id,
-               t.ts_enqueue, t.ts_dequeue, t.ts_ready, t.ts_ready_lo, t.ts_complete, {stage_cols}, {dep_cols}
-        FROM tasks AS t JOIN _kvtrace_timeline_windows AS w
-          ON t.queue = w.queue AND t.seq >= w.lo AND t.seq < w.hi
-        ORDER BY t.queue, t.seq""")
-    columns = [d[0] for d in cursor.description]
-    rows = [dict(zip(columns, row)) for row in cursor.fetchall()]
-    total = con.execute("SELECT count(*) FROM tasks").fetchall()[0][0]
     if not rows:
-        return {**empty, "queues": queues, "total": total}
+        return {**empty, "queues": queues, "total": windows.column("total_tasks")[0]}
     runs: dict[str, dict[str, Any]] = {}
     for r in rows:
         if r["ts_enqueue"] is None:
@@ -213,12 +188,6 @@ def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMEL
     tasks = [_timeline_task(r, queues.index(r["queue"]), runs[r["run_id"]]["t0_ns"]) for r in rows
              if r["run_id"] in runs]
     by_cid = {(t["queue"], t["cid"]): (t, r) for t, r in zip(tasks, (r for r in rows if r["run_id"] in runs))}
-    hol = con.execute("""
-        SELECT h.queue, h.head_correlation_id, h.class, h.start_ns, h.end_ns, h.evidence_correlation_id,
-               h.evidence_ready_ns
-        FROM hol_intervals AS h JOIN _kvtrace_timeline_windows AS w
-          ON h.queue = w.queue AND h.head_seq >= w.lo AND h.head_seq < w.hi
-        ORDER BY h.start_ns""").fetchall()
     hol_out = []
     for q, head, cls, s, e, ev, ev_ready in hol:
         t0 = runs[queue_run[q]]["t0_ns"]
@@ -234,7 +203,7 @@ def timeline_data(con: duckdb.DuckDBPyConnection, max_tasks: int = DEFAULT_TIMEL
         "tasks": tasks,
         "hol": hol_out,
         "shown": len(tasks),
-        "total": total,
+        "total": windows.column("total_tasks")[0],
     }
 
 

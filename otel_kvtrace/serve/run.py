@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.export.sinks import safe_run_id
+from otel_kvtrace.config import DEFAULT_DATA_DIR
 from otel_kvtrace.replica.config import ReplicaConfig
 
 
@@ -26,7 +27,7 @@ class ServeOptions:
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "kvtrace-replica"
-    data_dir: Path = Path("kvtrace-data")
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
     max_num_seqs: int = 8
     block_tokens: int = 128
     trace: bool = True

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import click
 
+from otel_kvtrace import config
+from otel_kvtrace.cli_options import output_options
 from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
 from otel_kvtrace.whatif.task import BOUNDS
 
@@ -48,13 +50,11 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
 
 @click.command("whatif")
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, path_type=Path))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write the JSON verdict (each configuration: fifo_median_error_pct, verdict, evidence).")
-@click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the Markdown report.")
-@click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path),
-              help="Write whatif_ttft.png and whatif_gain.png here.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Write one self-contained HTML page (verdicts, evidence, charts inlined; opens offline).")
+@output_options(
+    json="Write the JSON verdict (each configuration: fifo_median_error_pct, verdict, evidence).",
+    md="Write the Markdown report.",
+    png_dir="Write whatif_ttft.png and whatif_gain.png here.",
+    html="Write one self-contained HTML page (verdicts, evidence, charts inlined; opens offline).")
 @click.option("--tasks-csv", type=click.Path(dir_okay=False, path_type=Path),
               help="Write per-task start/complete (ns) under every policy as CSV.")
 @click.option("--policy", "policies", multiple=True,
@@ -130,17 +130,15 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
 
 
 @click.command("sweep")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=Path("kvtrace-data/sweep"),
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=config.DEFAULT_SWEEP_DIR,
               show_default=True, help="Folder for finished cells (resumable) and the report.")
 @click.option("--quick", is_flag=True, help="A handful of cells (smoke runs and tests).")
 @click.option("--repeats", type=click.IntRange(min=1), help="Independent runs (seeds) per cell (default 3).")
 @click.option("--confirm", is_flag=True, help="Rerun the most interesting cell on the real clock (threaded replica).")
 @click.option("--report", "write_report", is_flag=True, help="Write verdict.md / verdict.json / PNGs.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="JSON path (with --report).")
-@click.option("--md", "md_path", type=click.Path(dir_okay=False, path_type=Path), help="Markdown path (with --report).")
-@click.option("--png-dir", type=click.Path(file_okay=False, path_type=Path), help="PNG folder (with --report).")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False, path_type=Path),
-              help="Also write one self-contained HTML page here (with --report).")
+@output_options(json="JSON path (with --report).", md="Markdown path (with --report).",
+                png_dir="PNG folder (with --report).",
+                html="Also write one self-contained HTML page here (with --report).")
 def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool, write_report: bool,
                   json_path: Path | None, md_path: Path | None, png_dir: Path | None, html_path: Path | None) -> None:
     """Run the coverage matrix on the replica (virtual clock) and decide per cell.

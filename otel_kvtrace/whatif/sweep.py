@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from otel_kvtrace import config
 from otel_kvtrace.whatif.replay import RunSummary, replay_run
 from otel_kvtrace.whatif.task import tasks_from_records
 from otel_kvtrace.whatif.verdict import ConfigVerdict, decide
@@ -177,7 +178,7 @@ def reproduce_command(out_dir: Path, quick: bool, repeats: int = 3, confirm: boo
 
 
 def run_sweep(
-    out_dir: str | Path = "kvtrace-data/sweep",
+    out_dir: str | Path = config.DEFAULT_SWEEP_DIR,
     *,
     matrix: SweepMatrix | None = None,
     quick: bool = False,
