@@ -25,4 +25,5 @@ SELECT coalesce(label, '(no label)') AS cfg_label, stage, dur_ns FROM (
 QUALIFY row_number() OVER (PARTITION BY label, stage ORDER BY hash(correlation_id), seq)
         <= coalesce(getvariable('stage_sample'), 20000)
 ORDER BY list_position(['queue_wait', 'save_cpu_wait', 'save_npu_sync', 'gate_cond_wait', 'gate_npu_sync', 'meta_build',
-                      'h2d_stagger', 'slot_release_wait', 'backend_submit', 'completion', 'consumer_wait'], stage), cfg_label
+                      'h2d_stagger', 'slot_release_wait', 'backend_submit', 'completion', 'consumer_wait'], stage), cfg_label,
+         hash(correlation_id), seq
