@@ -20,7 +20,7 @@ from otel_kvtrace import config
 from otel_kvtrace.instrument import patches
 from otel_kvtrace.instrument.points import PatchPoint
 from otel_kvtrace.instrument.targets import Targets
-from otel_kvtrace.schedule.queue import SchedulingQueue, hook_save_signals
+from otel_kvtrace.schedule.queue import SchedulingQueue, hook_save_signals, unreadable_waiter
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -75,6 +75,10 @@ def attach(thread: Any, name: str) -> SchedulingQueue | None:
     if "KeyLayer" in label or not hasattr(thread, "layer_save_finished_events"):
         logger.info("otel-kvtrace: %s stays fifo: the key path's waits are not checked without blocking "
                     "(scheduler %s applies to the GVA path)", label, name)
+        return None
+    reason = unreadable_waiter(thread)
+    if reason is not None:
+        logger.warning("otel-kvtrace: %s stays fifo: %s (scheduler %s not attached)", label, reason, name)
         return None
     if thread.ident is not None or thread.request_queue.qsize():
         logger.warning("otel-kvtrace: %s already running, stays fifo (scheduler %s not attached)", label, name)

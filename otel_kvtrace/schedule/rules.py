@@ -49,7 +49,8 @@ def request_blocks(cand_step: int, cand_requests: Collection[str] | None,
         return False
     if cand_requests is None or earlier_requests is None:
         return True
-    return not set(cand_requests).isdisjoint(earlier_requests)
+    own = cand_requests if isinstance(cand_requests, (set, frozenset)) else set(cand_requests)
+    return not own.isdisjoint(earlier_requests)
 
 
 def bypass_blocker(*, ready: bool, is_final: bool, unserved_in_step: int, need: int, first_unfinished: int,
