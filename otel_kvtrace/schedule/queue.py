@@ -126,8 +126,10 @@ def unreadable_waiter(thread: Any) -> str | None:
 class SchedulingQueue(queue.Queue):
     """``queue.Queue`` whose ``get()`` returns the policy's pick (see the module docstring)."""
 
-    def __init__(self, thread: Any, policy: str) -> None:
+    def __init__(self, thread: Any, policy: str, on_change: Any = None) -> None:
         super().__init__()
+        self.on_change = on_change
+        """Called (no arguments) after the policy changed: a switch, or a fallback to fifo."""
         self.thread = thread
         self.policy = policy
         self.final_layer_id = getattr(thread, "final_layer_id", -1)
@@ -145,6 +147,8 @@ class SchedulingQueue(queue.Queue):
             self.policy = policy
             self._signals += 1
             self.not_empty.notify()
+        if self.on_change is not None:
+            self.on_change()
 
     def wake(self) -> None:
         """A producer signal (a save event set): re-check the queued tasks now."""
@@ -251,6 +255,8 @@ class SchedulingQueue(queue.Queue):
         logger.warning("otel-kvtrace: %s recv scheduler %s back to fifo: %s", type(self.thread).__name__,
                        self.policy, reason)
         self.policy = "fifo"
+        if self.on_change is not None:
+            self.on_change()
 
     # the decision ----------------------------------------------------------------------------------
     def _choose(self, entries: list[_Entry]) -> tuple[int, float | None]:

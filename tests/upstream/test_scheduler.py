@@ -191,3 +191,43 @@ def test_plugin_with_an_unknown_name_warns_once_and_stays_fifo(upstream: Upstrea
     assert type(env.thread.request_queue) is queue.Queue
     warnings = [r for r in caplog.records if "OTEL_KVTRACE_SCHEDULER" in r.getMessage()]
     assert len(warnings) == 1 and "stays fifo" in warnings[0].getMessage()
+
+
+def _resource_schedulers(out_dir: Any) -> list[str]:
+    import json
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(out_dir).rglob("*.json*")):
+        for line in path.read_text().splitlines():
+            for rs in json.loads(line).get("resourceSpans", []):
+                for attr in rs["resource"]["attributes"]:
+                    if attr["key"] == "kvtrace.cfg.scheduler":
+                        found.append(attr["value"]["stringValue"])
+    return found
+
+
+def test_resource_scheduler_is_the_policy_the_queue_really_runs(upstream: Upstream, tmp_path: Any) -> None:
+    from otel_kvtrace.schedule import scheduler_in_force, threads_seen
+
+    targets = upstream.binding.to_targets()
+    install_scheduler(targets, "ready_queue")
+    since = threads_seen()
+    session = start_tracing(targets, exporter="thread", out_dir=str(tmp_path), run_id="cfg-sched")
+    try:
+        env = upstream.gva_thread(N, FakeBackend())
+        assert scheduler_in_force(since) == "ready_queue"  # this session's thread (earlier tests' stay parked)
+        env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 1)]))
+        assert wait_until(lambda: session.stats().submitted >= 1)
+        assert session.flush(30)
+        assert _resource_schedulers(tmp_path)[-1:] == ["ready_queue"]
+        # a blocking slot waiter wired after attach: the queue falls back to fifo, and so does the resource
+        env.thread.external_slot_release_waiter = lambda layer_id: None
+        env.thread.add_request(upstream.gva_task(3, [upstream.request("r1", 1)]))
+        assert wait_until(lambda: session.stats().submitted >= 2)
+        assert env.thread.request_queue.policy == "fifo" and scheduler_in_force(since) == "fifo"
+        assert session.flush(30)
+        assert _resource_schedulers(tmp_path)[-1] == "fifo"
+    finally:
+        session.shutdown()
+        install_scheduler(targets, "fifo")
