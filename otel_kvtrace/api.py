@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from otel_kvtrace import config
+from otel_kvtrace import config, schedule
 from otel_kvtrace.instrument import attach, patches
 from otel_kvtrace.instrument.runtime import Runtime, default_run_id
 from otel_kvtrace.instrument.targets import Targets
@@ -58,6 +58,7 @@ class TracingSession:
         self._installed = installed
         self._closed = False
         self._untraced = 0  # counted over detached queues too
+        self._unlisten: Any = lambda: None  # stops following the scheduler in force
         # At interpreter exit: release records held for a consumer wait (flagged), then drain.
         atexit.register(self.shutdown)
 
@@ -99,6 +100,7 @@ class TracingSession:
         if not self._closed:
             self._closed = True
             atexit.unregister(self.shutdown)
+            self._unlisten()
             self.uninstrument()
             if self.exporter is not None:
                 self.exporter.shutdown(timeout_s)
@@ -157,6 +159,8 @@ def start_tracing(
     resource_attrs.setdefault("kvtrace.source", targets.source)
     if targets.version:
         resource_attrs.setdefault("vllm_ascend.version", targets.version)
+    since = schedule.threads_seen()  # this session's recv threads, not earlier ones of this process
+    resource_attrs.setdefault("kvtrace.cfg.scheduler", schedule.scheduler_in_force())
     # The exporter first: with the agent, records must find the ring attached from the first task on.
     export_worker = exporter
     if exporter in ("auto", config.EXPORTER_AGENT, config.EXPORTER_THREAD):
@@ -183,4 +187,8 @@ def start_tracing(
             "these classes are already instrumented by another tracing session; "
             "shut it down (session.shutdown()) before starting a new one"
         )
-    return TracingSession(targets, recorder, runtime, installed, export_worker)
+    session = TracingSession(targets, recorder, runtime, installed, export_worker)
+    if hasattr(export_worker, "update_resource"):  # the recv queues' policy as it changes (attach, switch)
+        session._unlisten = schedule.add_listener(
+            lambda: export_worker.update_resource({"kvtrace.cfg.scheduler": schedule.scheduler_in_force(since)}))
+    return session

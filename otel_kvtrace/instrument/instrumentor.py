@@ -62,10 +62,10 @@ def check_options(options: Mapping[str, Any]) -> None:
 
 def upstream_resource(targets: Targets) -> dict[str, Any]:
     """Per-process resource attributes known before any worker exists (ranks come per queue)."""
-    from otel_kvtrace.schedule import active_scheduler
+    from otel_kvtrace.schedule import scheduler_in_force
 
     return {"kvtrace.source": targets.source, "vllm_ascend.version": targets.version or "unknown",
-            "kvtrace.cfg.scheduler": active_scheduler()}
+            "kvtrace.cfg.scheduler": scheduler_in_force()}
 
 
 def provider_resource(tracer_provider: Any) -> dict[str, Any]:

@@ -4,13 +4,17 @@ from otel_kvtrace.schedule.install import (
     LIVE,
     SCHEDULERS,
     active_scheduler,
+    add_listener,
     attach,
     check_scheduler,
     from_env,
     install_from_env,
     install_scheduler,
+    scheduler_in_force,
+    threads_seen,
 )
 from otel_kvtrace.schedule.queue import SchedulingQueue
 
-__all__ = ["LIVE", "SCHEDULERS", "SchedulingQueue", "active_scheduler", "attach", "check_scheduler", "from_env",
-           "install_from_env", "install_scheduler"]
+__all__ = ["LIVE", "SCHEDULERS", "SchedulingQueue", "active_scheduler", "add_listener", "attach", "check_scheduler", "from_env",
+           "install_from_env", "install_scheduler", "scheduler_in_force",
+           "threads_seen"]

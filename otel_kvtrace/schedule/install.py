@@ -20,7 +20,7 @@ from otel_kvtrace import config
 from otel_kvtrace.instrument import patches
 from otel_kvtrace.instrument.points import PatchPoint
 from otel_kvtrace.instrument.targets import Targets
-from otel_kvtrace.schedule.queue import SchedulingQueue, hook_save_signals
+from otel_kvtrace.schedule.queue import SchedulingQueue, hook_save_signals, unreadable_waiter
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -34,6 +34,10 @@ _lock = threading.Lock()
 _active = "fifo"
 _installed: list[patches.InstalledPatch] = []
 _queues: weakref.WeakSet[SchedulingQueue] = weakref.WeakSet()
+_threads: weakref.WeakKeyDictionary[Any, tuple[int, SchedulingQueue | None]] = weakref.WeakKeyDictionary()
+"""Every recv thread the patch saw: ``(seq, its scheduler queue or None when it stays FIFO)``."""
+_seen = 0
+_listeners: list[Callable[[], None]] = []
 
 
 def check_scheduler(name: str) -> str:
@@ -62,13 +66,52 @@ def from_env(environ: Mapping[str, str] | None = None) -> str:
 
 
 def active_scheduler() -> str:
-    """The policy new recv threads get (what goes on the trace resource as ``kvtrace.cfg.scheduler``)."""
+    """The policy new recv threads get (what the switch asks for; see :func:`scheduler_in_force`)."""
     return _active
+
+
+def threads_seen() -> int:
+    """How many recv threads were attached (or kept FIFO) so far: a session's ``since``."""
+    return _seen
+
+
+def scheduler_in_force(since: int = 0) -> str:
+    """``kvtrace.cfg.scheduler``: the policy the recv queues really run (``fifo`` for the key path, an
+    unreadable slot waiter, after a fallback or a switch back); several different ones are joined with
+    ``+``. Only live threads count, those attached from ``since`` on when there are any (a session's own);
+    before any recv thread exists: the policy new ones get."""
+    live = [(seq, q) for t, (seq, q) in list(_threads.items()) if t.ident is None or t.is_alive()]
+    own = [q for seq, q in live if seq >= since] or [q for _, q in live]
+    seen = {q.policy if q is not None else "fifo" for q in own}
+    return "+".join(sorted(seen)) if seen else _active
+
+
+def add_listener(listener: Callable[[], None]) -> Callable[[], None]:
+    """Call ``listener()`` whenever :func:`scheduler_in_force` may have changed; returns the remover."""
+    _listeners.append(listener)
+    return lambda: _listeners.remove(listener) if listener in _listeners else None
+
+
+def _changed() -> None:
+    for listener in list(_listeners):
+        try:
+            listener()
+        except Exception as exc:  # a resource update never breaks the recv thread
+            logger.warning("otel-kvtrace: scheduler listener failed: %s: %s", type(exc).__name__, exc)
 
 
 def attach(thread: Any, name: str) -> SchedulingQueue | None:
     """Give one not-yet-started recv thread the scheduler ``name``; None when it stays FIFO (logged)."""
-    name = check_scheduler(name)
+    global _seen
+    q = _attach(thread, check_scheduler(name))
+    if hasattr(thread, "is_alive"):
+        _threads[thread] = (_seen, q)
+        _seen += 1
+    _changed()
+    return q
+
+
+def _attach(thread: Any, name: str) -> SchedulingQueue | None:
     if name == "fifo":
         return None
     label = type(thread).__name__
@@ -76,10 +119,14 @@ def attach(thread: Any, name: str) -> SchedulingQueue | None:
         logger.info("otel-kvtrace: %s stays fifo: the key path's waits are not checked without blocking "
                     "(scheduler %s applies to the GVA path)", label, name)
         return None
+    reason = unreadable_waiter(thread)
+    if reason is not None:
+        logger.warning("otel-kvtrace: %s stays fifo: %s (scheduler %s not attached)", label, reason, name)
+        return None
     if thread.ident is not None or thread.request_queue.qsize():
         logger.warning("otel-kvtrace: %s already running, stays fifo (scheduler %s not attached)", label, name)
         return None
-    q = SchedulingQueue(thread, name)
+    q = SchedulingQueue(thread, name, on_change=_changed)
     thread.request_queue = q
     hook_save_signals(q, thread.layer_save_finished_events)
     _queues.add(q)
@@ -120,6 +167,7 @@ def install_scheduler(targets: Targets | Mapping[str, Any], name: str) -> str:
             _installed.extend(patches.install(Targets.coerce(targets), None, POINTS))  # type: ignore[arg-type]
         for q in list(_queues):
             q.set_policy(name)
+    _changed()
     return name
 
 

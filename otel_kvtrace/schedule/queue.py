@@ -109,11 +109,27 @@ def probe(thread: Any, item: Any, now_ns: int) -> tuple[int, int]:
     return READY, 0
 
 
+def unreadable_waiter(thread: Any) -> str | None:
+    """Why ``thread``'s external slot-release waiter makes every task's readiness unknown, or None.
+
+    Upstream main's waiter (``AscendMultiConnector`` with Mooncake layerwise or SFA-PD) is a plain
+    blocking ``Callable[[int], None]``: it returns once a sibling connector's send freed the slot, and no
+    release time can be read before calling it. A waiter that exposes ``kvtrace_release_time(layer_id)``
+    (ns, ``perf_counter_ns``) is checked without blocking; any other one keeps the thread FIFO."""
+    waiter = getattr(thread, "external_slot_release_waiter", None)
+    if waiter is None or callable(getattr(waiter, "kvtrace_release_time", None)):
+        return None
+    return (f"its external slot release waiter ({type(waiter).__name__}) gives no release time without "
+            "blocking")
+
+
 class SchedulingQueue(queue.Queue):
     """``queue.Queue`` whose ``get()`` returns the policy's pick (see the module docstring)."""
 
-    def __init__(self, thread: Any, policy: str) -> None:
+    def __init__(self, thread: Any, policy: str, on_change: Any = None) -> None:
         super().__init__()
+        self.on_change = on_change
+        """Called (no arguments) after the policy changed: a switch, or a fallback to fifo."""
         self.thread = thread
         self.policy = policy
         self.final_layer_id = getattr(thread, "final_layer_id", -1)
@@ -123,16 +139,21 @@ class SchedulingQueue(queue.Queue):
         """Per rule, how often it kept a candidate behind a waiting head."""
         self._step = 0
         self._last_layer = 1 << 30
+        self._signals = 0  # puts and save signals so far (a signal during an unlocked probe is not lost)
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
         with self.mutex:
             self.policy = policy
+            self._signals += 1
             self.not_empty.notify()
+        if self.on_change is not None:
+            self.on_change()
 
     def wake(self) -> None:
         """A producer signal (a save event set): re-check the queued tasks now."""
         with self.mutex:
+            self._signals += 1
             self.not_empty.notify()
 
     # queue.Queue storage hooks -----------------------------------------------------------------------
@@ -149,21 +170,27 @@ class SchedulingQueue(queue.Queue):
                 self._step += 1  # layers of one step are enqueued in increasing order
             self._last_layer = layer
         self.queue.append(_Entry(item, self._step, self.final_layer_id))
+        self._signals += 1
 
     def _get(self) -> Any:  # only reached through Queue.get_nowait-style callers; FIFO then
         return self.queue.pop(0).item
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        """``queue.Queue.get``: non-blocking with tasks queued returns the pick, else the head (FIFO)."""
+        if block and timeout is not None and timeout < 0:
+            raise ValueError("'timeout' must be a non-negative number")
         deadline = None if timeout is None else time.monotonic() + timeout
         backoff = POLL_MIN_S
         with self.not_empty:
             while True:
                 if self.queue:
-                    pick, wait_s = self._choose()
+                    pick, wait_s, seen = self._decide()
+                    if pick < 0 and not block:
+                        pick = 0  # queue.Queue hands out what is queued: the head
                     if pick >= 0:
-                        entry = self.queue.pop(pick)
-                        self.not_full.notify()
-                        return entry.item
+                        return self._pop(pick)
+                    if seen != self._signals:
+                        continue  # a put or a save signal came while probing: decide again
                 else:
                     wait_s = None
                 if not block:
@@ -179,23 +206,69 @@ class SchedulingQueue(queue.Queue):
                     wait_s = left if wait_s is None else min(wait_s, left)
                 self.not_empty.wait(wait_s)
 
-    # the decision ----------------------------------------------------------------------------------
-    def _choose(self) -> tuple[int, float | None]:
-        """``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
-        if self.policy != "ready_queue":
-            return 0, None
+    def try_get(self) -> Any:
+        """What a blocking ``get()`` would hand out right now, without waiting; ``queue.Empty`` when it
+        would wait (no task may go yet). Deterministic: the rule tests' entry point."""
+        with self.not_empty:
+            while self.queue:
+                pick, _, seen = self._decide()
+                if pick >= 0:
+                    return self._pop(pick)
+                if seen == self._signals:
+                    break
+            raise queue.Empty
+
+    def _pop(self, index: int) -> Any:
+        entry = self.queue.pop(index)
+        self.not_full.notify()
+        return entry.item
+
+    def _decide(self) -> tuple[int, float | None, int]:
+        """Called with the lock held; probes the snapshot with the lock released (producers' ``put`` and
+        save ``set()`` never wait on a probe), then re-checks the pick under the lock. ``(index, wait,
+        signals seen)``."""
+        seen = self._signals
+        if self.policy != "ready_queue" or self.queue[0].barrier or not self._waiter_readable():
+            return 0, None, seen
+        snapshot = list(self.queue)
+        self.mutex.release()
         try:
-            return self._choose_ready()
+            pick, wait_s = self._choose(snapshot)
+        finally:
+            self.mutex.acquire()
+        if pick >= 0 and (self.policy != "ready_queue" or pick >= len(self.queue)
+                          or self.queue[pick] is not snapshot[pick]):
+            return 0 if self.policy != "ready_queue" else -1, 0.0, seen - 1  # changed meanwhile: decide again
+        if pick > 0:
+            self.bypassed += 1
+        return pick, wait_s, seen
+
+    def _waiter_readable(self) -> bool:
+        """A waiter wired after :func:`attach` (see :func:`unreadable_waiter`): FIFO from then on, said once."""
+        reason = unreadable_waiter(self.thread)
+        if reason is None:
+            return True
+        self._fallback(reason)
+        return False
+
+    def _fallback(self, reason: str) -> None:
+        logger.warning("otel-kvtrace: %s recv scheduler %s back to fifo: %s", type(self.thread).__name__,
+                       self.policy, reason)
+        self.policy = "fifo"
+        if self.on_change is not None:
+            self.on_change()
+
+    # the decision ----------------------------------------------------------------------------------
+    def _choose(self, entries: list[_Entry]) -> tuple[int, float | None]:
+        """``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+        try:
+            return self._choose_ready(entries)
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
-            logger.warning("otel-kvtrace: scheduler error, back to fifo: %s: %s", type(exc).__name__, exc)
-            self.policy = "fifo"
+            self._fallback(f"scheduler error: {type(exc).__name__}: {exc}")
             return 0, None
 
-    def _choose_ready(self) -> tuple[int, float | None]:
-        entries = self.queue
+    def _choose_ready(self, entries: list[_Entry]) -> tuple[int, float | None]:
         head = entries[0]
-        if head.barrier:
-            return 0, None
         now = time.perf_counter_ns()
         head_state, wake = probe(self.thread, head.item, now)
         if head_state in (READY, UNKNOWN):
@@ -205,17 +278,18 @@ class SchedulingQueue(queue.Queue):
         unserved: dict[int, int] = {}
         for e in entries:
             unserved[e.step] = unserved.get(e.step, 0) + 1
+        earlier: dict[int, set[str] | None] = {}  # per earlier step: the union of its tasks' request ids
         for j in range(1, len(entries)):
             e = entries[j]
+            _add_requests(earlier, entries[j - 1])
             blocker = rules.bypass_blocker(
                 ready=True, is_final=e.final, unserved_in_step=unserved[e.step], need=e.src,
                 first_unfinished=first.get(e.step, 1 << 30), barrier=e.barrier)
             first.setdefault(e.step, e.layer)
             if blocker is None and e.step != head.step:
-                for x in entries[:j]:
-                    if rules.request_blocks(e.step, e.request_ids(), x.step, x.request_ids()):
-                        blocker = rules.SAME_REQUEST
-                        break
+                ids = e.request_ids()
+                if any(rules.request_blocks(e.step, ids, s, reqs) for s, reqs in earlier.items()):
+                    blocker = rules.SAME_REQUEST
             if blocker == rules.BARRIER:
                 break
             if blocker is not None:
@@ -223,7 +297,6 @@ class SchedulingQueue(queue.Queue):
                 continue
             state, wake = probe(self.thread, e.item, now)
             if state == READY:
-                self.bypassed += 1
                 return j, None
             if state != UNKNOWN:
                 waits.append((state, wake))
@@ -234,6 +307,20 @@ class SchedulingQueue(queue.Queue):
             # (no polling, no extra wake-up hop)
             return 0, None
         return -1, _wait_for(waits, now)
+
+
+def _add_requests(earlier: dict[int, set[str] | None], entry: _Entry) -> None:
+    """Fold ``entry``'s request ids into its step's union (None: unknown, shared with everything)."""
+    if entry.barrier:
+        return
+    ids = entry.request_ids()
+    if entry.step not in earlier:
+        earlier[entry.step] = set() if ids is not None else None
+    union = earlier[entry.step]
+    if union is None or ids is None:
+        earlier[entry.step] = None
+    else:
+        union |= ids
 
 
 def _wait_for(waits: list[tuple[int, int]], now_ns: int) -> float | None:

@@ -15,6 +15,25 @@ values, so a prediction and an execution apply the same rules:
 - ``barrier``: an item that is not a load task (the ``None`` sentinel) is never passed and never passes.
 - ``gate_group``: a batch is the head and the contiguous tasks of its step and gate (not the final
   layer); a member whose dependency sits behind a load not done yet (``buffer_chain``) is left out.
+
+Where the replay and the live queue still ask with different quantities (each stated, none silent):
+
+- ``buffer_chain``: the replay passes ``need = max(ks, kg)`` (chain positions of the save source *and*
+  of the gate's layer) and ``first_unfinished`` = the forward's replayed progress (the first chain
+  position whose load has not completed). Live passes ``need = wait_for_save_layer`` (a layer id; the
+  gate is left out) and ``first_unfinished`` = the layer of the step's first still-queued task. The
+  second pair agrees: there is one recv thread, so at ``get()`` every handed-out task has completed and
+  the first queued task of a step is its first unfinished load; layers of a step are enqueued in
+  increasing order, so layer ids and chain positions order alike. The gate is not in live ``need``
+  because a gate is per step (never stale): it is recorded only once the forward reached it, which
+  ``dependency`` checks (``gate._event`` recorded and complete), and that already implies the loads
+  before it completed.
+- ``same_request``: applied live only. The replay's task columns carry no request ids, so the replay
+  lets a task pass an earlier step's task that shares a request; it is the forward's per-layer waits that
+  make such a cross-step bypass rare (none in the fidelity runs).
+- ``dependency`` on the external slot: the replay uses the recorded release time; live, a waiter without
+  ``kvtrace_release_time`` (upstream main's blocking waiter) makes the thread FIFO (see
+  :func:`otel_kvtrace.schedule.queue.unreadable_waiter`), so such a run has nothing to compare.
 """
 
 from __future__ import annotations
@@ -49,7 +68,8 @@ def request_blocks(cand_step: int, cand_requests: Collection[str] | None,
         return False
     if cand_requests is None or earlier_requests is None:
         return True
-    return not set(cand_requests).isdisjoint(earlier_requests)
+    own = cand_requests if isinstance(cand_requests, (set, frozenset)) else set(cand_requests)
+    return not own.isdisjoint(earlier_requests)
 
 
 def bypass_blocker(*, ready: bool, is_final: bool, unserved_in_step: int, need: int, first_unfinished: int,

@@ -81,7 +81,7 @@ def test_every_task_once_constraints_hold_no_deadlock_fifo_unless_ready(graph: l
         head = next(t for t in tasks if t.layer_id not in served)
         head_ready = probe(thread, head, 0)[0] == READY
         try:
-            got = q.get(block=False)
+            got = q.try_get()
         except queue.Empty:
             assert not fire or not head_ready, "nothing handed out although the head is ready"
             if not fire:

@@ -69,7 +69,9 @@ def test_shutdown_while_the_head_waits_ends_the_thread() -> None:
     thread.add_request(kv_transfer.LayerLoadTask(1, [], 2, None))  # waits on layer 1's save ...
     thread.add_request(kv_transfer.LayerLoadTask(0, [], 3, None))  # ... and so does this one (on layer 0's)
     thread.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while q.blocked_by["dependency"] < 1 and time.monotonic() < deadline:  # the scheduler decided to wait
+        time.sleep(0.001)
     assert thread.is_alive() and q.qsize() == 2  # the thread waits in the scheduler, not in a task
     thread.stop()  # the None sentinel queues behind the waiting head ...
     thread.layer_save_finished_events[1].set()  # ... the tasks complete, then the sentinel ends run()

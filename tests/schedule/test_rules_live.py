@@ -1,16 +1,17 @@
-"""One case per rule of the live scheduler, with fake CPU/NPU events (deterministic: ``get(block=False)``)."""
+"""One case per rule of the live scheduler, with fake CPU/NPU events (deterministic: ``try_get()``)."""
 
 from __future__ import annotations
 
 import queue
 import time
+from typing import Any
 
 import pytest
 
 from otel_kvtrace.schedule import rules
 from otel_kvtrace.schedule.queue import SchedulingQueue, hook_save_signals
 
-from .fakes import FakeGate, FakeThread, Task
+from .fakes import FakeGate, FakeNpuEvent, FakeThread, Task
 
 
 def make(thread: FakeThread | None = None, policy: str = "ready_queue") -> tuple[SchedulingQueue, FakeThread]:
@@ -22,7 +23,7 @@ def make(thread: FakeThread | None = None, policy: str = "ready_queue") -> tuple
 
 def pick(q: SchedulingQueue) -> int | None:
     try:
-        return q.get(block=False).layer_id
+        return q.try_get().layer_id
     except queue.Empty:
         return None
 
@@ -131,7 +132,9 @@ def test_a_save_set_wakes_a_blocked_get() -> None:
     got: list[int] = []
     t = threading.Thread(target=lambda: got.append(q.get().layer_id), daemon=True)
     t.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while q.blocked_by[rules.DEPENDENCY] < 1 and time.monotonic() < deadline:  # get() decided to wait
+        time.sleep(0.001)
     assert not got
     th.layer_save_finished_events[1].set()
     t.join(2)
@@ -157,3 +160,91 @@ def test_unknown_scheduler_is_one_clear_error_and_env_falls_back(caplog: pytest.
     assert from_env({"OTEL_KVTRACE_SCHEDULER": "readyq"}) == "fifo"
     assert sum("OTEL_KVTRACE_SCHEDULER=readyq ignored" in r.message for r in caplog.records) == 1
     assert from_env({}) == "fifo" and from_env({"OTEL_KVTRACE_SCHEDULER": "Ready_Queue"}) == "ready_queue"
+
+
+def test_get_non_blocking_and_timeout_behave_like_queue_queue() -> None:
+    q, _ = make()
+    for ref in (queue.Queue(), q):
+        ref.put(Task(3, wait_for_save_layer=1))  # a head that waits
+        ref.put(Task(5, wait_for_save_layer=2))  # nothing ready behind it
+        with pytest.raises(ValueError, match="non-negative"):
+            ref.get(timeout=-1)
+        assert [ref.get(block=False).layer_id, ref.get(False, -1).layer_id] == [3, 5]  # the head, in order
+        with pytest.raises(queue.Empty):
+            ref.get(block=False)
+        with pytest.raises(queue.Empty):
+            ref.get(timeout=0.01)
+
+
+def test_unreadable_slot_release_waiter_keeps_the_thread_fifo_and_says_so(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from otel_kvtrace.schedule import attach
+
+    def blocking_waiter(layer_id: int) -> None:  # main's waiter: a plain blocking callable
+        raise AssertionError("the scheduler must not call the waiter")
+
+    th = FakeThread()
+    th.external_slot_release_waiter = blocking_waiter
+    th.request_queue = queue.Queue()  # type: ignore[attr-defined]
+    assert attach(th, "ready_queue") is None and type(th.request_queue) is queue.Queue
+    said = [r.getMessage() for r in caplog.records if "slot release waiter" in r.getMessage()]
+    assert len(said) == 1 and "stays fifo" in said[0]
+    caplog.clear()
+    q, th = make()  # a waiter wired after attach
+    th.external_slot_release_waiter = blocking_waiter
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(4))
+    assert [pick(q), pick(q)] == [3, 4] and q.policy == "fifo" and q.bypassed == 0
+    assert sum("slot release waiter" in r.getMessage() for r in caplog.records) == 1
+
+
+class _DuringProbe(FakeNpuEvent):
+    """An NPU event whose ``query()`` runs ``action`` (a producer acting while the scheduler probes)."""
+
+    def __init__(self, action: Any, done: bool) -> None:
+        super().__init__(done)
+        self.action = action
+
+    def query(self) -> bool:
+        self.action()
+        return super().query()
+
+
+def test_probes_run_outside_the_queue_lock_and_the_pick_is_rechecked() -> None:
+    q, th = make()
+    unlocked: list[bool] = []
+
+    def producer() -> None:
+        free = q.mutex.acquire(blocking=False)  # a put or a save set() would get the lock now
+        if free:
+            q.mutex.release()
+        unlocked.append(free)
+
+    th.layer_save_finished_events[2].set()
+    th.sync_save_events[2] = _DuringProbe(producer, done=True)  # type: ignore[assignment]
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(5, wait_for_save_layer=2))
+    assert pick(q) == 5 and unlocked == [True]
+    assert pick(q) == 3  # alone: handed out to wait in upstream's own wait
+    # a switch to fifo while the candidate is probed: the re-check under the lock hands out the head
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(5, wait_for_save_layer=2))
+    th.sync_save_events[2] = _DuringProbe(lambda: q.set_policy("fifo"), done=True)  # type: ignore[assignment]
+    assert [pick(q), pick(q)] == [3, 5] and q.bypassed == 1
+
+
+def test_a_signal_while_probing_is_not_lost() -> None:
+    import threading
+
+    now = time.perf_counter_ns()
+    th = FakeThread(slot_times={4: now + 10**12})  # task 4's slot is released far in the future
+    q, _ = make(th)
+    gate = FakeGate()
+    gate._event = _DuringProbe(lambda: th.layer_save_finished_events[1].set(), done=True)  # type: ignore[assignment]
+    q.put(Task(3, wait_for_save_layer=1))  # the head waits for save 1 ...
+    q.put(Task(4, attention_start_gate=gate))  # ... which the send thread sets while 4 is probed
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(q.get().layer_id), daemon=True)
+    t.start()
+    t.join(30)
+    assert got == [3]

@@ -56,8 +56,11 @@ def test_ready_task_passes_a_head_waiting_on_its_save(upstream: Upstream, policy
     for task in (head, free, final):
         env.thread.add_request(task)
 
-    passed = wait_until(lambda: env.load_done[3].is_set(), timeout=0.3)
-    assert passed == (policy == "ready_queue")
+    if policy == "ready_queue":
+        assert wait_until(lambda: env.load_done[3].is_set())  # 3 passes the waiting head
+    else:  # synchronisation point: the thread took the head and waits in it, so 3 cannot have run
+        assert wait_until(lambda: q.qsize() == 2)
+        assert not env.load_done[3].is_set()
     assert not env.load_done[2].is_set() and not env.load_done[N - 1].is_set()  # head and final still wait
     env.save_done[0].set()  # the send thread finishes layer 0's save
     assert wait_until(lambda: env.load_done[N - 1].is_set())
@@ -76,23 +79,36 @@ def test_ready_task_passes_a_head_waiting_on_its_save(upstream: Upstream, policy
 def test_gate_not_reached_is_never_bypassed(upstream: Upstream, policy: str) -> None:
     backend = FakeBackend()
     env = upstream.gva_thread(N, backend)
+    q = env.thread.request_queue
     gate = upstream.gate_class()
-    upstream.torch.npu.Event.device_lag_s = 0.05
+    held_back = (lambda: q.blocked_by["dependency"]) if policy == "ready_queue" else (lambda: 0)
     try:
         env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 1)], wait_for_save_layer=0))
         env.thread.add_request(upstream.gva_task(3, [upstream.request("r1", 1)], gate=gate))
-        time.sleep(0.03)
+        # synchronisation point: the scheduler looked at 3 and held it back (fifo: the head is out)
+        assert wait_until(lambda: held_back() >= 1 if policy == "ready_queue" else q.qsize() == 1)
         assert not env.load_done[3].is_set()  # gate not recorded
+        upstream.torch.npu.Event.device_lag_s = 3600.0  # the device reaches the gate only when told below
         gate.record()
+        upstream.torch.npu.Event.device_lag_s = 0.0
+        upstream.torch.npu.Event.stream_tail = 0.0
+        seen = held_back()
         env.thread.add_request(upstream.gva_task(4, [upstream.request("r1", 1)]))
-        time.sleep(0.02)
-        assert not env.load_done[3].is_set()  # recorded, device not there yet: not passed ...
-        # ... and not synchronized either: the thread stays free for a task that is ready
-        assert env.load_done[4].is_set() == (policy == "ready_queue")
-        ran = wait_until(lambda: env.load_done[3].is_set(), timeout=0.3)
-        assert ran == (policy == "ready_queue")
+        if policy == "ready_queue":  # the thread stays free for a task that is ready ...
+            assert wait_until(lambda: env.load_done[4].is_set() and held_back() > seen)
+            assert gate._event.sync_calls == 0  # ... and never synchronized the recorded gate
+        else:
+            assert wait_until(lambda: q.qsize() == 2)
+            assert not env.load_done[4].is_set()
+        assert not env.load_done[3].is_set()  # recorded, device not there yet: not passed
+        gate._event.done_at = 0.0  # the device reaches the gate
+        if policy == "ready_queue":
+            assert wait_until(lambda: env.load_done[3].is_set())
+        else:
+            assert not env.load_done[3].is_set()  # still behind the waiting head
     finally:
         upstream.torch.npu.Event.device_lag_s = 0.0
+        upstream.torch.npu.Event.stream_tail = 0.0
         env.save_done[0].set()
     assert wait_until(lambda: all(env.load_done[k].is_set() for k in (2, 3, 4)))
 
@@ -127,7 +143,8 @@ def test_runtime_switch_back_to_fifo_drains(upstream: Upstream) -> None:
     assert isinstance(q, SchedulingQueue) and q.policy == "fifo"
     env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 1)], wait_for_save_layer=0))
     env.thread.add_request(upstream.gva_task(3, [upstream.request("r1", 1)]))
-    assert not wait_until(lambda: env.load_done[3].is_set(), timeout=0.1)  # FIFO again: 3 waits behind 2
+    assert wait_until(lambda: q.qsize() == 1)  # synchronisation point: the head is out, waiting in its wait
+    assert not env.load_done[3].is_set()  # FIFO again: 3 waits behind 2
     env.save_done[0].set()
     assert wait_until(lambda: env.load_done[3].is_set())
     assert type(upstream.gva_thread(N, FakeBackend()).thread.request_queue) is queue.Queue  # patch removed
@@ -174,3 +191,43 @@ def test_plugin_with_an_unknown_name_warns_once_and_stays_fifo(upstream: Upstrea
     assert type(env.thread.request_queue) is queue.Queue
     warnings = [r for r in caplog.records if "OTEL_KVTRACE_SCHEDULER" in r.getMessage()]
     assert len(warnings) == 1 and "stays fifo" in warnings[0].getMessage()
+
+
+def _resource_schedulers(out_dir: Any) -> list[str]:
+    import json
+    from pathlib import Path
+
+    found = []
+    for path in sorted(Path(out_dir).rglob("*.json*")):
+        for line in path.read_text().splitlines():
+            for rs in json.loads(line).get("resourceSpans", []):
+                for attr in rs["resource"]["attributes"]:
+                    if attr["key"] == "kvtrace.cfg.scheduler":
+                        found.append(attr["value"]["stringValue"])
+    return found
+
+
+def test_resource_scheduler_is_the_policy_the_queue_really_runs(upstream: Upstream, tmp_path: Any) -> None:
+    from otel_kvtrace.schedule import scheduler_in_force, threads_seen
+
+    targets = upstream.binding.to_targets()
+    install_scheduler(targets, "ready_queue")
+    since = threads_seen()
+    session = start_tracing(targets, exporter="thread", out_dir=str(tmp_path), run_id="cfg-sched")
+    try:
+        env = upstream.gva_thread(N, FakeBackend())
+        assert scheduler_in_force(since) == "ready_queue"  # this session's thread (earlier tests' stay parked)
+        env.thread.add_request(upstream.gva_task(2, [upstream.request("r1", 1)]))
+        assert wait_until(lambda: session.stats().submitted >= 1)
+        assert session.flush(30)
+        assert _resource_schedulers(tmp_path)[-1:] == ["ready_queue"]
+        # a blocking slot waiter wired after attach: the queue falls back to fifo, and so does the resource
+        env.thread.external_slot_release_waiter = lambda layer_id: None
+        env.thread.add_request(upstream.gva_task(3, [upstream.request("r1", 1)]))
+        assert wait_until(lambda: session.stats().submitted >= 2)
+        assert env.thread.request_queue.policy == "fifo" and scheduler_in_force(since) == "fifo"
+        assert session.flush(30)
+        assert _resource_schedulers(tmp_path)[-1] == "fifo"
+    finally:
+        session.shutdown()
+        install_scheduler(targets, "fifo")
