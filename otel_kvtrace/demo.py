@@ -252,24 +252,26 @@ def print_demo_summary(result: DemoResult, console: Any = None) -> None:
     """Rich tables: per scenario tasks and per-stage p50/p99; then the HOL report if available."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
     console = console or Console()
     for sc in result.scenarios:
-        table = Table(title=f"{sc.name}: {sc.config.label}  (run {sc.run_id})", title_justify="left")
+        table = Table(title=Text(f"{sc.name}: {sc.config.label}  (run {sc.run_id})", style="table.title"), title_justify="left")
         table.add_column("stage")
         table.add_column("spans", justify="right")
         table.add_column("p50 ms", justify="right")
         table.add_column("p99 ms", justify="right")
         for st in sc.stages:
-            table.add_row(st.name, str(st.count), f"{st.p50_ms:.3f}", f"{st.p99_ms:.3f}")
+            table.add_row(Text(st.name), str(st.count), f"{st.p50_ms:.3f}", f"{st.p99_ms:.3f}")
         console.print(table)
         console.print(
             f"  recv tasks {sc.recv_tasks}, save tasks {sc.send_tasks}, steps {sc.replica.steps_done}, "
-            f"wall {sc.wall_s:.1f} s, files: {', '.join(str(p) for p in sc.trace_files)}"
+            f"wall {sc.wall_s:.1f} s, files: {', '.join(str(p) for p in sc.trace_files)}", markup=False, highlight=False
         )
     if any(sc.trace_files for sc in result.scenarios):
         _print_hol_report(result, console)
-        console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.")
+        console.print(f"Traces in {result.out_dir}/traces. Next: `kvtrace report {result.out_dir}/traces`.",
+                      markup=False, highlight=False)
     else:
         console.print(_where_traces_went(), markup=False, highlight=False)
 
@@ -355,7 +357,7 @@ def demo_command(preset: str, layers: int | None, buffers: int | None, prefetch:
                                    behaviour=behaviour, path=path, scheduler=scheduler)
     except ReplicaConfigError as exc:
         raise click.BadParameter(str(exc)) from exc
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console, transient=False) as progress:
         bars = {name: progress.add_task(f"{name}: {cfg.label}", total=cfg.steps) for name, cfg in configs}
 

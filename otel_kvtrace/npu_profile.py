@@ -45,6 +45,11 @@ _ATTENTION = re.compile(r"attention|attn", re.IGNORECASE)
 _COPY = re.compile(r"memcpy|mem_?copy|tensormove|(?<![a-z])[hd]2[hd](?![a-z])", re.IGNORECASE)
 _DIRECTION = re.compile(r"([HD])2([HD])", re.IGNORECASE)
 _COMMUNICATION = re.compile(r"^hcom_|hccl", re.IGNORECASE)
+_INT64_MAX = 2**63 - 1
+MAX_SLICE_NS = 3600 * 10**9
+"""A slice longer than an hour is a damaged record, not a kernel: it would stretch every timeline."""
+MAX_FROM_MEDIAN_NS = 24 * 3600 * 10**9
+"""A slice starting more than a day from the profile's median start is skipped (a corrupt ``ts``)."""
 
 
 @dataclass(slots=True)
@@ -101,6 +106,12 @@ def _add(profile: NpuProfile, kind: str | None, name: str, lane: str, start_ns: 
         return
     if dur_ns < 0:
         profile.skipped.append(f"{src}: negative duration")
+        return
+    if not 0 <= start_ns <= _INT64_MAX - dur_ns:
+        profile.skipped.append(f"{src}: time outside the int64 ns range ({start_ns} ns)")
+        return
+    if dur_ns > MAX_SLICE_NS:
+        profile.skipped.append(f"{src}: duration {dur_ns / 1e9:.0f} s is longer than an hour")
         return
     label = _copy_name(name) if kind == "copy" else name
     profile.events.append(NpuEvent(kind, label, lane, start_ns, start_ns + dur_ns, src))
@@ -209,8 +220,26 @@ def read_npu_profile(paths: Iterable[str | Path], offset_ns: int = 0) -> NpuProf
                 profile.skipped.append(f"{file}:0: unreadable ({exc})")
                 continue
             profile.files.append(str(file))
+    _drop_far(profile)
     for event in profile.events:
         event.start_ns += offset_ns
         event.end_ns += offset_ns
     profile.events.sort(key=lambda e: (e.start_ns, e.lane))
     return profile
+
+
+def _drop_far(profile: NpuProfile) -> None:
+    """Skip (and name) slices more than ``MAX_FROM_MEDIAN_NS`` from the median start: one corrupt ``ts``
+    must not stretch the Perfetto export and the HTML timeline over years."""
+    if not profile.events:
+        return
+    starts = sorted(e.start_ns for e in profile.events)
+    median = starts[len(starts) // 2]
+    kept = []
+    for e in profile.events:
+        if abs(e.start_ns - median) > MAX_FROM_MEDIAN_NS:
+            profile.skipped.append(f"{e.source}: starts {abs(e.start_ns - median) / 3.6e12:.0f} h from the "
+                                   "profile's other slices")
+        else:
+            kept.append(e)
+    profile.events = kept

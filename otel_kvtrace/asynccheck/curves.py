@@ -12,6 +12,7 @@ import duckdb
 from matplotlib.figure import Figure
 
 from otel_kvtrace.asynccheck.analysis import CheckResult
+from otel_kvtrace.report.html_safety import csp_meta
 from otel_kvtrace.report.plots import figure_png, png_base64
 
 TIMELINE_STEPS = 6
@@ -116,6 +117,10 @@ def write_pngs(pngs: dict[str, bytes], out_dir: str | Path) -> list[Path]:
     return paths
 
 
+_STYLE = ("body{font-family:system-ui,sans-serif;margin:1.2em}td,th{border:1px solid #ccc;padding:2px 6px}"
+          "table{border-collapse:collapse}img{max-width:100%}")
+
+
 def write_html(pngs: dict[str, bytes], results: Sequence[CheckResult], path: str | Path) -> Path:
     """One self-contained page: a verdict and outcome table per run, then the curves (every value escaped)."""
     rows = []
@@ -129,10 +134,8 @@ def write_html(pngs: dict[str, bytes], results: Sequence[CheckResult], path: str
             "latency p99 ms", "tokens/s")
     imgs = "".join(f'<h2>{html.escape(stem)}</h2><img class="plot" alt="{html.escape(stem)}" '
                    f'src="data:image/png;base64,{png_base64(png)}">' for stem, png in pngs.items())
-    page = ("<!doctype html><html><head><meta charset='utf-8'>"
-            "<meta http-equiv='Content-Security-Policy' content=\"default-src 'none'; img-src data:; style-src 'unsafe-inline'\">"
-            "<title>kvtrace async check</title><style>body{font-family:system-ui,sans-serif;margin:1.2em}"
-            "td,th{border:1px solid #ccc;padding:2px 6px}table{border-collapse:collapse}img{max-width:100%}</style>"
+    page = ("<!doctype html><html><head><meta charset='utf-8'>" + csp_meta(styles=[_STYLE])
+            + f"<title>kvtrace async check</title><style>{_STYLE}</style>"
             "</head><body><h1>Async scheduling: did it take effect, did it pay off?</h1><table><tr>"
             + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(rows) + "</table>" + imgs + "</body></html>")
     out = Path(path)

@@ -88,7 +88,8 @@ def _child_id(key: str, name: str, index: int) -> int:
 
 
 def build_step_spans(
-    step: AssembledStep, *, anchor: ClockAnchor, resource: Resource, lane: str, dropped: int = 0
+    step: AssembledStep, *, anchor: ClockAnchor, resource: Resource, lane: str, dropped: int = 0,
+    outputs_dropped: int = 0,
 ) -> list[ReadableSpan]:
     """The spans of one engine step: a root and one child per phase (device intervals when known)."""
     key = f"{lane}/s{step.step}"
@@ -117,6 +118,7 @@ def build_step_spans(
         m.ATTR_QUEUE_DEPTH: step.queue_depth,
         m.ATTR_DONE_PRECISION: step.done_precision,
         "kvtrace.exporter.dropped": dropped,
+        m.ATTR_OUTPUTS_DROPPED: outputs_dropped,
     }
     spans = [_span(m.STEP_SPAN, root_ctx, None, resource, root_attrs, epoch(start), epoch(end))]
     for index, (name, s, e, attrs) in enumerate(phases):
@@ -125,12 +127,13 @@ def build_step_spans(
     return spans
 
 
-def build_output_span(output: OutputReady, *, anchor: ClockAnchor, resource: Resource, lane: str) -> ReadableSpan:
+def build_output_span(output: OutputReady, *, anchor: ClockAnchor, resource: Resource, lane: str,
+                      outputs_dropped: int = 0) -> ReadableSpan:
     """One ``output_ready`` root span: [output created, output ready] in a worker process."""
     trace_id, span_id = _ids(f"{lane}/o{output.seq}")
     ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
     attrs = {m.ATTR_OUTPUT_SEQ: output.seq, m.ATTR_DONE_PRECISION: output.done_precision,
-             m.ATTR_DONE_BOUND_NS: output.done_bound_ns}
+             m.ATTR_DONE_BOUND_NS: output.done_bound_ns, m.ATTR_OUTPUTS_DROPPED: outputs_dropped}
     return _span(m.OUTPUT_READY, ctx, None, resource, attrs, anchor.to_epoch(output.created),
                  anchor.to_epoch(output.done))
 
@@ -207,11 +210,12 @@ class AsyncTracer:
             return len(steps) + len(outputs)
 
     def _write(self, steps: Sequence[AssembledStep], outputs: Sequence[OutputReady] = ()) -> None:
-        dropped = self.buffer.dropped
-        spans: list[ReadableSpan] = [build_output_span(o, anchor=self.anchor, resource=self.resource, lane=self.lane)
-                                     for o in outputs]
+        dropped, lost = self.buffer.dropped, self.buffer.outputs_dropped
+        spans: list[ReadableSpan] = [build_output_span(o, anchor=self.anchor, resource=self.resource, lane=self.lane,
+                                                       outputs_dropped=lost) for o in outputs]
         for step in steps:
-            spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped)
+            spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped,
+                                      outputs_dropped=lost)
             self._dispatch_counter.add(1)
             self._depth_histogram.record(step.queue_depth)
         line = request_to_json_line(encode_spans(spans))

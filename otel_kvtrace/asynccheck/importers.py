@@ -48,7 +48,7 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
     counted in ``seen`` as ``otlp_other:<n>`` so that ``check`` can say which command reads them.
     """
     result = m.ImportResult()
-    batch_queue_steps = dropped = other = 0
+    batch_queue_steps = dropped = outputs_lost = other = 0
     try:
         for line_no, line in enumerate(open_lines(path), 1):
             if not line.strip():
@@ -75,6 +75,8 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
                         if name == m.STEP_SPAN:
                             batch_queue_steps += bool(attrs.get(m.ATTR_BATCH_QUEUE))
                             dropped = max(dropped, _int(attrs.get("kvtrace.exporter.dropped")))
+                        if name in (m.STEP_SPAN, m.OUTPUT_READY):
+                            outputs_lost = max(outputs_lost, _int(attrs.get(m.ATTR_OUTPUTS_DROPPED)))
                         if name not in _CANONICAL:
                             other += not name.startswith("kvtrace.async")
                             continue
@@ -92,6 +94,10 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
         result.warnings.append(
             m.CaptureWarning(run, str(path), m.WARN_DROPPED, f"the recorder dropped {dropped} stamps; steps are missing")
         )
+    if outputs_lost:
+        result.warnings.append(m.CaptureWarning(
+            run, str(path), m.WARN_OUTPUTS_DROPPED, f"the output-ready watcher dropped {outputs_lost} outputs (too "
+            "many in flight): those steps fall back to the time the engine observed their output"))
     return result
 
 

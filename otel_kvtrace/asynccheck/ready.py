@@ -24,17 +24,22 @@ from typing import Any
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
 
 logger = logging.getLogger("otel_kvtrace")
+_sleep = time.sleep
 
 EVENT_ATTRS = ("async_copy_ready_event", "copy_event")
 """Copy-ready event attribute of vLLM's async output classes (V1 runner, MRV2)."""
 POLL_S = 0.0001
+MAX_POLL_S = 0.0003
+"""Polls start ``POLL_S`` apart after an output completes and double while nothing completes, up to
+``MAX_POLL_S``: a bracket stays within ~0.3 ms while the watcher wakes at most ~3k times per second
+instead of 10k (each wake-up takes the GIL from the engine thread)."""
 IDLE_S = 0.002
 ACTIVE_NS = 50_000_000
-"""For this long after the last output the watcher keeps polling every ``POLL_S`` even with nothing
-pending, so an output recorded on an idle stream (already complete) is seen within ~0.1 ms; a serving
-engine makes an output every few ms, so it stays in this mode (~10k cheap wake-ups per second)."""
+"""For this long after the last output the watcher polls with the backoff above even with nothing
+pending; after it, every ``IDLE_S``."""
 MAX_PENDING = 64
-"""Outputs in flight are at most the batch-queue depth; more means the watcher fell behind (dropped)."""
+"""Outputs in flight are at most the batch-queue depth; more means the watcher fell behind: the output
+is not watched and counted (``StampBuffer.outputs_dropped``; ``kvtrace async check`` warns)."""
 
 
 class ReadyWatcher:
@@ -53,10 +58,14 @@ class ReadyWatcher:
         for name in EVENT_ATTRS:
             event = getattr(output, name, None)
             if event is not None:
-                if len(self.pending) < MAX_PENDING and not self.failed:
-                    self.pending.append((event, self.buffer.clock()))
-                    if self._thread is None:  # once per process: processes that make no outputs stay idle
-                        self.start()
+                if self.failed:
+                    return
+                if len(self.pending) >= MAX_PENDING:
+                    self.buffer.output_dropped()
+                    return
+                self.pending.append((event, self.buffer.clock()))
+                if self._thread is None:  # once per process: processes that make no outputs stay idle
+                    self.start()
                 return
 
     def start(self) -> None:
@@ -86,9 +95,14 @@ class ReadyWatcher:
         ready_code = int(StampKind.READY)
         last_false = 0
         last_seen = 0
+        delay = POLL_S
         while not self._stop.is_set():
             if not pending:
-                time.sleep(POLL_S if clock() - last_seen < ACTIVE_NS else IDLE_S)
+                if clock() - last_seen < ACTIVE_NS:
+                    _sleep(delay)
+                    delay = min(2 * delay, MAX_POLL_S)
+                else:
+                    _sleep(IDLE_S)
                 continue
             event, registered = pending[0]
             try:
@@ -104,6 +118,8 @@ class ReadyWatcher:
                 pending.popleft()
                 last_false = max(last_false, registered)
                 put(ready_code, now, last_false, registered)
+                delay = POLL_S
                 continue  # one in-order copy stream: the next event is ready no earlier than this one's bound
             last_false = now
-            time.sleep(POLL_S)
+            _sleep(delay)
+            delay = min(2 * delay, MAX_POLL_S)

@@ -68,6 +68,7 @@ class StampBuffer:
         self.clock = clock
         self._gen = _Generation(capacity)
         self._drops = itertools.count()
+        self._outputs_dropped = itertools.count()  # by the output-ready watcher (atomic under the GIL)
 
     # ---- hot path -----------------------------------------------------------------------------------
     def stamp(self, kind: int, a: int = 0, b: int = 0) -> None:
@@ -120,4 +121,13 @@ class StampBuffer:
     def dropped(self) -> int:
         """Stamps lost because a generation was full (cumulative)."""
         return count_value(self._drops)
+
+    def output_dropped(self) -> None:
+        """Hot path: the output-ready watcher had ``MAX_PENDING`` outputs in flight and let one go."""
+        next(self._outputs_dropped)
+
+    @property
+    def outputs_dropped(self) -> int:
+        """Outputs whose ready time was not watched (cumulative); exported as ``ATTR_OUTPUTS_DROPPED``."""
+        return count_value(self._outputs_dropped)
 

@@ -8,6 +8,7 @@ from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from otel_kvtrace.asynccheck.analysis import EFFECTIVE, NOT_EFFECTIVE, CheckResult
 from otel_kvtrace.asynccheck.doctor import DoctorReport
@@ -27,9 +28,10 @@ def _pct(value: float | None) -> str:
 
 def render_check(result: CheckResult, console: Console) -> None:
     style = _VERDICT_STYLE.get(result.verdict, "bold yellow")
-    console.print(f"[{style}]async scheduling: {result.verdict}[/]  ({result.run}: {', '.join(result.paths)})")
+    console.print(f"[{style}]async scheduling: {escape(str(result.verdict))}[/]  "
+                  f"({escape(result.run)}: {escape(', '.join(map(str, result.paths)))})")
     for reason in result.reasons:
-        console.print(f"  - {reason}")
+        console.print(f"  - {escape(reason)}")
     mt = result.metrics
     table = Table(title="metrics", show_header=True)
     table.add_column("metric")
@@ -51,15 +53,15 @@ def render_check(result: CheckResult, console: Console) -> None:
     console.print(table)
     outcome = outcome_line(result.outcome)
     if outcome:
-        console.print(f"outcome: {outcome}")
+        console.print(f"outcome: {escape(outcome)}")
     if result.markers:
-        console.print("async markers: " + ", ".join(f"{k} x{v}" for k, v in sorted(result.markers.items())))
+        console.print("async markers: " + escape(", ".join(f"{k} x{v}" for k, v in sorted(result.markers.items()))))
     for w in result.warnings:
-        console.print(f"[yellow]warning[/] {w['kind']}: {w['message']}")
+        console.print(f"[yellow]warning[/] {escape(str(w['kind']))}: {escape(str(w['message']))}")
     if result.import_errors:
         console.print(f"[yellow]{result.import_errors} malformed rows skipped[/]")
         for issue in result.import_error_samples[:10]:
-            console.print(f"  {issue['file']}:{issue['line']}: {issue['reason']}")
+            console.print(f"  {issue['file']}:{issue['line']}: {issue['reason']}", markup=False, highlight=False)
 
 
 def render_compare(results: Sequence[CheckResult], console: Console) -> None:
@@ -75,7 +77,7 @@ def render_compare(results: Sequence[CheckResult], console: Console) -> None:
         delta = "-" if previous is None or mt.gap_p50_ms is None else f"{mt.gap_p50_ms - previous:+.2f}"
         style = _VERDICT_STYLE.get(r.verdict, "yellow")
         table.add_row(
-            escape(r.run), f"[{style}]{r.verdict}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms, "{:.2f}"), delta,
+            escape(r.run), f"[{style}]{escape(str(r.verdict))}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms, "{:.2f}"), delta,
             _pct(mt.comm_exposed_share), _pct(mt.blocking_launch_share),
         )
         previous = mt.gap_p50_ms if mt.gap_p50_ms is not None else previous
@@ -88,22 +90,22 @@ def render_compare(results: Sequence[CheckResult], console: Console) -> None:
                       f"{_num(mt.max_queue_depth, '{}')}, markers {escape(markers)}")
         outcome = outcome_line(r.outcome)
         if outcome:
-            console.print(f"  outcome: {outcome}")
+            console.print(f"  outcome: {escape(outcome)}")
         for reason in r.reasons:
             console.print(f"  - {escape(reason)}")
         for w in r.warnings:
-            console.print(f"  [yellow]warning[/] {w['kind']}: {escape(w['message'])}")
+            console.print(f"  [yellow]warning[/] {escape(str(w['kind']))}: {escape(str(w['message']))}")
 
 
 def render_doctor(report: DoctorReport, console: Console) -> None:
-    console.print(f"[bold]{report.target}[/]: {' '.join(report.argv)[:200]}")
+    console.print(f"[bold]{escape(str(report.target))}[/]: {escape(' '.join(report.argv)[:200])}")
     table = Table(show_header=True)
     for col in ("status", "setting", "finding", "fix"):
         table.add_column(col)
     for f in report.findings:
-        table.add_row(f"[{_STATUS_STYLE[f.status]}]{f.status}[/]", f.key, f.message, f.fix or "")
+        table.add_row(Text(f.status, style=_STATUS_STYLE[f.status]), Text(f.key), Text(f.message), Text(f.fix or ""))
     console.print(table)
     versions = ", ".join(f"{k} {v or 'not installed'}" for k, v in report.versions.items())
-    console.print(f"versions ({report.versions_from}): {versions}")
+    console.print(f"versions ({report.versions_from}): {versions}", markup=False, highlight=False)
     for match in report.log_matches:
-        console.print(f"  log line {match['line']}: {match['text']}")
+        console.print(f"  log line {match['line']}: {match['text']}", markup=False, highlight=False)

@@ -59,7 +59,7 @@ def _run(matrix, out: Path):  # type: ignore[no-untyped-def]
 
     total = len(matrix.cells) * matrix.runs
     try:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
+        with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn()) as bar:
             task = bar.add_task(f"{matrix.name}: {len(matrix.cells)} cells x {matrix.runs} runs", total=total)
 
             def on_run(o) -> None:  # type: ignore[no-untyped-def]

@@ -7,8 +7,11 @@ import re
 from typing import Any
 
 from otel_kvtrace.experiment.analysis import LABELS, level_order
+from otel_kvtrace.report.html_safety import csp_meta
 
-_CSP = "default-src 'none'; style-src 'unsafe-inline'"
+_SHADES = 10
+"""Heatmap shades are classes ``hm0`` (white) .. ``hm10`` (deepest): the CSP allows no ``style=`` attribute."""
+_SHADE_CSS = "".join(f".hm{k}{{background:rgb(255,{255 - 20 * k},{255 - 20 * k})}}" for k in range(_SHADES + 1))
 _CELL_COLUMNS = ("cell", "runs ok", "TTFT p50/p95/p99 ms", "TTFT p50 noise", "tok/s (noise)", "HOL events/run",
                  "HOL ms/run (noise)", "queue wait ms", "consumer wait ms", "peak RSS MB", "peak NPU MB",
                  "peak in flight", "peak leases", "peak backend copies", "what-if")
@@ -175,8 +178,8 @@ def _html_heatmap(doc: dict[str, Any], metric: str) -> str:
         tds = []
         for c in cols:
             v = means.get((r, c))
-            shade = 0 if v is None else int(255 - 200 * max(0.0, v) / top)
-            tds.append(f'<td class="hm" style="background: rgb(255,{shade},{shade})">{_h(_f(v))}</td>')
+            shade = 0 if v is None else round(_SHADES * min(1.0, max(0.0, v) / top))
+            tds.append(f'<td class="hm hm{shade}">{_h(_f(v))}</td>')
         cells.append(f"<tr><th>{_h(r)}</th>{''.join(tds)}</tr>")
     head = "".join(f"<th>{_h(c)}</th>" for c in cols)
     return (f"<h2>Heatmap: {_h(LABELS[metric])} by {_h(rf)} (rows) x {_h(cf)} (columns)</h2>"
@@ -197,9 +200,9 @@ def render_html(doc: dict[str, Any]) -> str:
                    + "</ul></li>" for c in doc["cells"])
     style = ("body{font-family:sans-serif;margin:2em;max-width:90em}table{border-collapse:collapse;margin:1em 0}"
              "td,th{border:1px solid #ccc;padding:.3em .6em;text-align:right}td:first-child{text-align:left}"
-             "pre{background:#f4f4f4;padding:.5em;overflow:auto}")
+             "pre{background:#f4f4f4;padding:.5em;overflow:auto}" + _SHADE_CSS)
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
-            f'<meta http-equiv="Content-Security-Policy" content="{_CSP}"><title>{_h(doc["title"])}</title>'
+            f'{csp_meta(styles=[style])}<title>{_h(doc["title"])}</title>'
             f"<style>{style}</style></head><body><h1>{_h(doc['title'])}</h1>"
             f'<h2>Conclusion</h2><p id="verdict">{_h(doc["verdict"])}</p><ul>'
             + "".join(f"<li>{_h(d)}</li>" for d in doc["verdict_details"])

@@ -111,6 +111,7 @@ def load_traces(
     cache_path = Path(cache_dir) / cache_key(files) if cache_dir is not None else None
     if cache_path is not None and (cache_path / "stats.json").exists():
         stats = _read_cache(con, cache_path)
+        _require_tasks(con, files, stats, require_tasks)  # a cache written by a require_tasks=False load
         say(f"loaded {stats.tasks} tasks from cache {cache_path}")
         stats.seconds = time.perf_counter() - started
         return LoadResult(con, stats)
@@ -130,8 +131,7 @@ def load_traces(
         _run(con, roots_table_sql(RAW_SPANS, ROOTS))
         _run(con, spans_view_sql(RAW_SPANS, ROOTS))
         _count_into(con, stats)
-        if require_tasks and stats.tasks == 0 and stats.send_tasks == 0:
-            raise NoTasksError(_no_tasks_message(con, files))
+        _require_tasks(con, files, stats, require_tasks)
         if stats.empty_files:
             say(f"{len(stats.empty_files)} file(s) hold no usable span: {', '.join(stats.empty_files[:3])}")
         if stats.incomplete_tasks:
@@ -248,6 +248,12 @@ def _insert_isolating_failures(con: duckdb.DuckDBPyConnection, insert: str, name
 
 class NoTasksError(LoadError):
     """Spans loaded, but none is a kvtrace recv or send task: the input is some other kind of trace."""
+
+
+def _require_tasks(con: duckdb.DuckDBPyConnection, files: list[Path], stats: LoadStats, required: bool) -> None:
+    """``NoTasksError`` when tasks are required and none loaded (fresh parse or cache hit alike)."""
+    if required and stats.tasks == 0 and stats.send_tasks == 0:
+        raise NoTasksError(_no_tasks_message(con, files))
 
 
 def _no_tasks_message(con: duckdb.DuckDBPyConnection, files: list[Path]) -> str:

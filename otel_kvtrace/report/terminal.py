@@ -9,6 +9,7 @@ from typing import Any
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from otel_kvtrace.analyse.queries import QueryResult
 from otel_kvtrace.load import LoadResult
@@ -48,7 +49,7 @@ def config_numbers(report: Report) -> dict[str | None, int]:
 def _table(title: str, records: list[dict[str, Any]], columns: list[str], limit: int | None = None) -> Table:
     """A table that fits 80 columns: no vertical rules, ids and labels fold (never cut), numbers keep
     their full width."""
-    table = Table(title=title, title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
+    table = Table(title=Text(title, style="table.title"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 1))
     rows = [[_fmt(r.get(c)) for c in columns] for r in records[:limit]]
     for index, column in enumerate(columns):
@@ -58,7 +59,7 @@ def _table(title: str, records: list[dict[str, Any]], columns: list[str], limit:
         table.add_column(header, justify="left" if text else "right", overflow="fold",
                          min_width=None if text else max(widest, min(len(header), 8)))
     for row in rows:
-        table.add_row(*row)
+        table.add_row(*(Text(cell) for cell in row))  # trace values (labels, queues) are never markup
     return table
 
 
@@ -135,7 +136,7 @@ def render_terminal(report: Report, console: Console | None = None) -> None:
                              ["correlation_id", "total_ms", "unexplained_ms", "reason"], limit=10))
     else:
         console.print("Every task's stages explain its total time within 1%.")
-    console.print(f"[bold]{hol_headline(report)}[/]", highlight=False)
+    console.print(Text(hol_headline(report), style="bold"), highlight=False)
 
 
 def print_summary(source: Iterable[str | Path] | str | Path | LoadResult | Report,
@@ -147,5 +148,5 @@ def print_summary(source: Iterable[str | Path] | str | Path | LoadResult | Repor
     console.print(_legend(report))
     console.print(_table("Head-of-line blocking (ms)", _with_cfg(report, report.hol_summary),
                          ["cfg", "tasks", "hol_events", "proven_events", "hol_total_ms", "p50_ms", "p99_ms"]))
-    console.print(hol_headline(report))
+    console.print(Text(hol_headline(report)))
     return report

@@ -29,8 +29,9 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
     """One row per configuration: what was replayed, the FIFO check, HOL, and the verdict with its reason."""
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
 
-    table = Table(title=report.title, show_lines=True)
+    table = Table(title=Text(report.title, style="table.title"), show_lines=True)
     table.add_column("configuration", ratio=2, overflow="fold")
     table.add_column("FIFO err %", justify="right")
     table.add_column("HOL/run", justify="right")
@@ -41,11 +42,12 @@ def _print_summary(report) -> None:  # type: ignore[no-untyped-def]
             extra = f" r={v.config['requests_per_step']} {v.config.get('stress', '')}"
         if v.config.get("clock") == "real":
             extra += " (real clock)"
-        table.add_row(v.cfg_label + extra, f"{v.fifo_median_error_pct:.2f}",
-                      ",".join(str(n) for n in v.hol_events), f"[bold]{v.verdict}[/bold]: {v.reason}")
+        verdict = Text.assemble((str(v.verdict), "bold"), f": {v.reason}")  # labels and reasons are never markup
+        table.add_row(Text(str(v.cfg_label) + extra), f"{v.fifo_median_error_pct:.2f}",
+                      ",".join(str(n) for n in v.hol_events), verdict)
     console = Console()
     console.print(table)
-    console.print(f"Reproduce: {report.reproduce}", soft_wrap=True)
+    console.print(f"Reproduce: {report.reproduce}", soft_wrap=True, markup=False, highlight=False)
 
 
 @click.command("whatif")
@@ -170,7 +172,7 @@ def sweep_command(out_dir: Path, quick: bool, repeats: int | None, confirm: bool
     matrix = SweepMatrix.quick() if quick else SweepMatrix()
     if repeats is not None:
         matrix.repeats = repeats
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    with Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   transient=False) as bar:
         task = bar.add_task("sweep", total=None)
 

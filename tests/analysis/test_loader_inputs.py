@@ -137,6 +137,15 @@ def test_pretty_printed_otlp_loads_and_without_kvtrace_spans_says_so(tmp_path: P
         load_traces(path)
 
 
+def test_a_cache_written_without_tasks_still_refuses_a_load_that_needs_them(tmp_path: Path) -> None:
+    path = tmp_path / "trace.json"
+    path.write_text(SPEC_EXAMPLE)
+    cache = tmp_path / "cache"
+    assert load_traces(path, cache_dir=cache, require_tasks=False).stats.cache == "miss"
+    with pytest.raises(NoTasksError, match=r"1 OTLP span\(s\) but no kvtrace task"):
+        load_traces(path, cache_dir=cache)  # cache hit: the same check as a fresh parse
+
+
 def _kvtrace(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", *args], capture_output=True, text=True,
                           timeout=120, check=False)

@@ -166,3 +166,19 @@ def test_msprof_timeline_without_torch_npu_output(profiler_dirs, tmp_path: Path)
     profile = read_npu_profile([tmp_path])
     assert profile.files == [str(out / "msprof_20261201120000.json")]
     assert [e.kind for e in profile.events] == ["attention", "copy", "communication"]
+
+
+def test_absurd_times_are_skipped_and_named(profiler_dirs, tmp_path: Path) -> None:
+    """A corrupt ``ts`` (1e30 µs, beyond int64 ns; a day away) or ``dur`` must not stretch the timelines."""
+    events = json.loads((profiler_dirs[0] / "ASCEND_PROFILER_OUTPUT" / "trace_view.json").read_text())
+    good_ts = next(e["ts"] for e in events if e.get("name") == "FusedInferAttentionScore")
+    bad = [("1e30", 1.0), (str(float(good_ts) + 3 * 86400e6), 1.0), (good_ts, 2 * 3600e6), ("-5", 1.0)]
+    events += [{"ph": "X", "name": f"FlashAttentionScore_{i}", "pid": 4, "tid": 2, "ts": ts, "dur": dur}
+               for i, (ts, dur) in enumerate(bad)]
+    (tmp_path / "trace_view.json").write_text(json.dumps(events))
+    profile = read_npu_profile([tmp_path / "trace_view.json"])
+    assert [e.name for e in profile.events] == ["FusedInferAttentionScore", "MEMCPY_ASYNC", "hcom_allReduce__123_0_1"]
+    reasons = sorted(p.split(": ", 1)[1].split(" (")[0] for p in profile.skipped)
+    assert len(reasons) == 5, profile.skipped  # the four above and the fixture's "not-a-time"
+    assert sum("int64" in r for r in reasons) == 2 and sum("longer than an hour" in r for r in reasons) == 1
+    assert sum("from the profile's other slices" in r for r in reasons) == 1

@@ -1,0 +1,76 @@
+"""The output-ready watcher: outputs beyond MAX_PENDING are counted and reported, and polling backs off
+toward MAX_POLL_S while nothing completes (each wake-up takes the GIL from the engine thread)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from otel_kvtrace.asynccheck import model as m
+from otel_kvtrace.asynccheck import ready
+from otel_kvtrace.asynccheck.assemble import OutputReady
+from otel_kvtrace.asynccheck.export import AsyncTracer, default_resource
+from otel_kvtrace.asynccheck.importers import import_otlp_json
+from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
+from otel_kvtrace.record.recorder import ClockAnchor
+
+
+class _CopyEvent:
+    """Stands in for the NPU copy-ready event: ``query()`` is False until ``after`` queries were made."""
+
+    def __init__(self, after: int) -> None:
+        self.after = after
+        self.queries = 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return self.queries > self.after
+
+
+class _Output:
+    def __init__(self, event: _CopyEvent) -> None:
+        self.async_copy_ready_event = event
+
+
+def test_outputs_beyond_max_pending_are_counted_and_reach_the_check(tmp_path: Path) -> None:
+    buffer = StampBuffer()
+    watcher = ready.ReadyWatcher(buffer)
+    try:
+        for _ in range(ready.MAX_PENDING + 3):
+            watcher.register(_Output(_CopyEvent(after=10**9)))  # never completes: the watcher falls behind
+        assert (len(watcher.pending), buffer.outputs_dropped) == (ready.MAX_PENDING, 3)
+    finally:
+        watcher.stop()
+    path = tmp_path / "w.jsonl"
+    tracer = AsyncTracer(path=path, resource=default_resource(run_id="w", source="replica", label="w"),
+                         buffer=buffer, anchor=ClockAnchor(0, 1_700_000_000_000_000_000))
+    tracer._write([], [OutputReady(seq=0, created=10, done=20, done_precision="device_event")])
+    result = import_otlp_json(path, "w")
+    warnings = [(w.kind, w.message) for w in result.warnings]
+    assert [k for k, _ in warnings] == [m.WARN_OUTPUTS_DROPPED] and "dropped 3 outputs" in warnings[0][1]
+
+
+def test_polling_backs_off_while_nothing_completes(monkeypatch: pytest.MonkeyPatch) -> None:
+    delays: list[float] = []
+    done = threading.Event()
+
+    def sleep(seconds: float) -> None:  # the loop's own choice of delay is recorded, then it yields
+        delays.append(seconds)
+        time.sleep(0)
+
+    monkeypatch.setattr(ready, "_sleep", sleep)
+    buffer = StampBuffer()
+    watcher = ready.ReadyWatcher(buffer)
+    put = buffer.put
+    monkeypatch.setattr(buffer, "put", lambda kind, *a: (put(kind, *a), done.set()))
+    watcher.register(_Output(_CopyEvent(after=8)))
+    try:
+        assert done.wait(10)
+    finally:
+        watcher.stop()
+    assert delays[:8] == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4])
+    assert max(delays) == ready.MAX_POLL_S
+    assert [s.kind for s in buffer.drain(0)] == [StampKind.READY]
