@@ -57,7 +57,7 @@ class Decoder:
         if kind == R.MSG_TASK:
             rec, awaiting = self._task(body)
             if rec is None:
-                self.undecodable += 1  # its queue definition was dropped (ring full): counted as lost
+                self.undecodable += 1  # a queue or request id definition it needs is missing: counted as lost
                 return
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
@@ -124,7 +124,13 @@ class Decoder:
         off += 8 * n_st
         groups = list(R._INTS[n_gr].unpack_from(body, off))
         off += 8 * n_gr
-        reqs = [self.req_ids.get(i, f"#{i}") for i in R._U32S[n_rq].unpack_from(body, off)]
+        known = self.req_ids
+        reqs = []
+        for i in R._U32S[n_rq].unpack_from(body, off):
+            name = known.get(i)
+            if name is None:  # its definition never arrived: not exported under a made-up name
+                return None, False
+            reqs.append(name)
         rec = _QueuedRecord(
             queue=queue, kind=kind, seq=seq, step=step, layer_id=layer, final_layer=bool(final),
             wait_for_save_layer=src if flags & R.F_SRC else None, gate_id=gate if flags & R.F_GATE else None,

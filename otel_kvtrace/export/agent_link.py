@@ -202,6 +202,7 @@ class AgentExporter:
         proc = self._proc
         if proc is None:
             return False
+        self.writer.hdr[R.H_DROPPED] = self.recorder.dropped  # final and exact: one thread writes it here
         self.writer.close()
         with contextlib.suppress(Exception):
             assert proc.stdin is not None

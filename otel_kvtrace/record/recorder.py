@@ -147,6 +147,11 @@ class Recorder:
         else:
             next(self._drops)
             ring = self.ring
+            if ring is not None:
+                try:
+                    ring.publish_dropped(count_value(self._drops))  # exact; the agent reports it
+                except Exception:  # noqa: BLE001 - the ring was released meanwhile (shutdown)
+                    pass
             if ring is not None and not ring.overflow_logged:
                 ring.overflow_logged = True
                 logger.warning(
