@@ -119,9 +119,14 @@ class AgentExporter:
         # The parent's ring and agent are not ours: writing there would interleave with the parent's
         # claims. A fresh ring and agent for this process; records wait in the ring until it is up.
         parent = self._proc
-        if parent is not None and parent.stdin is not None:
-            with contextlib.suppress(Exception):
-                os.close(parent.stdin.fileno())  # else the parent's agent never sees its EOF
+        if parent is not None:
+            # Our copies of the parent agent's pipes: else it never sees its producer's EOF. Closed through
+            # their file objects (flushed after every write), so nothing closes these fd numbers again later,
+            # when they may belong to this process's own ring or agent pipes.
+            for pipe in (parent.stdin, parent.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(Exception):
+                        pipe.close()
         self._proc = None
         self.recorder.after_fork()
         if self._shutdown_done:

@@ -242,3 +242,25 @@ def test_an_agent_killed_at_shutdown_leaves_nothing_pending(tmp_path: Path, monk
     finished, stats, took = _slow_receiver_run(tmp_path, monkeypatch, 0.0)  # no margin: killed mid-delivery
     assert not finished
     assert stats.balanced and stats.pending == 0 and stats.recorded == 200, stats
+
+
+def test_a_forked_child_closes_its_copies_of_the_parent_agents_pipes(tmp_path: Path) -> None:
+    """Closed through their file objects: a bare ``os.close`` left them open, and their later garbage
+    collection closed the same fd numbers again, by then the child's own ring or agent pipes."""
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record.recorder import Recorder
+
+    exporter = AgentExporter(Recorder(), build_resource({}), out_dir=tmp_path)
+    parent_agent = exporter._proc
+    assert parent_agent is not None
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the at-fork hook has run
+            ok = parent_agent.stdin.closed and parent_agent.stdout.closed and exporter._proc is not parent_agent
+            exporter.shutdown(5.0)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        exporter.shutdown()
