@@ -292,3 +292,33 @@ def test_the_agent_drops_and_counts_a_task_naming_an_unknown_request_index(make_
         if msg.kind != R.MSG_REQ or msg.body[:4] != b"\x01\x00\x00\x00":  # request id #1 never arrives
             decoder.feed(msg, out)
     assert out == [] and decoder.undecodable == 1
+
+
+def test_shipping_names_at_most_one_request_id_past_what_the_ring_carries(make_record) -> None:
+    """The recording thread does not ``str()`` every request of a big task; the block count stays exact."""
+    from types import SimpleNamespace
+
+    from otel_kvtrace.record.recorder import Recorder
+
+    named = []
+
+    class ReqId:
+        def __init__(self, i: int) -> None:
+            self.i = i
+
+        def __str__(self) -> str:
+            named.append(self.i)
+            return f"req-{self.i}"
+
+    ranges = [SimpleNamespace(request=SimpleNamespace(req_id=ReqId(i)), start_block=0, end_block=2)
+              for i in range(1000)]
+    writer, reader = _ring()
+    recorder = Recorder(capacity=10)
+    recorder.attach_ring(writer)
+    rec = make_record()
+    rec.transfer_tasks = [SimpleNamespace(group_id=0, shared_block_data=None, block_ranges=ranges)]
+    recorder._ship(rec, False)
+    (decoded,) = _decode(reader)
+    assert len(named) <= R.MAX_REQS + 1
+    assert decoded.transfer_tasks.num_blocks == 2000
+    assert decoded.transfer_tasks.request_ids == [f"req-{i}" for i in range(R.MAX_REQS)]
