@@ -23,6 +23,7 @@ import pickle
 import select
 import signal
 import sys
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -57,7 +58,7 @@ class Decoder:
         if kind == R.MSG_TASK:
             rec, awaiting = self._task(body)
             if rec is None:
-                self.undecodable += 1  # its queue definition was dropped (ring full): counted as lost
+                self.undecodable += 1  # a queue or request id definition it needs is missing: counted as lost
                 return
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
@@ -124,7 +125,13 @@ class Decoder:
         off += 8 * n_st
         groups = list(R._INTS[n_gr].unpack_from(body, off))
         off += 8 * n_gr
-        reqs = [self.req_ids.get(i, f"#{i}") for i in R._U32S[n_rq].unpack_from(body, off)]
+        known = self.req_ids
+        reqs = []
+        for i in R._U32S[n_rq].unpack_from(body, off):
+            name = known.get(i)
+            if name is None:  # its definition never arrived: not exported under a made-up name
+                return None, False
+            reqs.append(name)
         rec = _QueuedRecord(
             queue=queue, kind=kind, seq=seq, step=step, layer_id=layer, final_layer=bool(final),
             wait_for_save_layer=src if flags & R.F_SRC else None, gate_id=gate if flags & R.F_GATE else None,
@@ -173,13 +180,18 @@ class Agent:
         self.batch_size = batch_size
         self.decoder = Decoder()
         self.lost = 0
+        self.shutdown_timeout_s: float | None = None  # the sink's deadline, sent by a producer shutting down
+        self.shutdown_at: float | None = None
 
     def run(self, control: Any) -> None:
         producer_gone = False
         while not self.decoder.closed and not producer_gone:
             ready, _, _ = select.select([control], [], [], self.interval_s)
-            if ready and not os.read(control.fileno(), 4096):
-                producer_gone = True  # stdin EOF: the producer closed its end or died
+            if ready:
+                data = os.read(control.fileno(), 4096)
+                if not data:
+                    producer_gone = True  # stdin EOF: the producer closed its end or died
+                self._control(data)
             if os.getppid() != self.producer_pid:
                 producer_gone = True
             while self._cycle(self.reader.poll(self.batch_size)):
@@ -199,6 +211,20 @@ class Agent:
         if self.lost:
             logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write or sink failed)",
                            self.lost)
+
+    def _control(self, data: bytes) -> None:
+        """``shutdown <seconds>``: the deadline the producer gives the sink (it waits that plus a margin)."""
+        for line in data.splitlines():
+            if line.startswith(b"shutdown "):
+                with contextlib.suppress(ValueError):
+                    self.shutdown_timeout_s = max(0.0, float(line.split()[1]))
+                    self.shutdown_at = time.monotonic()
+
+    def sink_deadline(self, default_s: float | None) -> float | None:
+        """What is left of the producer's deadline for the sink's final delivery."""
+        if self.shutdown_timeout_s is None or self.shutdown_at is None:
+            return default_s
+        return max(0.0, self.shutdown_timeout_s - (time.monotonic() - self.shutdown_at))
 
     def _cycle(self, msgs: list[R.Message]) -> bool:
         if not msgs:
@@ -297,7 +323,7 @@ def main() -> int:
         agent.run(stdin)
     finally:
         with contextlib.suppress(Exception):
-            sink.shutdown()
+            sink.shutdown(agent.sink_deadline(settings.get("shutdown_timeout_s")))
         agent.publish_sink_stats()  # after the final delivery attempt: what is delivered, what stays spooled
     with contextlib.suppress(Exception):
         out.write(f"exported={reader.hdr[R.H_EXPORTED]} lost={agent.lost}\n".encode())

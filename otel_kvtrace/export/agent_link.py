@@ -30,6 +30,9 @@ logger = logging.getLogger("otel_kvtrace")
 
 AGENT_MODULE = "otel_kvtrace.export.agent"
 DEFAULT_START_TIMEOUT_S = 20.0
+# What the agent needs beyond its sink's delivery deadline: draining the ring, the sender's 1 s join,
+# the transport's shutdown. The serving process waits deadline + margin before it kills the agent.
+SHUTDOWN_MARGIN_S = 5.0
 
 
 class AgentUnavailable(RuntimeError):
@@ -65,8 +68,10 @@ class AgentExporter:
             "nice": config.env_int(config.OTEL_KVTRACE_AGENT_NICE, config.DEFAULT_AGENT_NICE, minimum=0),
         }
         self.timeout_s = config.env_int(config.OTEL_KVTRACE_EXPORT_TIMEOUT_MS, config.DEFAULT_EXPORT_TIMEOUT_MS) / 1000
+        self._settings["shutdown_timeout_s"] = self.timeout_s  # the agent's default sink deadline
         self._proc: subprocess.Popen[bytes] | None = None
         self._shutdown_done = False
+        self._killed = False
         self.writer = self._spawn(start_timeout_s, wait=True)
         recorder.attach_ring(self.writer)
         self._final: tuple[int, int] | None = None  # (exported, lost) once shut down and unmapped
@@ -114,9 +119,14 @@ class AgentExporter:
         # The parent's ring and agent are not ours: writing there would interleave with the parent's
         # claims. A fresh ring and agent for this process; records wait in the ring until it is up.
         parent = self._proc
-        if parent is not None and parent.stdin is not None:
-            with contextlib.suppress(Exception):
-                os.close(parent.stdin.fileno())  # else the parent's agent never sees its EOF
+        if parent is not None:
+            # Our copies of the parent agent's pipes: else it never sees its producer's EOF. Closed through
+            # their file objects (flushed after every write), so nothing closes these fd numbers again later,
+            # when they may belong to this process's own ring or agent pipes.
+            for pipe in (parent.stdin, parent.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(Exception):
+                        pipe.close()
         self._proc = None
         self.recorder.after_fork()
         if self._shutdown_done:
@@ -177,7 +187,14 @@ class AgentExporter:
         else:  # a file sink: exported is written
             delivered, spooled, sink_dropped = self.exported_tasks, 0, 0
         dropped = ring_dropped + self.lost + sink_dropped
-        return ExportStats(recorded, delivered, spooled, dropped, max(0, recorded - delivered - spooled - dropped))
+        pending = max(0, recorded - delivered - spooled - dropped)
+        if self._killed and pending:  # nobody will move them any more
+            if hdr[R.H_SINK_STATS]:
+                spooled += pending  # a delivering sink spools every batch it accepts before sending it
+            else:
+                dropped += pending
+            pending = 0
+        return ExportStats(recorded, delivered, spooled, dropped, pending)
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Wait until the agent has exported everything written so far. True if it did in time."""
@@ -202,19 +219,25 @@ class AgentExporter:
         proc = self._proc
         if proc is None:
             return False
+        self.writer.hdr[R.H_DROPPED] = self.recorder.dropped  # final and exact: one thread writes it here
         self.writer.close()
+        deadline_s = self.timeout_s if timeout_s is None else timeout_s
         with contextlib.suppress(Exception):
             assert proc.stdin is not None
+            proc.stdin.write(f"shutdown {deadline_s!r}\n".encode())  # the agent's sink deadline
+            proc.stdin.flush()
+        with contextlib.suppress(Exception):
             proc.stdin.close()
         finished = True
         try:
-            proc.wait(self.timeout_s if timeout_s is None else timeout_s)
+            proc.wait(deadline_s + SHUTDOWN_MARGIN_S)  # its sink's deadline, plus what it does around it
         except subprocess.TimeoutExpired:
             logger.warning("otel-kvtrace: exporter agent did not finish in time; stopping it")
             proc.kill()
             with contextlib.suppress(Exception):
                 proc.wait(1.0)
             finished = False
+            self._killed = True
         finally:
             with contextlib.suppress(Exception):
                 assert proc.stdout is not None

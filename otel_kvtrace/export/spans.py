@@ -178,12 +178,14 @@ def producer_save_ids(record: TaskRecord) -> tuple[bytes, bytes] | None:
     return trace_ids_for(producer)
 
 
-def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
+def summarize_transfer_tasks(transfer_tasks: Any, max_reqs: int | None = None) -> TransferSummary:
     """Group ids, distinct request ids and block count of upstream ``LayerTransferTask`` objects.
 
     Defensive: upstream shapes differ between versions, fields may be missing, cleared or numpy
     arrays, so every read is a ``getattr`` with a default, no value is truth-tested, and a task that
     cannot be read contributes what was read before the error (never an exception).
+    ``max_reqs``: stop naming request ids (``str()``) once that many distinct ones were found (the ring
+    carries at most ``MAX_REQS`` and flags the cut); the block count stays exact.
     """
     group_ids: list[int] = []
     request_ids: dict[str, None] = {}
@@ -193,7 +195,7 @@ def summarize_transfer_tasks(transfer_tasks: Any) -> TransferSummary:
     tasks: Iterable[Any] = transfer_tasks if isinstance(transfer_tasks, (list, tuple)) else (transfer_tasks,)
     for task in tasks:
         try:
-            num_blocks += _summarize_one(task, group_ids, request_ids)
+            num_blocks += _summarize_one(task, group_ids, request_ids, max_reqs)
         except Exception:  # noqa: BLE001 - an unreadable upstream object must not stop tracing
             continue
     group_ids.sort()
@@ -212,7 +214,7 @@ def _as_int(value: Any) -> int | None:
         return None
 
 
-def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]) -> int:
+def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None], max_reqs: int | None) -> int:
     group_id = getattr(task, "group_id", None)
     if type(group_id) is not int:  # the common case needs no helper call (this runs on recv threads)
         group_id = _as_int(group_id)
@@ -224,6 +226,8 @@ def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]
         req_ids = getattr(shared, "req_ids", None)
         if req_ids is not None:
             for req_id in req_ids:
+                if max_reqs is not None and len(request_ids) >= max_reqs:
+                    break
                 request_ids[str(req_id)] = None
         block_ids = getattr(shared, "block_ids_arr", None)
         if block_ids is not None:
@@ -231,10 +235,13 @@ def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]
     range_blocks = 0
     block_ranges = getattr(task, "block_ranges", None)
     if block_ranges is not None:
+        naming = True
         for block_range in block_ranges:
-            req_id = getattr(getattr(block_range, "request", None), "req_id", None)
-            if req_id is not None:
-                request_ids[str(req_id)] = None
+            if naming:
+                req_id = getattr(getattr(block_range, "request", None), "req_id", None)
+                if req_id is not None:
+                    request_ids[str(req_id)] = None
+                    naming = max_reqs is None or len(request_ids) < max_reqs
             start = getattr(block_range, "start_block", None)
             end = getattr(block_range, "end_block", None)
             if type(start) is not int or type(end) is not int:

@@ -76,9 +76,13 @@ class Recorder:
 
     def attach_ring(self, writer: Any) -> None:
         """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process."""
-        from otel_kvtrace.export.spans import summarize_transfer_tasks
+        import functools
 
-        self._summarize = summarize_transfer_tasks
+        from otel_kvtrace.export.spans import summarize_transfer_tasks
+        from otel_kvtrace.record.ring import MAX_REQS
+
+        # Bounded on the recording thread: one id past what the ring carries, so the cut is still flagged.
+        self._summarize = functools.partial(summarize_transfer_tasks, max_reqs=MAX_REQS + 1)
         self.ring = writer
 
     def after_fork(self) -> None:
@@ -147,6 +151,11 @@ class Recorder:
         else:
             next(self._drops)
             ring = self.ring
+            if ring is not None:
+                try:
+                    ring.publish_dropped(count_value(self._drops))  # exact; the agent reports it
+                except Exception:  # noqa: BLE001 - the ring was released meanwhile (shutdown)
+                    pass
             if ring is not None and not ring.overflow_logged:
                 ring.overflow_logged = True
                 logger.warning(

@@ -11,7 +11,8 @@ Layout (little-endian; ``docs/export.md`` has the same table)::
             H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE,
             H_HEAD      claims made by the producer (hint; the slot commit words are authoritative)
             H_READ      slots consumed (decoded and exported) by the agent
-            H_DROPPED   messages the producer dropped because the ring was full (agent dead or slow)
+            H_DROPPED   tasks the producer dropped because the ring was full (agent dead or slow): the
+                        recorder's exact count, published by ``publish_dropped``
             H_PRODUCER_PID, H_AGENT_PID, H_EXPORTED (tasks the agent handed to its sink),
             H_AGENT_LOST (tasks the agent lost: sink failure, torn slot of a killed producer),
             H_SINK_STATS (1 once the agent's sink reports where its tasks are), H_SINK_DELIVERED,
@@ -19,7 +20,8 @@ Layout (little-endian; ``docs/export.md`` has the same table)::
             ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``)
     slot i  at HEADER_BYTES + (i % nslots) * slot_size:
             commit  q   i + 1 once the slot's message is complete (written last)
-            crc     I   zlib.crc32 of the body (a torn or reordered write is never decoded)
+            crc     I   zlib.crc32 of the body seeded with i (a torn or reordered write, or a previous
+                        lap's body seen with this lap's commit word, is never decoded)
             kind    H   MSG_*
             length  H   body bytes
             body        kind-specific, below
@@ -41,7 +43,8 @@ Messages (body ``struct`` formats):
 Concurrency: several recording threads of one process write; a claim is ``next()`` on an
 ``itertools.count`` (atomic under the GIL), so no lock is taken. The room check reads the agent's
 ``H_READ`` and keeps ``CLAIM_MARGIN`` slots spare for threads racing between check and claim. When full
-the message is dropped and counted in ``H_DROPPED``; the producer never waits.
+the message is dropped; a dropped task is counted by the recorder (an ``itertools.count``, exact) and
+published into ``H_DROPPED``; the producer never waits.
 """
 
 from __future__ import annotations
@@ -160,8 +163,7 @@ class RingWriter:
         """A slot index, or -1 when the ring is full (counted). Lock-free."""
         hdr = self.hdr
         if self._head - hdr[H_READ] >= self._limit:
-            hdr[H_DROPPED] += 1  # a lost increment under a race undercounts by one at worst
-            return -1
+            return -1  # the task it belonged to is counted by the recorder (``publish_dropped``)
         k = next(self._claims)
         self._head = k + 1
         if k >= hdr[H_HEAD]:
@@ -172,7 +174,8 @@ class RingWriter:
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         body = off + SLOT_HEAD.size
         mem = self._mem
-        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + length]), kind, length)
+        crc = zlib.crc32(self._buf[body : body + length], k & 0xFFFFFFFF)  # seeded: a previous lap never matches
+        _CRC_KIND_LEN.pack_into(mem, off + 8, crc, kind, length)
         _COMMIT.pack_into(mem, off, k + 1)  # last: publishes the slot
 
     def _write(self, kind: int, payload: bytes) -> bool:
@@ -181,12 +184,17 @@ class RingWriter:
             return False
         body = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE + SLOT_HEAD.size
         n = len(payload)
-        self._buf[body : body + n] = payload
-        self._commit(k, kind, n)
+        try:
+            self._buf[body : body + n] = payload
+            self._commit(k, kind, n)
+        except BaseException:
+            self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
+            raise
         return True
 
     # -- side tables --------------------------------------------------------------------------------
     def queue_index(self, info: Any) -> int:
+        """The queue's index, its definition written first; -1 when the ring had no room for it."""
         entry = self._queues.get(id(info))
         if entry is not None and entry[0] is info:
             return entry[1]
@@ -195,25 +203,35 @@ class RingWriter:
         payload = QUEUE_FIXED.pack(
             idx, info.pid, info.dp, info.pp, info.tp, info.pcp, info.dcp, info.num_layers, *map(len, names)
         ) + b"".join(names)
-        if self._write(MSG_QUEUE, payload):  # not remembered when the ring was full: sent again next time
-            self._queues[id(info)] = (info, idx)
+        if not self._write(MSG_QUEUE, payload):
+            return -1  # not remembered when the ring was full: sent again next time
+        self._queues[id(info)] = (info, idx)
         return idx
 
     def req_index(self, req_id: str) -> int:
+        """The id's index, its definition written first; -1 when the ring had no room for it (the task
+        that needs it is then not written either: the agent never sees an index it cannot name)."""
         idx = self._req_ids.get(req_id)
         if idx is None:
             if len(self._req_ids) >= 65536:
                 self._req_ids.clear()  # bounded; ids seen again are re-sent under a new index
             idx = next(self._next_req)
             raw = _utf8(req_id, BODY_BYTES - REQ_FIXED.size)
-            if self._write(MSG_REQ, REQ_FIXED.pack(idx & 0xFFFFFFFF, len(raw)) + raw):
-                self._req_ids[req_id] = idx
+            if not self._write(MSG_REQ, REQ_FIXED.pack(idx & 0xFFFFFFFF, len(raw)) + raw):
+                return -1
+            self._req_ids[req_id] = idx
         return idx & 0xFFFFFFFF
 
     def resource(self, key: str, value: Any) -> None:
         payload = marshal.dumps((key, value))
         if len(payload) <= BODY_BYTES:
             self._write(MSG_RESOURCE, payload)
+
+    def publish_dropped(self, dropped: int) -> None:
+        """The recorder's exact drop count into ``H_DROPPED`` for the agent (never moves backwards; the
+        shutdown path writes the final value from one thread before ``close``)."""
+        if dropped > self.hdr[H_DROPPED]:
+            self.hdr[H_DROPPED] = dropped
 
     def close(self) -> None:
         self._write(MSG_CLOSE, b"")
@@ -229,6 +247,8 @@ class RingWriter:
         """One task record (``summary``: group ids, request ids, block count of its transfer tasks)."""
         entry = self._queues.get(id(rec.queue))
         qidx = entry[1] if entry is not None and entry[0] is rec.queue else self.queue_index(rec.queue)
+        if qidx < 0:
+            return False  # its definition did not fit: the task is dropped (and counted) rather than lost
         if rec.error is not None:
             self._write_error(qidx, rec.seq, rec.error)
         reqs = summary.request_ids
@@ -240,16 +260,11 @@ class RingWriter:
         req_ids = []
         for r in reqs:
             i = known.get(r)
-            req_ids.append(self.req_index(r) if i is None else i & 0xFFFFFFFF)
-        # _claim(), inlined (this runs once per task on a recording thread)
-        hdr = self.hdr
-        if self._head - hdr[H_READ] >= self._limit:
-            hdr[H_DROPPED] += 1
-            return False
-        k = next(self._claims)
-        self._head = k + 1
-        if k >= hdr[H_HEAD]:
-            hdr[H_HEAD] = k + 1
+            if i is None:
+                i = self.req_index(r)
+                if i < 0:
+                    return False  # as for the queue: never a task pointing at an id the agent lacks
+            req_ids.append(i & 0xFFFFFFFF)
         stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
         if len(stages) > MAX_STAGE_INTS:
             stages = fold_stages(stages)
@@ -264,10 +279,19 @@ class RingWriter:
         layout = _TASK_LAYOUTS.get((len(stages), len(groups), len(req_ids)))
         if layout is None:
             layout = _task_struct(len(stages), len(groups), len(req_ids))
-        off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
-        body = off + SLOT_HEAD.size
-        mem = self._mem
+        # _claim(), inlined (this runs once per task on a recording thread); from here to the commit
+        # nothing may leave the slot claimed but uncommitted.
+        hdr = self.hdr
+        if self._head - hdr[H_READ] >= self._limit:
+            return False
+        k = next(self._claims)
         try:
+            self._head = k + 1
+            if k >= hdr[H_HEAD]:
+                hdr[H_HEAD] = k + 1
+            off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
+            body = off + SLOT_HEAD.size
+            mem = self._mem
             layout.pack_into(
                 mem, body, qidx, rec.kind,
                 rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
@@ -276,12 +300,13 @@ class RingWriter:
                 len(stages), len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF, *stages, *groups,
                 *req_ids,
             )
+            n = layout.size  # _commit(), inlined
+            crc = zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
+            _CRC_KIND_LEN.pack_into(mem, off + 8, crc, MSG_TASK, n)
+            _COMMIT.pack_into(mem, off, k + 1)
         except BaseException:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
-        n = layout.size  # _commit(), inlined
-        _CRC_KIND_LEN.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + n]), MSG_TASK, n)
-        _COMMIT.pack_into(mem, off, k + 1)
         return True
 
     def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:
@@ -366,7 +391,7 @@ class RingReader:
         if commit != k + 1 or length > BODY_BYTES:
             return None
         body = bytes(self._buf[off + SLOT_HEAD.size : off + SLOT_HEAD.size + length])
-        if zlib.crc32(body) != crc:
+        if zlib.crc32(body, k & 0xFFFFFFFF) != crc:  # seeded with k: a previous lap's body and crc never pass
             return None  # still being written (or torn): read again later
         return Message(k, kind, body)
 

@@ -198,3 +198,69 @@ def test_without_an_agent_tracing_falls_back_to_the_in_process_exporter(
     assert isinstance(session.exporter, BackgroundExporter) and session.recorder.ring is None
     assert len([r for r in caplog.records if "exporter agent unavailable" in r.message]) == 1
     assert stats.dropped == 0 and len(_roots(tmp_path)) == stats.submitted > 0
+
+
+def _slow_receiver_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, margin_s: float | None) -> tuple:
+    """An agent exporting to a real gRPC receiver that takes 2.5 s per request, shut down with 1 s."""
+    from export_records import fill_record
+    from fault_receivers import GrpcReceiver
+
+    from otel_kvtrace.export import agent_link
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record.recorder import Recorder
+
+    monkeypatch.setenv("OTEL_KVTRACE_EXPORT_TIMEOUT_MS", "1000")
+    monkeypatch.setenv("OTEL_KVTRACE_SPOOL_DIR", str(tmp_path / "spool"))
+    if margin_s is not None:
+        monkeypatch.setattr(agent_link, "SHUTDOWN_MARGIN_S", margin_s, raising=False)
+    receiver = GrpcReceiver(sleep_s=2.5)
+    try:
+        recorder = Recorder()
+        exporter = agent_link.AgentExporter(recorder, build_resource({}), endpoint=receiver.endpoint,
+                                            protocol="grpc")
+        for i in range(200):
+            rec = recorder.new_record()
+            fill_record(rec, seq=i)
+            recorder.submit(rec)
+        start = time.monotonic()
+        finished = exporter.shutdown()
+        took = time.monotonic() - start
+        return finished, exporter.stats(), took
+    finally:
+        receiver.stop()
+
+
+def test_a_slow_receiver_leaves_the_agent_time_to_settle_its_sink(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    finished, stats, took = _slow_receiver_run(tmp_path, monkeypatch, None)
+    assert finished, stats  # not killed: its sink's final counts reached the header
+    assert stats.balanced and stats.pending == 0 and stats.recorded == 200, stats
+    assert stats.delivered + stats.spooled == 200, stats
+
+
+def test_an_agent_killed_at_shutdown_leaves_nothing_pending(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    finished, stats, took = _slow_receiver_run(tmp_path, monkeypatch, 0.0)  # no margin: killed mid-delivery
+    assert not finished
+    assert stats.balanced and stats.pending == 0 and stats.recorded == 200, stats
+
+
+def test_a_forked_child_closes_its_copies_of_the_parent_agents_pipes(tmp_path: Path) -> None:
+    """Closed through their file objects: a bare ``os.close`` left them open, and their later garbage
+    collection closed the same fd numbers again, by then the child's own ring or agent pipes."""
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record.recorder import Recorder
+
+    exporter = AgentExporter(Recorder(), build_resource({}), out_dir=tmp_path)
+    parent_agent = exporter._proc
+    assert parent_agent is not None
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child: the at-fork hook has run
+            ok = parent_agent.stdin.closed and parent_agent.stdout.closed and exporter._proc is not parent_agent
+            exporter.shutdown(5.0)
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        exporter.shutdown()
