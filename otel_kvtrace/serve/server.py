@@ -176,14 +176,16 @@ async def _stream(request: web.Request, tokens: asyncio.Queue[int], chunk: _Chun
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     first_ns, generated = 0, 0
-    if chunk.chat:  # vLLM's first chat chunk carries the role and no text
-        role = chunk.token(0, None)
-        role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
-        await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
     while generated < max_tokens:
         index = await tokens.get()
         if index < 0:
             break  # the engine failed: end the stream early (the client sees a short answer)
+        if chunk.chat and not generated:
+            # vLLM's first chat chunk carries the role and no text, sent with the first engine output
+            # (serving_chat.py, chat_completion_stream_generator: first_iteration), i.e. with the first token
+            role = chunk.token(0, None)
+            role["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            await resp.write(b"data: " + orjson.dumps(role) + b"\n\n")
         generated += 1
         finish = "length" if generated == max_tokens else None
         await resp.write(b"data: " + orjson.dumps(chunk.token(index, finish)) + b"\n\n")
