@@ -7,6 +7,7 @@ then drain the tracing session, so every recorded task is exported before the pr
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import time
@@ -47,7 +48,8 @@ async def _serve(o: ServeOptions) -> int:
     from otel_kvtrace.serve.engine import ReplicaEngine
     from otel_kvtrace.serve.server import RequestLog, build_app
 
-    run_id = o.run_id or f"serve-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}"
+    # the pid too: two servers started in the same second (one per card, or a test) must not share a run id
+    run_id = o.run_id or f"serve-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{os.getpid()}"
     session = _start_tracing(o, run_id) if o.trace else None
     engine = ReplicaEngine(o.config, max_num_seqs=o.max_num_seqs, block_tokens=o.block_tokens)
     log = RequestLog(o.data_dir / "requests" / f"requests-{safe_run_id(run_id)}.jsonl")
