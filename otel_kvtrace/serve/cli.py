@@ -23,7 +23,7 @@ from otel_kvtrace import config
 @click.option("--seed", type=int, default=0, show_default=True)
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help=f"Traces and request log (default ${config.OTEL_KVTRACE_DATA_DIR} or ./kvtrace-data).")
-@click.option("--run-id", help=f"Trace run id (default ${config.OTEL_KVTRACE_RUN_ID} or serve-<time>).")
+@click.option("--run-id", help=f"Trace run id (default ${config.OTEL_KVTRACE_RUN_ID} or serve-<time>-<pid>).")
 @click.option("--scheduler", help=f"Live recv policy (fifo, ready_queue; default ${config.OTEL_KVTRACE_SCHEDULER} "
                                    "or fifo), recorded as kvtrace.cfg.scheduler.")
 @click.option("--no-trace", is_flag=True, help="Serve without tracing.")
