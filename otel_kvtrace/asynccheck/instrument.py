@@ -23,7 +23,6 @@ import importlib.util
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from threading import get_ident
 from typing import Any
@@ -35,6 +34,9 @@ from otel_kvtrace.asynccheck.export import AsyncTracer, async_trace_path, defaul
 from otel_kvtrace.asynccheck.ready import ReadyWatcher
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
 from otel_kvtrace.export.worker import create_sink
+from otel_kvtrace.instrument.patches import InstalledPatch, patch_attr
+from otel_kvtrace.instrument.patches import uninstall as uninstall_patches
+from otel_kvtrace.instrument.points import PatchPoint
 
 logger = logging.getLogger("otel_kvtrace")
 
@@ -199,29 +201,41 @@ def _output_init_wrapper(state: LoopState) -> Wrapper:
     return wrapper
 
 
-@dataclass(frozen=True, slots=True)
-class PatchPoint:
-    """One wrapped method: the owner key in an owner table, the attribute, the wrapper factory."""
+class _Wrapper(wrapt.FunctionWrapper):
+    """A wrapt wrapper carrying the package's one idempotence mark (``patches.is_wrapped``).
 
-    owner: str
-    attr: str
-    make_wrapper: Callable[[LoopState], Wrapper]
+    wrapt forwards attribute reads to the wrapped function, so the mark is a property of this class:
+    under wrapt 2.x a ``FunctionWrapper`` is no ``wrapt.ObjectProxy`` instance, and a check on that let
+    the first-step adoption wrap a second time.
+    """
+
+    @property
+    def __kvtrace_wrapped__(self) -> Any:
+        return self.__wrapped__
+
+
+def _row(id_: str, owner: str, attr: str, what: str, make: Callable[[LoopState], Wrapper]) -> PatchPoint:
+    """An engine-loop row of the shared ``points.PatchPoint`` shape: ``role`` is the owner-table key and
+    ``wrapper`` the factory taking the ``LoopState``."""
+    return PatchPoint(id_, owner, attr, (), False, what, make)
 
 
 PATCH_POINTS: tuple[PatchPoint, ...] = (
-    PatchPoint("engine", "step", _step_wrapper(0)),
-    PatchPoint("engine", "step_with_batch_queue", _step_wrapper(1)),
-    PatchPoint("scheduler", "schedule", _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
-    PatchPoint("executor", "execute_model", _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
+    _row("E1", "engine", "step", "sync engine loop; first step adopts the engine's classes", _step_wrapper(0)),
+    _row("E2", "engine", "step_with_batch_queue", "async engine loop (batch queue)", _step_wrapper(1)),
+    _row("E3", "scheduler", "schedule", "batch_schedule",
+         _phase_wrapper("in_schedule", StampKind.SCHED_BEGIN, StampKind.SCHED_END)),
+    _row("E4", "executor", "execute_model", "model_execute: host dispatch",
+         _phase_wrapper("in_launch", StampKind.LAUNCH_BEGIN, StampKind.LAUNCH_END)),
     # since vLLM 0.23 execute_model's future resolves to None and sampling is launched by sample_tokens
-    PatchPoint("executor", "sample_tokens", _phase_wrapper("in_sample", StampKind.SAMPLE_BEGIN, StampKind.SAMPLE_END)),
-    PatchPoint("output", "__init__", _output_init_wrapper),
-    PatchPoint("output", "get_output", _done_wrapper),
-    PatchPoint(
-        "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
-    ),
-    PatchPoint("dp_sync", "has_unfinished_dp", _comm_wrapper),
-    PatchPoint("dp_sync", "sync_dp_state", _comm_wrapper),
+    _row("E5", "executor", "sample_tokens", "sampling launch (part of model_execute)",
+         _phase_wrapper("in_sample", StampKind.SAMPLE_BEGIN, StampKind.SAMPLE_END)),
+    _row("E6", "output", "__init__", "copy-ready event to the output-ready watcher", _output_init_wrapper),
+    _row("E7", "output", "get_output", "execute_done (its thread decides the precision)", _done_wrapper),
+    _row("E8", "scheduler", "update_from_output", "update_output",
+         _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)),
+    _row("E9", "dp_sync", "has_unfinished_dp", "DP all-reduce: communication", _comm_wrapper),
+    _row("E10", "dp_sync", "sync_dp_state", "DP all-reduce: communication", _comm_wrapper),
 )
 
 
@@ -238,42 +252,34 @@ def _resolve(spec: OwnerSpec) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
-_WRAPPED: set[tuple[type, str]] = set()
-"""(class, attribute) pairs wrapped by any instance in this process: one wrapper layer per method."""
-
-
 class EngineLoopInstrumentation:
-    """Installs and removes every ``PATCH_POINTS`` wrapper on the classes of an owner table."""
+    """Installs and removes every ``PATCH_POINTS`` wrapper on the classes of an owner table, through the
+    package's one patch helper (``instrument.patches.patch_attr`` / ``uninstall``)."""
 
     def __init__(self, buffer: StampBuffer, owners: Mapping[str, Sequence[OwnerSpec]] = VLLM_OWNERS) -> None:
         self.state = LoopState(buffer)
         self.state.adopt = self._adopt
         self.owners = owners
-        self.installed: list[tuple[type, str]] = []
-        # (the class's own attribute, our wrapper): a staticmethod stays one
-        self._originals: dict[tuple[type, str], tuple[Any, Any]] = {}
+        self._patches: list[InstalledPatch] = []
 
     def install(self) -> list[str]:
         """Wrap every patch point whose class defines the attribute; return ``Class.attr`` names."""
-        if self.installed:
+        if self._patches:
             return self.names
         for point in PATCH_POINTS:
-            for spec in self.owners.get(point.owner, ()):
+            for spec in self.owners.get(point.role, ()):
                 cls = _resolve(spec)
                 if cls is not None:
                     self._wrap(cls, point)
         return self.names
 
     def _wrap(self, cls: type, point: PatchPoint) -> None:
-        current = vars(cls).get(point.attr)
-        if current is None or (cls, point.attr) in _WRAPPED:
-            return  # not defined here, or already wrapped (by this or another instance)
-        # wrapt 2.x: a FunctionWrapper is not a ``wrapt.ObjectProxy`` instance, so that check let the
-        # first-step adoption wrap a second time; the registry is version-independent.
-        wrapt.wrap_function_wrapper(cls, point.attr, point.make_wrapper(self.state))
-        _WRAPPED.add((cls, point.attr))
-        self.installed.append((cls, point.attr))
-        self._originals[(cls, point.attr)] = (current, vars(cls)[point.attr])
+        if point.member not in vars(cls):
+            return  # not defined here: the class that defines it is wrapped (one layer per method)
+        wrapper = point.wrapper(self.state)  # type: ignore[operator]
+        patch = patch_attr(cls, point.member, lambda current: _Wrapper(current, wrapper))
+        if patch is not None:  # None: already wrapped (by this or another instance)
+            self._patches.append(patch)
 
     def _adopt(self, engine: Any) -> None:
         """Patch the classes (and bases) of the scheduler and executor an engine actually uses."""
@@ -285,21 +291,19 @@ class EngineLoopInstrumentation:
                 if cls is object:
                     continue
                 for point in PATCH_POINTS:
-                    if point.owner == owner:
+                    if point.role == owner:
                         self._wrap(cls, point)
 
     def uninstall(self) -> None:
-        """Restore every wrapped attribute. Idempotent."""
+        """Restore every wrapped attribute (the class's own: a staticmethod stays one). Idempotent."""
         self.state.enabled = False
         self.state.watcher.stop()
-        for cls, attr in reversed(self.installed):
-            # restore the class's own attribute: unwrap() via getattr would turn a staticmethod into a
-            # plain function (vLLM 0.23's ParallelConfig.sync_dp_state / has_unfinished_dp)
-            original, ours = self._originals.pop((cls, attr))
-            if vars(cls).get(attr) is ours:  # someone re-patched on top of us: leave theirs alone
-                setattr(cls, attr, original)
-            _WRAPPED.discard((cls, attr))
-        self.installed.clear()
+        uninstall_patches(self._patches)
+
+    @property
+    def installed(self) -> list[tuple[type, str]]:
+        """``(class, attribute)`` of every wrapper in place, in install order."""
+        return [(p.owner, p.attr) for p in self._patches]
 
     @property
     def names(self) -> list[str]:

@@ -1,13 +1,18 @@
 """Install and uninstall the class-level wrappers of the patch-point table (``instrument/points.py``).
 
+``patch_attr``/``uninstall`` are the one patch helper of the package: the KV tables, the scheduler's
+and the engine-loop table (``asynccheck/instrument.py``) all wrap and restore through them.
+
 The table is the one ``kvtrace doctor`` checks: every row with a ``wrapper`` is wrapped here on the
 target classes of its role; ``core`` and ``required`` are enforced as the table's docstring says.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from otel_kvtrace.instrument import wrappers
 from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, class_path, wrapped_points
@@ -62,23 +67,39 @@ def install(targets: Targets, rt: Runtime | None,
             if must and strict and not owners:
                 raise LookupError(f"{point.id}: no class for required role {point.role!r}")
             for owner in owners:
-                current = getattr(owner, point.member, None)
-                if current is None:
+                if inspect.getattr_static(owner, point.member, None) is None:
                     if must:
                         raise LookupError(f"{point.id}: {owner.__qualname__}.{point.member} not found")
                     continue
-                if getattr(current, "__kvtrace_wrapped__", None) is not None:
-                    # Already instrumented: a second install, or the method is inherited from another
-                    # target class we just wrapped (wrapping it again would record every task twice).
-                    continue
-                original = owner.__dict__.get(point.member, _INHERITED)
-                wrapper = _wrapper(point)(current, rt)
-                setattr(owner, point.member, wrapper)
-                installed.append(InstalledPatch(owner, point.member, original, wrapper))
+                make = _wrapper(point)
+                patch = patch_attr(owner, point.member, lambda current, make=make: make(current, rt))
+                if patch is not None:
+                    installed.append(patch)
     except BaseException:
         uninstall(installed)
         raise
     return installed
+
+
+def is_wrapped(obj: object) -> bool:
+    """True for a wrapper of ours: the one idempotence mark, ``__kvtrace_wrapped__`` (the original)."""
+    return getattr(obj, "__kvtrace_wrapped__", None) is not None
+
+
+def patch_attr(owner: type, attr: str, make: Callable[[Any], Any]) -> InstalledPatch | None:
+    """Set ``owner.attr`` to ``make(current)``; ``None`` when absent or already one of ours.
+
+    ``current`` is looked up statically (``inspect.getattr_static``: a staticmethod stays one, an
+    inherited method is the base's). Already ours covers a second install and a method inherited from a
+    class wrapped just before (wrapping it again would record every call twice). Undo with ``uninstall``.
+    """
+    current = inspect.getattr_static(owner, attr, None)
+    if current is None or is_wrapped(current):
+        return None
+    original = owner.__dict__.get(attr, _INHERITED)
+    wrapper = make(current)
+    setattr(owner, attr, wrapper)
+    return InstalledPatch(owner, attr, original, wrapper)
 
 
 def uninstall(installed: list[InstalledPatch]) -> None:

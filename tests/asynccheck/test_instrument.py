@@ -28,10 +28,10 @@ from otel_kvtrace.asynccheck.replica import (
 
 def _originals() -> dict[tuple[type, str], object]:
     return {
-        (cls, p.attr): vars(cls)[p.attr]
+        (cls, p.member): vars(cls)[p.member]
         for p in PATCH_POINTS
-        for cls in REPLICA_OWNERS[p.owner]
-        if p.attr in vars(cls)
+        for cls in REPLICA_OWNERS[p.role]
+        if p.member in vars(cls)
     }
 
 
@@ -52,7 +52,7 @@ def test_every_patch_point_is_installed_and_restored() -> None:
         names = inst.install()
         # the replica follows the pre-0.23 executor contract: no sample_tokens (the real-vLLM
         # conformance tests cover that point)
-        assert {p.attr for p in PATCH_POINTS} - {n.rsplit(".", 1)[-1] for n in names} == {"sample_tokens"}
+        assert {p.member for p in PATCH_POINTS} - {n.rsplit(".", 1)[-1] for n in names} == {"sample_tokens"}
         assert len(names) == len(before)
         assert all(vars(cls)[attr] is not orig for (cls, attr), orig in before.items())
     finally:
