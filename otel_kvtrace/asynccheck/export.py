@@ -1,10 +1,13 @@
-"""Assembled engine steps -> OTel spans (SDK ``ReadableSpan``) -> OTLP JSON lines, plus OTel metrics.
+"""Assembled engine steps -> OTLP/JSON spans through the shared exporter and sinks, plus OTel metrics.
 
-Runs off the hot path: ``AsyncTracer.flush()`` drains the stamp buffer, assembles steps, builds one
-trace per step (root ``kvtrace.async.step`` with ``batch_schedule``, ``model_execute``, ``execute_done``,
-``update_output``, ``compute``, ``communication`` children), appends one OTLP/JSON line per flush under
-``./kvtrace-data/async/`` and feeds the ``async.dispatch_count`` counter and ``async.queue_depth``
-histogram. A background daemon thread flushes periodically when started.
+Runs off the hot path. ``StepSource`` is the shared recorder (``record.recorder.Recorder``) fed with
+assembled engine steps (root ``kvtrace.async.step`` with ``batch_schedule``, ``model_execute``,
+``execute_done``, ``update_output``, ``compute``, ``communication`` children) and worker outputs
+(``output_ready``) instead of task records; the shared ``export.worker.BackgroundExporter`` drains it.
+Thread, at-fork restart, exit drain, failure accounting and sinks are the KV traces' own: one OTLP/JSON
+line per batch in ``./kvtrace-data/async/kvtrace-async-*.jsonl`` (``JsonLinesFileSink``), or the OTLP
+sink with its spool and retries. Steps feed the
+``async.dispatch_count`` counter and ``async.queue_depth`` histogram.
 """
 
 from __future__ import annotations
@@ -12,56 +15,30 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
 
 import orjson
 from opentelemetry import metrics
-from opentelemetry.instrumentation.utils import suppress_instrumentation
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan
-from opentelemetry.sdk.util.instrumentation import InstrumentationScope
-from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
 from otel_kvtrace.asynccheck.recorder import StampBuffer
-from otel_kvtrace.export.otlp_json import request_to_json_line
-from otel_kvtrace.export.sinks import SpanSink, safe_run_id
-from otel_kvtrace.export.worker import build_resource
-from otel_kvtrace.record.recorder import ClockAnchor
+from otel_kvtrace.export.encode import json_span
+from otel_kvtrace.export.sinks import JsonLinesFileSink, SpanSink, safe_run_id
+from otel_kvtrace.export.spans import JsonSpan
+from otel_kvtrace.export.worker import BackgroundExporter, build_resource
+from otel_kvtrace.record.recorder import ClockAnchor, Recorder
 
 logger = logging.getLogger("otel_kvtrace")
 
 DEFAULT_DIR = config.DEFAULT_ASYNC_DIR
-SCOPE = InstrumentationScope("otel_kvtrace")
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-
-
-def _weak_call(obj: Any, method: str) -> Callable[[], None]:
-    ref = weakref.WeakMethod(getattr(obj, method))
-
-    def call() -> None:
-        bound = ref()
-        if bound is not None:
-            try:
-                bound()
-            except Exception:  # noqa: BLE001 - exporting must never take the host down
-                logger.exception("otel-kvtrace: async trace %s failed", method)
-
-    return call
-
-
-def register_at_fork(tracer: AsyncTracer) -> None:
-    """``os.register_at_fork`` for the tracer (weakly: a dropped tracer is not kept alive by it)."""
-    if hasattr(os, "register_at_fork"):
-        os.register_at_fork(after_in_child=_weak_call(tracer, "after_fork_in_child"))
+INTERVAL_S = 2.0
+"""How often the exporter thread drains the stamp buffer."""
 
 
 def async_trace_path(directory: str | os.PathLike[str], run_id: str, pid: int) -> Path:
@@ -88,14 +65,12 @@ def _child_id(key: str, name: str, index: int) -> int:
 
 
 def build_step_spans(
-    step: AssembledStep, *, anchor: ClockAnchor, resource: Resource, lane: str, dropped: int = 0,
-    outputs_dropped: int = 0,
-) -> list[ReadableSpan]:
+    step: AssembledStep, *, anchor: ClockAnchor, lane: str, dropped: int = 0, outputs_dropped: int = 0,
+) -> list[JsonSpan]:
     """The spans of one engine step: a root and one child per phase (device intervals when known)."""
     key = f"{lane}/s{step.step}"
     trace_id, root_id = _ids(key)
     epoch = anchor.to_epoch
-    root_ctx = SpanContext(trace_id, root_id, is_remote=False, trace_flags=_SAMPLED)
     common = {m.ATTR_STEP: step.step}
     phases: list[tuple[str, int, int, dict[str, Any]]] = [
         (m.BATCH_SCHEDULE, *step.schedule, {m.ATTR_BATCH_QUEUE: step.batch_queue}),
@@ -120,76 +95,41 @@ def build_step_spans(
         "kvtrace.exporter.dropped": dropped,
         m.ATTR_OUTPUTS_DROPPED: outputs_dropped,
     }
-    spans = [_span(m.STEP_SPAN, root_ctx, None, resource, root_attrs, epoch(start), epoch(end))]
+    spans = [json_span(trace_id, root_id, None, m.STEP_SPAN, epoch(start), epoch(end), root_attrs)]
     for index, (name, s, e, attrs) in enumerate(phases):
-        ctx = SpanContext(trace_id, _child_id(key, name, index), is_remote=False, trace_flags=_SAMPLED)
-        spans.append(_span(name, ctx, root_ctx, resource, {**common, **attrs}, epoch(s), epoch(e)))
+        spans.append(json_span(trace_id, _child_id(key, name, index), root_id, name, epoch(s), epoch(e),
+                               {**common, **attrs}))
     return spans
 
 
-def build_output_span(output: OutputReady, *, anchor: ClockAnchor, resource: Resource, lane: str,
-                      outputs_dropped: int = 0) -> ReadableSpan:
+def build_output_span(output: OutputReady, *, anchor: ClockAnchor, lane: str, outputs_dropped: int = 0) -> JsonSpan:
     """One ``output_ready`` root span: [output created, output ready] in a worker process."""
     trace_id, span_id = _ids(f"{lane}/o{output.seq}")
-    ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
     attrs = {m.ATTR_OUTPUT_SEQ: output.seq, m.ATTR_DONE_PRECISION: output.done_precision,
              m.ATTR_DONE_BOUND_NS: output.done_bound_ns, m.ATTR_OUTPUTS_DROPPED: outputs_dropped}
-    return _span(m.OUTPUT_READY, ctx, None, resource, attrs, anchor.to_epoch(output.created),
-                 anchor.to_epoch(output.done))
+    return json_span(trace_id, span_id, None, m.OUTPUT_READY, anchor.to_epoch(output.created),
+                     anchor.to_epoch(output.done), attrs)
 
 
-def _span(
-    name: str,
-    ctx: SpanContext,
-    parent: SpanContext | None,
-    resource: Resource,
-    attrs: dict[str, Any],
-    start: int,
-    end: int,
-) -> ReadableSpan:
-    return ReadableSpan(
-        name=name,
-        context=ctx,
-        parent=parent,
-        resource=resource,
-        attributes=attrs,
-        kind=SpanKind.INTERNAL,
-        start_time=start,
-        end_time=end,
-        instrumentation_scope=SCOPE,
-    )
 
+class StepSource(Recorder):
+    """The shared recorder (``record.recorder.Recorder``: bounded hand-off, drop and submit counts) fed with
+    assembled steps and outputs instead of task records, for the shared exporter to drain.
 
-class AsyncTracer:
-    """Owns the stamp buffer of one process and turns it into trace lines and metrics."""
+    ``collect`` (the exporter calls it once per export cycle, on its thread) drains the stamp buffer
+    into the assembler and submits what is complete; ``build_json`` turns one into span text. Stamps
+    still in the buffer are not records yet; stamps a full buffer lost stay ``StampBuffer.dropped``, on
+    every step span.
+    """
 
-    def __init__(
-        self,
-        *,
-        path: Path,
-        resource: Resource,
-        buffer: StampBuffer | None = None,
-        anchor: ClockAnchor | None = None,
-        meter_provider: metrics.MeterProvider | None = None,
-        path_for_pid: Callable[[int], Path] | None = None,
-        sink: SpanSink | None = None,
-    ) -> None:
-        self.buffer = buffer if buffer is not None else StampBuffer()
-        self.anchor = anchor if anchor is not None else ClockAnchor.take(self.buffer.clock)
-        self.path = path
-        self.resource = resource
-        self.lane = f"{resource.attributes.get('kvtrace.run_id', 'run')}/pid{resource.attributes.get('process.pid', 0)}"
-        self._path_for_pid = path_for_pid
-        self.sink = sink  # an OTLP sink of the shared exporter (``export.create_sink``), else the file
-        self.failed_batches = 0
-        self._assembler = StepAssembler()
-        self._lock = threading.Lock()  # flushes only: the hot path never takes it
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._interval_s = 2.0
-        self._fork_hooks = False
-        self._shut = False
+    def __init__(self, buffer: StampBuffer, anchor: ClockAnchor, lane: str,
+                 meter_provider: metrics.MeterProvider | None = None) -> None:
+        super().__init__(clock=buffer.clock, anchor=anchor)
+        self.buffer = buffer
+        self.lane = lane
+        self.settle_s = 0.001
         self.steps_written = 0
+        self._assembler = StepAssembler()
         meter = (meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace")
         self._dispatch_counter = meter.create_counter(
             m.METRIC_DISPATCH_COUNT, unit="{dispatch}", description="model_execute dispatches of the engine loop"
@@ -198,105 +138,113 @@ class AsyncTracer:
             m.METRIC_QUEUE_DEPTH, unit="{batch}", description="batches in flight at each dispatch (incl. this one)"
         )
 
-    def flush(self, settle_s: float = 0.001) -> int:
-        """Export every completed step (and, in a process without an engine loop, every output)."""
-        with self._lock:
-            steps = self._assembler.feed(self.buffer.drain(settle_s))
-            outputs = self._assembler.orphan_outputs()
-            if not steps and not outputs:
-                return 0
-            self._write(steps, outputs)
-            self.steps_written += len(steps)
-            return len(steps) + len(outputs)
-
-    def _write(self, steps: Sequence[AssembledStep], outputs: Sequence[OutputReady] = ()) -> None:
-        dropped, lost = self.buffer.dropped, self.buffer.outputs_dropped
-        spans: list[ReadableSpan] = [build_output_span(o, anchor=self.anchor, resource=self.resource, lane=self.lane,
-                                                       outputs_dropped=lost) for o in outputs]
-        for step in steps:
-            spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped,
-                                      outputs_dropped=lost)
-            self._dispatch_counter.add(1)
-            self._depth_histogram.record(step.queue_depth)
-        line = request_to_json_line(encode_spans(spans))
-        if self.sink is not None:
-            self._send(line, dropped)
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("ab") as fh:
-            fh.write(line)
-
-    def _send(self, line: bytes, dropped: int) -> None:
-        """To the shared OTLP sink (it adds the resource, and retries, compresses, ... as configured)."""
-        texts = [orjson.dumps(span).decode()
-                 for rs in orjson.loads(line)["resourceSpans"] for ss in rs["scopeSpans"] for span in ss["spans"]]
-        ok = False
+    def collect(self) -> None:
+        """Submit what the buffer completes: steps and (in a process with no engine loop) outputs."""
         try:
-            with suppress_instrumentation():
-                ok = bool(self.sink.export(texts, dropped))
-        except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
-            logger.debug("otel-kvtrace: async trace export failed: %r", exc)
-        if not ok:
-            self.failed_batches += 1
-
-    def start(self, interval_s: float = 2.0) -> None:
-        """Flush every ``interval_s`` from a daemon thread until ``shutdown``; follow forks.
-
-        A forked child (vLLM's engine-core process when the plugin ran in the parent) inherits the patches
-        and this buffer but not the thread: ``after_fork_in_child`` starts a fresh one writing the child's
-        own file. multiprocessing children leave through ``os._exit``, past ``atexit``, so the final flush
-        is also registered as a multiprocessing finalizer (run by ``Process._bootstrap`` before it exits).
-        """
-        if self._thread is not None:
+            steps = self._assembler.feed(self.buffer.drain(self.settle_s))
+            items: list[AssembledStep | OutputReady] = [*self._assembler.orphan_outputs(), *steps]
+        except Exception:  # noqa: BLE001 - an assembler bug costs these stamps, never the exporter
+            logger.exception("otel-kvtrace: engine-loop stamps could not be assembled")
             return
-        self._interval_s = interval_s
-        self._thread = threading.Thread(target=self._loop, args=(interval_s,), name="kvtrace-async-export", daemon=True)
-        self._thread.start()
-        if not self._fork_hooks:
-            self._fork_hooks = True
-            register_at_fork(self)
-            # a multiprocessing child clears inherited finalizers first, then runs the after-fork hooks
-            mp_util.register_after_fork(self, AsyncTracer._register_exit_flush)
-        self._register_exit_flush()
+        for item in items:
+            self.submit(item)  # type: ignore[arg-type]
 
-    def _register_exit_flush(self) -> None:
-        mp_util.Finalize(None, _weak_call(self, "shutdown"), exitpriority=10)
+    def build_json(self, item: AssembledStep | OutputReady) -> str:
+        """One step's spans (or one output's span) as OTLP/JSON text; a step also feeds the metrics."""
+        lost = self.buffer.outputs_dropped
+        if isinstance(item, OutputReady):
+            return orjson.dumps(build_output_span(item, anchor=self.anchor, lane=self.lane,
+                                                  outputs_dropped=lost)).decode()
+        spans = build_step_spans(item, anchor=self.anchor, lane=self.lane, dropped=self.buffer.dropped,
+                                 outputs_dropped=lost)
+        self._dispatch_counter.add(1)
+        self._depth_histogram.record(item.queue_depth)
+        self.steps_written += 1
+        return ",".join(orjson.dumps(span).decode() for span in spans)
 
-    def after_fork_in_child(self) -> None:
-        """The parent's stamps and half-assembled steps are not this process's: start clean."""
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = None
+    def recycle(self, records: Sequence[Any]) -> None:  # type: ignore[override]
+        """Steps are not pooled."""
+
+    def after_fork_in_child(self, pid: int) -> None:
+        """The parent's stamps, half-assembled and pending steps are not the child's."""
         self.buffer.drain(settle_s=0)
         self._assembler = StepAssembler()
-        pid = os.getpid()
-        attrs = dict(self.resource.attributes)
-        attrs["process.pid"] = pid
-        self.resource = Resource(attrs)
-        self.lane = f"{attrs.get('kvtrace.run_id', 'run')}/pid{pid}"
-        if self._path_for_pid is not None:
-            self.path = self._path_for_pid(pid)
+        self.drain(self.pending)
+        self.lane = f"{self.lane.rsplit('/pid', 1)[0]}/pid{pid}"
         self.steps_written = 0
-        if not self._shut:
-            self.start(self._interval_s)
 
-    def _loop(self, interval_s: float) -> None:
-        while not self._stop.wait(interval_s):
-            try:
-                self.flush()
-            except Exception:  # noqa: BLE001 - exporting must never take the host down
-                logger.exception("otel-kvtrace: async trace export failed")
 
-    def shutdown(self, timeout_s: float = 5.0) -> None:
-        """Stop the flusher and write what is left. Idempotent."""
-        self._shut = True
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            self._thread = None
-        self.flush()
-        if self.sink is not None:
-            try:
-                self.sink.shutdown()
-            except Exception as exc:  # noqa: BLE001
-                logger.debug("otel-kvtrace: async sink shutdown failed: %r", exc)
+class AsyncTracer:
+    """One process's stamp buffer, exported by the shared ``BackgroundExporter`` into ``sink`` (default:
+    the OTLP/JSON lines file ``path``; after a fork, ``path_for_pid(child pid)``)."""
+
+    def __init__(
+        self,
+        *,
+        path: Path,
+        resource: Resource | Mapping[str, Any],
+        buffer: StampBuffer | None = None,
+        anchor: ClockAnchor | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+        path_for_pid: Callable[[int], Path] | None = None,
+        sink: SpanSink | None = None,
+    ) -> None:
+        self.buffer = buffer if buffer is not None else StampBuffer()
+        self.anchor = anchor if anchor is not None else ClockAnchor.take(self.buffer.clock)
+        attrs = dict(getattr(resource, "attributes", resource))
+        self.resource = Resource(attrs)
+        run_id = str(attrs.get("kvtrace.run_id", "run"))
+        self.sink: SpanSink = sink if sink is not None else JsonLinesFileSink(
+            Path(path).parent, run_id, attrs, path_for_pid=path_for_pid or (lambda pid: Path(path)))
+        self.source = StepSource(self.buffer, self.anchor, f"{run_id}/pid{attrs.get('process.pid', 0)}",
+                                 meter_provider)
+        if hasattr(os, "register_at_fork"):  # before the exporter's own hook: the child starts clean
+            ref = weakref.WeakMethod(self.after_fork_in_child)
+            os.register_at_fork(after_in_child=lambda: (method := ref()) is not None and method())
+        # thread, at-fork restart, exit drain (atexit and multiprocessing's os._exit), failure accounting;
+        # its task-record counters stay off the application's meter (the KV exporter's own)
+        self.exporter = BackgroundExporter(self.source, self.sink, interval_s=INTERVAL_S, start=False,
+                                           build=self.source.build_json, meter_provider=metrics.NoOpMeterProvider())
+
+    @property
+    def path(self) -> Path:
+        """The trace file of this process (the file sink's)."""
+        return Path(getattr(self.sink, "path", ""))
+
+    @property
+    def failed_batches(self) -> int:
+        return self.exporter.failed_batches
+
+    @property
+    def steps_written(self) -> int:
+        return self.source.steps_written
+
+    def flush(self, settle_s: float = 0.001) -> int:
+        """Export every completed step (and, in a process without an engine loop, every output) now."""
+        before = self.source.submitted
+        self.source.settle_s = settle_s
+        try:
+            self.exporter.force_flush()
+        finally:
+            self.source.settle_s = 0.001
+        return self.source.submitted - before
+
+    def start(self, interval_s: float = INTERVAL_S) -> None:
+        """Export every ``interval_s`` from the exporter's thread until ``shutdown``. A forked child (vLLM's
+        engine-core process when the plugin ran in the parent) inherits the patches and this buffer; the
+        exporter restarts its thread there, and the child writes its own file."""
+        self.exporter.interval_s = interval_s
+        self.exporter.start()
+
+    def after_fork_in_child(self) -> None:
+        """The parent's stamps are not this process's; its spans carry the child's pid."""
+        pid = os.getpid()
+        self.source.after_fork_in_child(pid)
+        self.resource = Resource({**self.resource.attributes, "process.pid": pid})
+        update = getattr(self.sink, "update_resource", None)
+        if update is not None:
+            update({"process.pid": pid})
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        """Write what is left, stop the thread, close the sink. Idempotent."""
+        self.exporter.shutdown(timeout_s)

@@ -17,7 +17,6 @@ locks, no device synchronisation; the original's return value and exceptions pas
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import importlib.util
 import logging
@@ -310,10 +309,6 @@ class EngineLoopInstrumentation:
         return [f"{cls.__module__}.{cls.__qualname__}.{attr}" for cls, attr in self.installed]
 
 
-def _run_id() -> str:
-    return config.run_id()
-
-
 def _versions() -> dict[str, str]:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -356,7 +351,7 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
         return None
     try:
         directory = Path(out_dir) if out_dir is not None else default_out_dir()
-        run_id = _run_id()
+        run_id = config.run_id()
         resource = default_resource(run_id=run_id, source="upstream", label="engine-loop", extra=_versions())
         # with an OTLP endpoint configured, the spans go where the KV spans go (the shared sinks)
         sink = create_sink(dict(resource.attributes)) if config.otlp_endpoint() and not config.sdk_disabled() else None
@@ -367,8 +362,7 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
         if not names:
             logger.info("otel-kvtrace: engine-loop tracing off: no vLLM engine-loop class found to patch")
             return None
-        tracer.start()
-        atexit.register(tracer.shutdown)
+        tracer.start()  # the shared exporter flushes at exit (atexit, and multiprocessing's os._exit)
         _ACTIVE = (inst, tracer)
         where = getattr(sink, "endpoint", None) or "OTLP" if sink is not None else tracer.path.parent
         logger.info("otel-kvtrace: engine-loop tracing on (pid %d): %d methods patched, traces in %s",

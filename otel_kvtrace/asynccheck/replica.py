@@ -299,4 +299,5 @@ def run_replica(
     finally:
         instrumentation.uninstall()
     tracer.flush(settle_s=0)
+    tracer.shutdown()
     return path

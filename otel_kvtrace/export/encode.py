@@ -16,7 +16,7 @@ import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from otel_kvtrace.export.spans import JsonSpan, any_attr, int_attr
+from otel_kvtrace.export.spans import SPAN_KIND_INTERNAL, JsonSpan, any_attr, int_attr
 
 SCOPE_NAME = "otel_kvtrace"
 DROPPED_SCOPE_ATTRIBUTE = "kvtrace.exporter.dropped"
@@ -248,3 +248,15 @@ def spans_to_readable_spans(spans: Sequence[JsonSpan], resource: Any, dropped: i
             )
         )
     return out
+
+
+# ---- spans of run-time values (asynccheck's engine steps) ----------------------------------------
+def json_span(trace_id: int, span_id: int, parent_id: int | None, name: str, start: int, end: int,
+              attributes: Mapping[str, Any]) -> JsonSpan:
+    """One INTERNAL span in the ``SpanBuilder`` shape (hex ids, ns as decimal strings, empty status)."""
+    span: JsonSpan = {"traceId": f"{trace_id:032x}", "spanId": f"{span_id:016x}"}
+    if parent_id is not None:
+        span["parentSpanId"] = f"{parent_id:016x}"
+    span.update(name=name, kind=SPAN_KIND_INTERNAL, startTimeUnixNano=str(start), endTimeUnixNano=str(end),
+                attributes=[any_attr(k, v) for k, v in attributes.items()], status={})
+    return span

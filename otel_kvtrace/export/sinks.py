@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from pathlib import Path
@@ -71,15 +71,18 @@ class JsonLinesFileSink:
     pid after a fork. Each line is written whole and flushed, so a reader never sees half a request.
     """
 
-    def __init__(self, directory: str | os.PathLike[str], run_id: str, resource: Mapping[str, Any]) -> None:
+    def __init__(self, directory: str | os.PathLike[str], run_id: str, resource: Mapping[str, Any], *,
+                 path_for_pid: Callable[[int], Path] | None = None) -> None:
         self.directory = Path(directory)
         self.run_id = run_id
+        # another file name per pid (asynccheck's ``kvtrace-async-*``); default ``trace_file_path``
+        self._path_for_pid = path_for_pid or (lambda pid: trace_file_path(self.directory, run_id, pid))
         self._resource_attrs = dict(resource)
         self._resource = resource_text(resource)
         self._file: IO[bytes] | None = None
         self._pid = -1
         self.name_pid: int | None = None  # the exporter agent names the file after its serving process
-        self.path = trace_file_path(self.directory, run_id, os.getpid())
+        self.path = self._path_for_pid(os.getpid())
 
     def update_resource(self, attributes: Mapping[str, Any]) -> None:
         """Add attributes (e.g. a worker's config and ranks, known only once it starts) to later lines."""
@@ -100,7 +103,7 @@ class JsonLinesFileSink:
         if self._file is not None and pid == self._pid:
             return
         self._file = None  # after a fork the parent's handle is not ours to close
-        self.path = trace_file_path(self.directory, self.run_id, self.name_pid or pid)
+        self.path = self._path_for_pid(self.name_pid or pid)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "ab")  # noqa: SIM115 - lives as long as the sink
         self._pid = pid

@@ -18,6 +18,7 @@ import time
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 from pathlib import Path
 from typing import Any
 
@@ -85,6 +86,7 @@ class BackgroundExporter:
         drop_log_interval_s: float | None = None,
         meter_provider: metrics.MeterProvider | None = None,
         start: bool = True,
+        build: Callable[[Any], str] | None = None,
     ) -> None:
         if interval_s is not None and interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
@@ -110,7 +112,10 @@ class BackgroundExporter:
             if drop_log_interval_s is not None
             else config.env_float(config.OTEL_KVTRACE_DROP_LOG_INTERVAL_S, config.DEFAULT_DROP_LOG_INTERVAL_S)
         )
-        self._builder = SpanBuilder(recorder.anchor)
+        # ``build``: one record -> its spans' OTLP/JSON text, for a recorder of other records (asynccheck's
+        # engine steps); a recorder with ``collect()`` turns its raw data into records at each export cycle
+        self._build = build if build is not None else SpanBuilder(recorder.anchor).build_json
+        self._collect: Callable[[], None] | None = getattr(recorder, "collect", None)
         self._export_lock = threading.Lock()  # one export cycle at a time (worker or force_flush caller)
         self._stopping = threading.Event()  # set by shutdown only, never by a recording thread
         self._shutdown_lock = threading.Lock()
@@ -136,10 +141,17 @@ class BackgroundExporter:
         atexit.register(self._atexit)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
+        # multiprocessing children leave through os._exit, past atexit: the final drain is also one of its
+        # finalizers (run by Process._bootstrap), registered again in a child, which clears inherited ones
+        self._register_exit_drain()
+        mp_util.register_after_fork(self, BackgroundExporter._register_exit_drain)
         if start:
             self.start()
 
     # ---- lifecycle ------------------------------------------------------------------------------
+    def _register_exit_drain(self) -> None:
+        self._mp_exit = mp_util.Finalize(None, self._atexit, exitpriority=10)
+
     def start(self) -> None:
         """Start the worker thread (done by the constructor unless ``start=False``)."""
         if self._thread is not None and self._thread.is_alive():
@@ -177,6 +189,8 @@ class BackgroundExporter:
         if not self._export_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
             return False
         try:
+            if self._collect is not None:
+                self._collect()
             self._export_pending(deadline, limit=self.recorder.pending)
         finally:
             self._export_lock.release()
@@ -195,6 +209,7 @@ class BackgroundExporter:
         failed_before = self.failed_batches
         with contextlib.suppress(Exception):  # interpreter teardown
             atexit.unregister(self._atexit)
+            self._mp_exit.cancel()
         timeout = self.timeout_s if timeout_s is None else timeout_s
         self._deadline = time.monotonic() + timeout
         self._stopping.set()
@@ -253,6 +268,8 @@ class BackgroundExporter:
     def _export_pending(self, deadline: float | None, limit: int | None = None) -> None:
         """Export batches until the recorder is empty, ``limit`` records were taken, or the deadline."""
         recorder = self.recorder
+        if limit is None and self._collect is not None:
+            self._collect()
         taken = 0
         while recorder.pending and (limit is None or taken < limit):
             if deadline is None and self._stopping.is_set():
@@ -278,7 +295,7 @@ class BackgroundExporter:
         if self._broken:
             self._discard(records, count=True)
             return
-        build = self._builder.build_json
+        build = self._build
         try:
             texts = []
             for i, rec in enumerate(records):

@@ -11,7 +11,6 @@ import pytest
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck import ready
-from otel_kvtrace.asynccheck.assemble import OutputReady
 from otel_kvtrace.asynccheck.export import AsyncTracer, default_resource
 from otel_kvtrace.asynccheck.importers import import_otlp_json
 from otel_kvtrace.asynccheck.recorder import StampBuffer, StampKind
@@ -47,7 +46,8 @@ def test_outputs_beyond_max_pending_are_counted_and_reach_the_check(tmp_path: Pa
     path = tmp_path / "w.jsonl"
     tracer = AsyncTracer(path=path, resource=default_resource(run_id="w", source="replica", label="w"),
                          buffer=buffer, anchor=ClockAnchor(0, 1_700_000_000_000_000_000))
-    tracer._write([], [OutputReady(seq=0, created=10, done=20, done_precision="device_event")])
+    buffer.put(StampKind.DONE, 20, 1)  # a worker's get_output off the engine thread: one output_ready span
+    tracer.shutdown()
     result = import_otlp_json(path, "w")
     warnings = [(w.kind, w.message) for w in result.warnings]
     assert [k for k, _ in warnings] == [m.WARN_OUTPUTS_DROPPED] and "dropped 3 outputs" in warnings[0][1]

@@ -105,3 +105,35 @@ def test_stamps_of_never_completed_steps_stay_bounded() -> None:
     assembler = StepAssembler()  # like a worker process: only output-ready stamps, no engine loop
     assert assembler.feed(Stamp(StampKind.DONE, t, 0, 0) for t in range(MAX_PENDING + 100)) == []
     assert len(assembler._q[StampKind.DONE]) == MAX_PENDING
+
+
+class _RefusingSink:
+    """A destination that refuses every batch (an endpoint rejecting requests)."""
+
+    def __init__(self) -> None:
+        self.spans = 0
+
+    def export(self, span_texts: list[str], dropped: int) -> bool:
+        self.spans += sum(text.count('"traceId"') for text in span_texts)
+        return False
+
+    def shutdown(self, timeout_s: float | None = None) -> None:
+        return None
+
+
+def test_engine_steps_get_the_shared_exporters_accounting(tmp_path: Path) -> None:
+    from otel_kvtrace.asynccheck.export import AsyncTracer, default_resource
+
+    buffer = StampBuffer(capacity=64)
+    sink = _RefusingSink()
+    tracer = AsyncTracer(path=tmp_path / "unused.jsonl", buffer=buffer, sink=sink,
+                         resource=default_resource(run_id="acc", source="replica", label="acc"))
+    for n in range(3):  # three complete steps: schedule, launch, update
+        for kind, t in [(1, 0), (2, 2), (3, 2), (4, 3), (6, 10), (7, 11)]:
+            buffer.put(kind, 100 * n + t)
+    tracer.shutdown(timeout_s=5)
+    stats = tracer.exporter.stats()
+    assert sink.spans == 3 * 5  # root + schedule, launch, done, update per step
+    assert tracer.failed_batches == 1
+    assert (stats.recorded, stats.delivered, stats.dropped, stats.pending) == (3, 0, 3, 0) and stats.balanced
+    assert not (tmp_path / "unused.jsonl").exists()

@@ -332,3 +332,19 @@ def test_forked_child_exports_its_own_records_to_its_own_file(tmp_path: Path) ->
     assert exporter.shutdown(timeout_s=10)
     assert sorted(_root_seqs(_read_lines(sink.path))) == [0, 1, 2]
     assert sink.path != child_file
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_a_multiprocessing_child_drains_at_its_os_exit(tmp_path: Path) -> None:
+    """A multiprocessing child leaves through ``os._exit`` (no atexit): the exporter's multiprocessing
+    finalizer still drains what the child recorded (vLLM's forked engine-core and worker processes)."""
+    import multiprocessing as mp
+
+    recorder = Recorder()
+    exporter = BackgroundExporter(recorder, JsonLinesFileSink(tmp_path, "wtest", RESOURCE), interval_s=3600)
+    child = mp.get_context("fork").Process(target=_submit, args=(recorder, 5, 200))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    assert sorted(_root_seqs(_read_lines(trace_file_path(tmp_path, "wtest", child.pid)))) == [200, 201, 202, 203, 204]
+    assert exporter.shutdown(timeout_s=10)
