@@ -16,7 +16,7 @@ import orjson
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 
-from otel_kvtrace.export.spans import SPAN_KIND_INTERNAL, JsonSpan, any_attr, int_attr
+from otel_kvtrace.export.spans import SPAN_KIND_INTERNAL, STATUS_CODE_ERROR, JsonSpan, any_attr, int_attr
 
 SCOPE_NAME = "otel_kvtrace"
 DROPPED_SCOPE_ATTRIBUTE = "kvtrace.exporter.dropped"
@@ -250,13 +250,18 @@ def spans_to_readable_spans(spans: Sequence[JsonSpan], resource: Any, dropped: i
     return out
 
 
-# ---- spans of run-time values (asynccheck's engine steps) ----------------------------------------
+# ---- spans of run-time values (asynccheck's engine steps, loadgen's requests) -----------------------
 def json_span(trace_id: int, span_id: int, parent_id: int | None, name: str, start: int, end: int,
-              attributes: Mapping[str, Any]) -> JsonSpan:
-    """One INTERNAL span in the ``SpanBuilder`` shape (hex ids, ns as decimal strings, empty status)."""
+              attributes: Mapping[str, Any], *, events: Sequence[tuple[str, int]] = (),
+              error: str | None = None) -> JsonSpan:
+    """One INTERNAL span in the ``SpanBuilder`` shape (hex ids, ns as decimal strings); ``events`` are
+    ``(name, time)``, ``error`` makes the status ERROR with that message."""
     span: JsonSpan = {"traceId": f"{trace_id:032x}", "spanId": f"{span_id:016x}"}
     if parent_id is not None:
         span["parentSpanId"] = f"{parent_id:016x}"
     span.update(name=name, kind=SPAN_KIND_INTERNAL, startTimeUnixNano=str(start), endTimeUnixNano=str(end),
-                attributes=[any_attr(k, v) for k, v in attributes.items()], status={})
+                attributes=[any_attr(k, v) for k, v in attributes.items()],
+                status={} if error is None else {"code": STATUS_CODE_ERROR, "message": error})
+    if events:
+        span["events"] = [{"timeUnixNano": str(t), "name": n} for n, t in events]
     return span

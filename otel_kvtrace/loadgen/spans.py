@@ -5,23 +5,18 @@ One span ``kvtrace.load.request`` per request from send to last chunk, an event 
 ``{id}-{n}`` on vLLM's completions endpoint). The endpoint and protocol are resolved exactly as for the KV
 traces: an OTLP endpoint gets the spooling, retrying ``DeliveringSink``; without one the file goes next to
 the KV traces (``{data_dir}/traces/kvtrace-{run_id}-{pid}.jsonl``) so ``kvtrace report`` and the experiment
-read both. Spans are built with the OTel SDK and encoded with its OTLP encoder.
+read both. Spans are written as OTLP/JSON by the package's one encoder (``export.encode.json_span``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import random
 from dataclasses import dataclass
 from pathlib import Path
 
 import orjson
-from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
-from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExporter, SpanExportResult
-from opentelemetry.trace import Status, StatusCode
 
-from otel_kvtrace.export.otlp_json import request_to_json_line
+from otel_kvtrace.export.encode import json_span
 from otel_kvtrace.export.worker import build_resource, create_sink
 from otel_kvtrace.loadgen.model import LoadResult
 
@@ -46,44 +41,29 @@ class SpanDelivery:
         return f"{self.where}: {self.spans} request spans"
 
 
-class _Collect(SpanExporter):
-    def __init__(self) -> None:
-        self.spans: list[ReadableSpan] = []
-
-    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        self.spans.extend(spans)
-        return SpanExportResult.SUCCESS
-
-
-def span_texts(spans: Sequence[ReadableSpan]) -> list[str]:
-    """The SDK spans as OTLP/JSON span objects (the sinks' input), one text per span."""
-    doc = orjson.loads(request_to_json_line(encode_spans(spans)))
-    return [orjson.dumps(s).decode() for rs in doc.get("resourceSpans", ()) for ss in rs.get("scopeSpans", ())
-            for s in ss.get("spans", ())]
+def request_span_texts(result: LoadResult) -> list[str]:
+    """One ``kvtrace.load.request`` span per request as OTLP/JSON text (the sinks' input); random ids."""
+    texts = []
+    for r in result.requests:
+        attrs = {
+            "kvtrace.request_id": r.request_id, "kvtrace.load.index": r.index,
+            "kvtrace.load.prompt_tokens": r.prompt_tokens, "kvtrace.load.output_tokens": r.output_tokens,
+            "kvtrace.load.ttft_ms": r.ttft_ms if r.ttft_ms is not None else -1.0,
+            "kvtrace.load.tpot_ms": r.tpot_ms if r.tpot_ms is not None else -1.0,
+        }
+        events = [("first_token", r.first_token_unix_ns)] if r.first_token_unix_ns else []
+        span = json_span(random.getrandbits(128) or 1, random.getrandbits(64) or 1, None, SPAN_NAME,
+                         r.start_unix_ns, max(r.end_unix_ns, r.start_unix_ns), attrs, events=events,
+                         error=r.error or None)
+        texts.append(orjson.dumps(span).decode())
+    return texts
 
 
 def export_request_spans(result: LoadResult, data_dir: Path, run_id: str, *, endpoint: str | None = None,
                          protocol: str | None = None) -> SpanDelivery:
     """Export one span per request through ``create_sink``; says where they went and what was lost."""
     resource = build_resource({"service.name": "kvtrace-load", "kvtrace.run_id": run_id, "kvtrace.source": "load"})
-    collect = _Collect()
-    provider = TracerProvider(resource=Resource.create(resource))
-    provider.add_span_processor(SimpleSpanProcessor(collect))
-    tracer = provider.get_tracer("otel_kvtrace.loadgen")
-    for r in result.requests:
-        span = tracer.start_span(SPAN_NAME, start_time=r.start_unix_ns, attributes={
-            "kvtrace.request_id": r.request_id, "kvtrace.load.index": r.index,
-            "kvtrace.load.prompt_tokens": r.prompt_tokens, "kvtrace.load.output_tokens": r.output_tokens,
-            "kvtrace.load.ttft_ms": r.ttft_ms if r.ttft_ms is not None else -1.0,
-            "kvtrace.load.tpot_ms": r.tpot_ms if r.tpot_ms is not None else -1.0,
-        })
-        if r.first_token_unix_ns:
-            span.add_event("first_token", timestamp=r.first_token_unix_ns)
-        if r.error:
-            span.set_status(Status(StatusCode.ERROR, r.error))
-        span.end(end_time=max(r.end_unix_ns, r.start_unix_ns))
-    provider.shutdown()
-    return _deliver(span_texts(collect.spans), resource, data_dir, endpoint, protocol)
+    return _deliver(request_span_texts(result), resource, data_dir, endpoint, protocol)
 
 
 def _deliver(texts: list[str], resource: dict[str, object], data_dir: Path, endpoint: str | None,
