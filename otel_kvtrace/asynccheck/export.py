@@ -124,7 +124,8 @@ class StepSource(Recorder):
 
     def __init__(self, buffer: StampBuffer, anchor: ClockAnchor, lane: str,
                  meter_provider: metrics.MeterProvider | None = None) -> None:
-        super().__init__(clock=buffer.clock, anchor=anchor)
+        # a cycle's steps always fit: each takes at least six stamps of one buffer generation
+        super().__init__(capacity=buffer.capacity, clock=buffer.clock, anchor=anchor)
         self.buffer = buffer
         self.lane = lane
         self.settle_s = 0.001
