@@ -6,6 +6,7 @@ real vLLM 0.33 engine loop and exits through multiprocessing's ``os._exit`` (no 
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,9 @@ def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str) -> None
     # the run id cannot move the file out of the data directory, and only the engine process wrote one
     assert [p.parent for p in files] == [out]
     assert [p.name for p in files] == [f"kvtrace-async-_.._escape-{child_pid}.jsonl"]
+    for line in files[0].read_bytes().splitlines():  # the child's own pid, not the inherited resource's
+        resource = {a["key"]: a["value"] for a in json.loads(line)["resourceSpans"][0]["resource"]["attributes"]}
+        assert resource["process.pid"] == {"intValue": child_pid}
     result = analysis.check(files)
     assert result.metrics.steps >= STEPS
     assert result.verdict == analysis.EFFECTIVE, result.reasons
@@ -79,7 +83,6 @@ def _wrapt_1(version: str = "1.17.3") -> Path:
 
 @pytest.mark.parametrize("wrapt_major", ["1", "2"])
 def test_one_wrapper_layer_per_method_under_wrapt_1_and_2(wrapt_major: str) -> None:
-    import json
 
     vllm_source("0.33.0")
     env = dict(os.environ)
