@@ -29,7 +29,7 @@ class PatchPoint:
     ``member`` is a method name, or ``__init__`` when the point is a constructor argument the per-instance
     wrappers read (``params`` then lists the argument names). ``wrapper`` names the factory in
     ``instrument/wrappers.py`` that wraps the method on the class ("" when nothing is wrapped there); a
-    table of another concern (the live scheduler's) gives the factory itself.
+    table of another concern (the live scheduler's, asynccheck's engine loop) gives the factory itself.
     """
 
     id: str
