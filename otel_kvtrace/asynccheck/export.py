@@ -30,7 +30,7 @@ from opentelemetry.trace import SpanContext, SpanKind, TraceFlags
 
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
+from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler, WorkerCall
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.otlp_json import request_to_json_line
 from otel_kvtrace.export.sinks import SpanSink, safe_run_id
@@ -138,6 +138,14 @@ def build_output_span(output: OutputReady, *, anchor: ClockAnchor, resource: Res
                  anchor.to_epoch(output.done))
 
 
+def build_worker_call_span(call: WorkerCall, *, anchor: ClockAnchor, resource: Resource, lane: str) -> ReadableSpan:
+    """One ``worker_launch`` root span: a worker process's ``execute_model`` / ``sample_tokens`` call."""
+    trace_id, span_id = _ids(f"{lane}/w{call.seq}")
+    ctx = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+    attrs = {m.ATTR_WORKER_CALL: call.call, m.ATTR_CALL_SEQ: call.seq}
+    return _span(m.WORKER_LAUNCH, ctx, None, resource, attrs, anchor.to_epoch(call.start), anchor.to_epoch(call.end))
+
+
 def _span(
     name: str,
     ctx: SpanContext,
@@ -203,16 +211,19 @@ class AsyncTracer:
         with self._lock:
             steps = self._assembler.feed(self.buffer.drain(settle_s))
             outputs = self._assembler.orphan_outputs()
-            if not steps and not outputs:
+            calls = self._assembler.worker_calls()
+            if not steps and not outputs and not calls:
                 return 0
-            self._write(steps, outputs)
+            self._write(steps, outputs, calls)
             self.steps_written += len(steps)
-            return len(steps) + len(outputs)
+            return len(steps) + len(outputs) + len(calls)
 
-    def _write(self, steps: Sequence[AssembledStep], outputs: Sequence[OutputReady] = ()) -> None:
+    def _write(self, steps: Sequence[AssembledStep], outputs: Sequence[OutputReady] = (),
+               calls: Sequence[WorkerCall] = ()) -> None:
         dropped, lost = self.buffer.dropped, self.buffer.outputs_dropped
         spans: list[ReadableSpan] = [build_output_span(o, anchor=self.anchor, resource=self.resource, lane=self.lane,
                                                        outputs_dropped=lost) for o in outputs]
+        spans += [build_worker_call_span(c, anchor=self.anchor, resource=self.resource, lane=self.lane) for c in calls]
         for step in steps:
             spans += build_step_spans(step, anchor=self.anchor, resource=self.resource, lane=self.lane, dropped=dropped,
                                       outputs_dropped=lost)

@@ -62,6 +62,13 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
         "vllm.v1.worker.gpu.async_utils:AsyncOutput",  # Model Runner V2
         "vllm.v1.worker.gpu.async_utils:AsyncPoolingOutput",
     ),
+    # the worker that launches onto the device (in a MultiprocExecutor worker process: a launch that
+    # blocks there does not block the engine's own launch)
+    "worker": (
+        "vllm.v1.worker.gpu_worker:Worker",
+        "vllm_ascend.worker.worker:NPUWorker",
+        "vllm_ascend.worker.worker_v1:NPUWorker",
+    ),
     # DP engines all-reduce "unfinished requests" on the engine loop: ``has_unfinished_dp`` (wave
     # barriers) and ``sync_dp_state`` (0.23: staticmethod every 32 steps; 0.33: method every
     # ``dp_sync_interval`` steps)
@@ -165,6 +172,27 @@ def _comm_wrapper(state: LoopState) -> Wrapper:
     return wrapper
 
 
+def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
+    """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
+
+    def make(state: LoopState) -> Wrapper:
+        buffer = state.buffer
+        clock = buffer.clock
+        code = int(StampKind.WORKER_CALL)
+
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            start = clock()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                if state.enabled:
+                    buffer.put(code, start, clock(), call)
+
+        return wrapper
+
+    return make
+
+
 def _done_wrapper(state: LoopState) -> Wrapper:
     """``get_output`` return; ``a`` = 1 on an output thread (its return is the device-ready time),
     0 on the engine thread (UniProc's lazy ``AsyncOutputFuture.result()``: max(ready, engine asks))."""
@@ -220,6 +248,8 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint(
         "scheduler", "update_from_output", _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)
     ),
+    PatchPoint("worker", "execute_model", _worker_call_wrapper(0)),
+    PatchPoint("worker", "sample_tokens", _worker_call_wrapper(1)),
     PatchPoint("dp_sync", "has_unfinished_dp", _comm_wrapper),
     PatchPoint("dp_sync", "sync_dp_state", _comm_wrapper),
 )

@@ -30,7 +30,7 @@ class SeveralRunsError(ValueError):
 
 def run_of(span: m.SpanRow) -> str:
     """Our traces: ``kvtrace.run_id``; a capture: ``capture <root folder>`` (``importers._files_with_roots``)."""
-    if span.step is not None or span.name == m.OUTPUT_READY:  # a Multiproc worker's outputs: same run id
+    if span.step is not None or span.name in m.WORKER_SPANS:  # a Multiproc worker's spans: same run id
         return span.lane.rsplit("/pid", 1)[0]
     root = span.attrs.get("capture")
     return f"{CAPTURE_RUN} {root}" if root else CAPTURE_RUN

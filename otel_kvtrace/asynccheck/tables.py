@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS async_steps(
     run VARCHAR, lane VARCHAR, step BIGINT,
     schedule_start BIGINT, schedule_end BIGINT, launch_start BIGINT, launch_end BIGINT,
     device_start BIGINT, done BIGINT, update_start BIGINT, update_end BIGINT,
-    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR);
+    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR,
+    worker_launch_start BIGINT, worker_launch_end BIGINT);
 CREATE TABLE IF NOT EXISTS async_markers(run VARCHAR, file VARCHAR, marker VARCHAR, count BIGINT);
 CREATE TABLE IF NOT EXISTS async_warnings(run VARCHAR, file VARCHAR, kind VARCHAR, message VARCHAR);
 CREATE TABLE IF NOT EXISTS async_requests(

@@ -30,7 +30,7 @@ def _originals() -> dict[tuple[type, str], object]:
     return {
         (cls, p.attr): vars(cls)[p.attr]
         for p in PATCH_POINTS
-        for cls in REPLICA_OWNERS[p.owner]
+        for cls in REPLICA_OWNERS.get(p.owner, ())  # no worker class: the replica runs no worker process
         if p.attr in vars(cls)
     }
 
