@@ -73,7 +73,8 @@ def async_trace_path(directory: str | os.PathLike[str], run_id: str, pid: int) -
 def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str, Any] | None = None) -> Resource:
     """Resource of an async trace file: the KV exporter's (``export.build_resource``: service name,
     ``OTEL_RESOURCE_ATTRIBUTES``, pid, host) plus the source and label (see docs/async_check.md)."""
-    attrs: dict[str, Any] = {"kvtrace.run_id": run_id, "kvtrace.source": source, "kvtrace.cfg.label": label}
+    attrs: dict[str, Any] = {"kvtrace.run_id": run_id, "kvtrace.source": source, "kvtrace.cfg.label": label,
+                             "process.parent_pid": os.getppid()}  # ties a worker process to its engine (DP)
     attrs.update(extra or {})
     return Resource(build_resource(attrs))
 
@@ -283,6 +284,7 @@ class AsyncTracer:
         pid = os.getpid()
         attrs = dict(self.resource.attributes)
         attrs["process.pid"] = pid
+        attrs["process.parent_pid"] = os.getppid()
         self.resource = Resource(attrs)
         self.lane = f"{attrs.get('kvtrace.run_id', 'run')}/pid{pid}"
         if self._path_for_pid is not None:

@@ -104,6 +104,8 @@ WARN_OUTPUTS_DROPPED = "outputs_dropped"
 WARN_FORWARD_KIND_UNKNOWN = "forward_kind_unknown"
 WARN_KERNELS_BY_TIME = "kernels_by_time"
 WARN_SPAN_START_LOST = "span_start_lost"
+WARN_PROCESS_JOINED = "process_joined"
+"""A capture of several engine processes (DP): a process without schedule spans was given to one engine."""
 
 
 @dataclass(slots=True)

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.importers import capture_files, import_paths
-from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed
+from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed, select_process
 from otel_kvtrace.asynccheck.steps import build_steps, dedup_markers, dedup_sources, run_warnings
 
 SCHEMA = """
@@ -81,6 +81,7 @@ def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: s
     result = import_paths(paths, run)
     refuse_empty(paths, capture_files(paths), result)
     refuse_mixed(result)
+    select_process(result, run)
     result.spans = dedup_sources(result.spans)
     result.markers = dedup_markers(result.markers)
     lost = [x.split(":", 1)[1] for x in result.seen if x.startswith("start_lost:")]

@@ -339,10 +339,13 @@ def make_executor(mods: Any, kind: str, timing: Timing, async_output: bool, outp
     return ex
 
 
-def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler, pooling: bool = False) -> Any:
-    """A real ``EngineCore`` (``__new__``, like vLLM's own unit tests) with the attributes its loops read."""
+def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler, pooling: bool = False,
+                cls: Any = None) -> Any:
+    """A real ``EngineCore`` (``__new__``, like vLLM's own unit tests) with the attributes its loops read
+    (``cls``: a subclass such as ``DPEngineCoreProc``)."""
     core = mods.core
-    engine = core.EngineCore.__new__(core.EngineCore)
+    cls = cls or core.EngineCore
+    engine = cls.__new__(cls)
     engine.vllm_config = SimpleNamespace(
         observability_config=SimpleNamespace(enable_logging_iteration_details=False))
     engine.log_stats = False
