@@ -100,7 +100,7 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
             return {}, {}
         out: dict[str, list[m.SpanRow]] = {f"{base} pid{e}": [] for e in engines}
         for s in ours:
-            pid = _lane_pid(s.lane) if s.step is not None else str(s.attrs.get("ppid"))
+            pid = _lane_pid(s.lane) if s.step is not None else str(s.attrs.get("ppid", ""))
             for key in ([f"{base} pid{pid}"] if pid in engines else list(out)):  # unknown parent: every engine
                 out[key].append(s)
         return out, {}

@@ -20,6 +20,7 @@ from otel_kvtrace.asynccheck.runs import SeveralRunsError
 from otel_kvtrace.cli import main
 
 from . import msprof_writer as w
+from . import vllm_engine as ve
 from .test_vllm_conformance import GAP_TOLERANCE
 from .vllm_src import VERSIONS, vllm_source
 
@@ -27,14 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _true_gap_ms(truth: dict) -> float:
-    """p50 device idle between forwards, less how late the OS woke the synchronizing thread (as the
-    conformance tests: host latency the engine could not see)."""
-    d = sorted(truth["device"])
-    gaps = [max(0.0, (d[i + 1][0] - d[i][1]) * 1e3) for i in range(len(d) - 1)]
-    lags = truth["wake_lags"]
-    if len(lags) >= len(gaps) + 1:
-        gaps = [g - lag * 1e3 for g, lag in zip(gaps, lags[-len(gaps) - 1:])]
-    return statistics.median(gaps)
+    return statistics.median(ve.true_gaps_ms(truth["device"], truth["wake_lags"]))
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -106,3 +100,19 @@ def test_dp_capture_gets_one_verdict_per_engine_process(tmp_path: Path) -> None:
         kinds = [x["kind"] for x in row["warnings"]]
         assert m.WARN_MULTI_PROCESS not in kinds  # each verdict reads its own engine's processes only
         assert kinds.count(m.WARN_PROCESS_JOINED) == 1
+
+
+def test_worker_processes_follow_their_parent_engine_process() -> None:
+    """DP with MultiprocExecutor: each rank's workers run concurrently with the other rank's, so time
+    cannot tell them apart; the worker's resource ``process.parent_pid`` does."""
+    from otel_kvtrace.asynccheck.runs import split_processes
+
+    def span(lane: str, name: str, step: int | None = None, **attrs: object) -> m.SpanRow:
+        return m.SpanRow("r", "f", lane, step, name, name, 0, 1, dict(attrs))
+
+    spans = [span("r/pid10", m.BATCH_SCHEDULE, 0), span("r/pid20", m.BATCH_SCHEDULE, 0),
+             span("r/pid11", m.OUTPUT_READY, ppid=10), span("r/pid21", m.WORKER_LAUNCH, ppid=20),
+             span("r/pid31", m.OUTPUT_READY)]  # an older trace without process.parent_pid
+    procs, _ = split_processes(spans)
+    lanes = {key: sorted(s.lane for s in ss) for key, ss in procs.items()}
+    assert lanes == {"r pid10": ["r/pid10", "r/pid11", "r/pid31"], "r pid20": ["r/pid20", "r/pid21", "r/pid31"]}

@@ -87,12 +87,8 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
         "SELECT coalesce(CAST(attrs->>'async.done_bound_ns' AS BIGINT), 0) FROM async_spans "
         "WHERE run = 'r' AND name = 'execute_done'").fetchall()]
     LAST["bound_ms"] = statistics.median(bounds) / 1e6 if bounds else 0.0
-    # blocking synchronizes (sync loop, serialised launch): one per step, right after its forward; how
-    # late the OS woke the host there is host latency the engine could not see (ms on a loaded machine)
-    lags = list(ve.DEVICE.wake_lags) if executor != "multiproc" else []
-    gaps = truth.gaps_ms()
-    if len(lags) >= len(gaps) + 1:
-        gaps = [g - lag * 1e3 for g, lag in zip(gaps, lags[-len(gaps) - 1:])]
+    # the worker process's synchronizes are in its own (forked) DEVICE
+    gaps = ve.true_gaps_ms(truth.device, list(ve.DEVICE.wake_lags) if executor != "multiproc" else [])
     return result, gaps, precisions
 
 
@@ -177,6 +173,14 @@ def test_multiproc_async_joins_the_worker_outputs(vllm: Any, tmp_path: Path) -> 
     assert device_side >= 0.8 * len(precisions), precisions
     assert result.verdict == analysis.EFFECTIVE, result.reasons
     assert_gap(result, gaps)
+    # the forked worker names its engine process (DP: which rank's engine its spans belong to)
+    from otel_kvtrace.asynccheck.importers import import_otlp_json
+
+    (out,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    (worker_file,) = [f for f in out.iterdir() if f != async_trace_path(out, "conf", os.getpid())]
+    worker_spans = import_otlp_json(worker_file, "w").spans
+    assert {s.name for s in worker_spans} == {m.OUTPUT_READY, m.WORKER_LAUNCH}
+    assert {s.attrs.get("ppid") for s in worker_spans} == {os.getpid()}
 
 
 def test_multiproc_host_bound_is_not_effective(vllm: Any, tmp_path: Path) -> None:

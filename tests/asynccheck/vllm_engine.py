@@ -377,6 +377,16 @@ class Truth:
         return [max(0.0, (d[i + 1][0] - d[i][1]) * 1e3) for i in range(len(d) - 1)]
 
 
+def true_gaps_ms(device: list[tuple[float, float]], wake_lags: list[float]) -> list[float]:
+    """Device idle between consecutive forwards (ms), less how late the OS woke a synchronizing host
+    thread (blocking synchronizes: one per step, the last ones for the last steps): host latency the
+    engine could not see, ms on a loaded machine."""
+    gaps = Truth(device).gaps_ms()
+    if len(wake_lags) >= len(gaps) + 1:
+        gaps = [g - lag * 1e3 for g, lag in zip(gaps, wake_lags[-len(gaps) - 1:])]
+    return gaps
+
+
 def run_engine(engine: Any, max_calls: int = 10000) -> None:
     """Call ``step_fn`` until the scheduler is drained (what ``run_busy_loop`` does between inputs)."""
     for _ in range(max_calls):
