@@ -87,8 +87,7 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
         "SELECT coalesce(CAST(attrs->>'async.done_bound_ns' AS BIGINT), 0) FROM async_spans "
         "WHERE run = 'r' AND name = 'execute_done'").fetchall()]
     LAST["bound_ms"] = statistics.median(bounds) / 1e6 if bounds else 0.0
-    # the worker process's synchronizes are in its own (forked) DEVICE
-    gaps = ve.true_gaps_ms(truth.device, list(ve.DEVICE.wake_lags) if executor != "multiproc" else [])
+    gaps = ve.true_gaps_ms(truth.device, ex.lags())  # a Multiproc worker's own (forked) DEVICE
     return result, gaps, precisions
 
 
@@ -199,10 +198,10 @@ def test_multiproc_blocking_launch_in_the_worker_is_not_effective_launch_waited(
     assert result.metrics.overlap_ratio is not None and result.metrics.overlap_ratio >= 0.5  # the engine overlaps
     assert any("launch returns only after the device output is ready" in r and "in the worker process" in r
                for r in result.reasons), result.reasons
-    # the fake device idles from the forward's end through the worker's return, the next message and
-    # sample_tokens until the output exists (a real device runs the sampler there): a lower bound here
+    # the device idles only while the worker takes the next message (the engine is ahead): a true gap of
+    # 0.1-0.3 ms, where 10 % is below the host's own jitter; 0.05 ms absolute is the floor there
     truth, measured = statistics.median(gaps), result.metrics.gap_p50_ms
-    assert measured is not None and measured <= (1 + GAP_TOLERANCE) * truth, (measured, truth)
+    assert measured is not None and abs(measured - truth) <= max(GAP_TOLERANCE * truth, 0.05), (measured, truth)
 
 
 def test_multiproc_async_without_the_worker_trace_says_cannot_tell(vllm: Any, tmp_path: Path) -> None:
