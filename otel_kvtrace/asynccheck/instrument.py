@@ -155,30 +155,13 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
-def _comm_wrapper(state: LoopState) -> Wrapper:
-    """A collective on the engine loop (DP step synchronisation): one ``communication`` interval."""
-    buffer = state.buffer
-    clock = buffer.clock
-    comm_code = int(StampKind.COMM)
-
-    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        start = clock()
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if state.enabled:
-                buffer.put(comm_code, start, clock(), max(state.step, 0))
-
-    return wrapper
-
-
-def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
-    """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
+def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Callable[[LoopState], Wrapper]:
+    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end)."""
 
     def make(state: LoopState) -> Wrapper:
         buffer = state.buffer
         clock = buffer.clock
-        code = int(StampKind.WORKER_CALL)
+        code = int(kind)
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             start = clock()
@@ -186,11 +169,21 @@ def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
                 return wrapped(*args, **kwargs)
             finally:
                 if state.enabled:
-                    buffer.put(code, start, clock(), call)
+                    buffer.put(code, start, clock(), tag(state))
 
         return wrapper
 
     return make
+
+
+_comm_wrapper = _interval_wrapper(StampKind.COMM, lambda state: max(state.step, 0))
+"""A collective on the engine loop (DP step synchronisation): one ``communication`` interval, attributed to
+the last scheduled step."""
+
+
+def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
+    """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
+    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call)
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:

@@ -140,8 +140,9 @@ def join_worker_launches(steps: list[m.StepRow], calls: list[m.SpanRow], *, sync
     The worker runs the engine's messages in order: step n's ``execute_model`` is the first one starting in
     [launch start(n), update start(n)], followed by its ``sample_tokens`` (if any) before the next
     ``execute_model``. A launch that blocks on the device blocks there, not in the engine's dispatch.
-    ``sync_outputs``: the worker made no async outputs (the sync loop), so its last call of a step returned
-    the synchronous output: that return bounds the ready time tighter than the engine's update entry.
+    ``sync_outputs``: the worker made no async outputs; in a step of the sync loop (no batch queue) its last
+    call then returned the synchronous output: that return bounds the ready time tighter than the engine's
+    update entry.
     """
     engine_lanes: dict[str, list[m.StepRow]] = defaultdict(list)
     for row in steps:
@@ -162,8 +163,8 @@ def join_worker_launches(steps: list[m.StepRow], calls: list[m.SpanRow], *, sync
                    and worker[i].start_ns <= row.update_start):
                 row.worker_launch_end = max(row.worker_launch_end, worker[i].end_ns)
                 i += 1
-            if sync_outputs and row.done_precision == m.DONE_ENGINE_OBSERVED and row.done is not None \
-                    and row.worker_launch_end <= row.done:
+            if sync_outputs and not row.batch_queue and row.done_precision == m.DONE_ENGINE_OBSERVED \
+                    and row.done is not None and row.worker_launch_end <= row.done:
                 # no async output (the sync loop): the worker's last call returned the synchronous output
                 row.done, row.done_precision = row.worker_launch_end, m.DONE_WORKER_RETURN
 
