@@ -48,11 +48,11 @@ LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY
 _PAIRS_SQL = """
 WITH s AS (
   SELECT lane, step, launch_start, done,
-         done - greatest(launch_start, LAG(done) OVER w) AS busy_ns,
+         done - greatest(coalesce(worker_launch_start, launch_start), LAG(done) OVER w) AS busy_ns,
          (schedule_end - schedule_start) + (launch_end - launch_start) + (update_end - update_start) AS host_ns,
          LEAD(schedule_start) OVER w AS next_sched_start,
          LEAD(schedule_end) OVER w AS next_sched_end,
-         LEAD(coalesce(device_start, launch_start)) OVER w AS next_exec_start
+         LEAD(coalesce(device_start, worker_launch_start, launch_start)) OVER w AS next_exec_start
   FROM async_steps WHERE run = $run
   WINDOW w AS (PARTITION BY lane ORDER BY step)
 ), p AS (
@@ -82,10 +82,12 @@ SELECT count(*),
        count(done),
        count(*) FILTER (WHERE batch_queue),
        max(queue_depth),
-       avg(CASE WHEN launch_end - launch_start >= $cover * (done - launch_start) THEN 1.0 ELSE 0.0 END)
-         FILTER (WHERE done > launch_start AND launch_end IS NOT NULL),
+       avg(CASE WHEN coalesce(worker_launch_end - worker_launch_start, launch_end - launch_start)
+                     >= $cover * (done - coalesce(worker_launch_start, launch_start)) THEN 1.0 ELSE 0.0 END)
+         FILTER (WHERE done > coalesce(worker_launch_start, launch_start) AND launch_end IS NOT NULL),
        avg(CASE WHEN done_precision IN ('engine_poll', 'engine_observed') THEN 1.0 ELSE 0.0 END)
-         FILTER (WHERE done IS NOT NULL)
+         FILTER (WHERE done IS NOT NULL),
+       count(worker_launch_start)
 FROM async_steps WHERE run = $run
 """
 
@@ -108,6 +110,9 @@ class AsyncMetrics:
     blocking_launch_share: float | None = None
     done_upper_bound_share: float | None = None
     """Share of steps whose output-ready time is only bounded by the engine's own poll."""
+    worker_launch_steps: int = 0
+    """Steps whose launch was seen in a ``MultiprocExecutor`` worker process (launch share, gap and device
+    busy time are then measured from the worker's launch)."""
     max_queue_depth: int | None = None
     batch_queue_steps: int = 0
     comm_total_ms: float | None = None
@@ -170,7 +175,7 @@ def compute_metrics(con: duckdb.DuckDBPyConnection, run: str) -> AsyncMetrics:
         mt.overlap_ratio, mt.overlapped_pairs_share = overlap / sched, overlapped
     row = con.execute(_STEPS_SQL, {"run": run, "cover": BLOCKING_LAUNCH_COVER}).fetchone()
     mt.steps, mt.steps_with_schedule, mt.steps_with_done, mt.batch_queue_steps, mt.max_queue_depth = row[:5]
-    mt.blocking_launch_share, mt.done_upper_bound_share = row[5], row[6]
+    mt.blocking_launch_share, mt.done_upper_bound_share, mt.worker_launch_steps = row[5], row[6], row[7]
     rows = con.execute(
         "SELECT name, start_ns, end_ns FROM async_spans WHERE run = $run AND name IN ('communication', 'compute')",
         {"run": run},
@@ -213,6 +218,10 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
                 if mt.gap_p50_ms is not None else "")
     host_bound = _host_bound(mt)
     bounded = (mt.done_upper_bound_share or 0.0) >= UPPER_BOUND_SHARE
+    blocking = mt.blocking_launch_share or 0.0
+    # in a MultiprocExecutor worker a blocking launch does not block the engine: schedule(n+1) still
+    # overlaps, but the worker cannot queue step n+1's work while the device runs step n
+    worker_waited = bool(mt.worker_launch_steps) and has_markers and blocking >= BLOCKING_STEPS_SHARE
     if mt.overlap_ratio >= EFFECTIVE_OVERLAP and bounded:
         return CANNOT_TELL, [
             f"cannot tell: output time bounded by the engine's own poll in {mt.done_upper_bound_share:.0%} of "
@@ -221,7 +230,7 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
             "(the worker process with MultiprocExecutor) so the copy-ready event can be watched",
             f"async markers: {marker_text}",
         ]
-    if mt.overlap_ratio >= EFFECTIVE_OVERLAP and not host_bound:
+    if mt.overlap_ratio >= EFFECTIVE_OVERLAP and not host_bound and not worker_waited:
         reasons.append(f"schedule(n+1) overlaps execute(n) for {pct} of its time over {mt.pairs} step pairs")
         if m.WARN_NPU_SYNC_HOOKS in warning_kinds:
             reasons.append("measured although the capture's hooks synchronize the NPU (they can only shrink overlap)")
@@ -241,13 +250,14 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
         verdict_ = NOT_EFFECTIVE
         share = "" if mt.overlap_ratio >= EFFECTIVE_OVERLAP else "only "
         reasons.append(f"schedule(n+1) overlaps execute(n) for {share}{pct} of its time over {mt.pairs} step pairs")
-        blocking = mt.blocking_launch_share or 0.0
         if not has_markers:
             reasons.append("no async markers: the engine ran the synchronous loop (async scheduling is off)")
         elif blocking >= BLOCKING_STEPS_SHARE:
+            where = (" (in the worker process: the engine's schedule overlaps, but the worker cannot queue step "
+                     "n+1 while the device runs step n)" if mt.worker_launch_steps else "")
             reasons.append(
                 f"async path is on ({marker_text}) but the host launch returns only after the device output is "
-                f"ready in {blocking:.0%} of steps: a blocking synchronize in the launch path (synchronising "
+                f"ready in {blocking:.0%} of steps{where}: a blocking synchronize in the launch path (synchronising "
                 "profiler hooks, ASCEND_LAUNCH_BLOCKING=1, grammar bitmask .to('cpu'), need_timing)"
             )
         elif host_bound:

@@ -60,6 +60,28 @@ class OutputReady:
     done_bound_ns: int = 0
 
 
+@dataclass(slots=True)
+class WorkerCall:
+    """One ``execute_model`` / ``sample_tokens`` call of a process without an engine loop (recorder ns)."""
+
+    seq: int
+    call: str
+    start: int
+    end: int
+
+
+WORKER_CALLS = ("execute_model", "sample_tokens")
+
+
+def _bracket_mid(ready: Stamp) -> int:
+    """The ready time a watcher bracket [last query false, first query true] gives: its midpoint.
+
+    The event completed somewhere inside; the first ``query()`` true is late by the poll interval and
+    the watcher's wake-up (about half the bracket on average), the midpoint is off by at most half its
+    width either way (``done_bound_ns`` keeps the whole width)."""
+    return ready.t - (ready.t - ready.a) // 2
+
+
 class StepAssembler:
     """Matches stamps by ordinal; keeps incomplete steps until their update ends."""
 
@@ -70,6 +92,7 @@ class StepAssembler:
         self._recent_done: deque[int] = deque(maxlen=_RECENT_DONE)
         self._engine_seen = False
         self._next_output = 0
+        self._next_call = 0
 
     def feed(self, stamps: Iterable[Stamp]) -> list[AssembledStep]:
         """Add stamps; return the steps completed so far, in step order."""
@@ -110,11 +133,25 @@ class StepAssembler:
             if ready:
                 r = ready.popleft()
                 if r.t <= d.t:
-                    out.append(self._output(r.b, r.t, DONE_DEVICE_EVENT, r.t - r.a))
+                    out.append(self._output(r.b, _bracket_mid(r), DONE_DEVICE_EVENT, r.t - r.a))
                     continue
                 out.append(self._output(r.b, d.t, precision if d.a else DONE_DEVICE_EVENT, max(0, d.t - r.a)))
                 continue
             out.append(self._output(d.t, d.t, precision))
+        return out
+
+    def worker_calls(self) -> list[WorkerCall]:
+        """The worker calls of a process without an engine loop (a ``MultiprocExecutor`` worker), in call
+        order; in the engine's process (UniProc: the worker runs inside the executor) they are dropped."""
+        q = self._q[StampKind.WORKER_CALL]
+        if self._engine_seen:
+            q.clear()
+            return []
+        out: list[WorkerCall] = []
+        while q:
+            s = q.popleft()
+            out.append(WorkerCall(self._next_call, WORKER_CALLS[1 if s.b else 0], s.t, max(s.t, s.a)))
+            self._next_call += 1
         return out
 
     def _output(self, created: int, done: int, precision: str, bound: int = 0) -> OutputReady:
@@ -174,7 +211,7 @@ class StepAssembler:
         # registered (created) before the next step's launch: otherwise it is that step's output
         ready = self._first_between(StampKind.READY, launch_begin, min(update_begin, next_launch), lambda s: s.b)
         if ready is not None and ready.t <= best:
-            best, precision, bound = ready.t, DONE_DEVICE_EVENT, ready.t - ready.a
+            best, precision, bound = _bracket_mid(ready), DONE_DEVICE_EVENT, ready.t - ready.a
         elif ready is not None and precision == DONE_ENGINE_POLL:
             precision = DONE_DEVICE_EVENT  # the engine blocked in get_output: its return is the ready time
             bound = max(0, best - ready.a)

@@ -62,7 +62,7 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
     ms_service_*.db, ascend_service_profiler_*.db, request.csv, service_profiling_symbols*.yaml), of
     either parser generation. Verdict: effective / not effective / cannot tell, with reasons, and the
     outcome (step interval, request latency, throughput). PATHS holding several runs get one verdict
-    per run.
+    per run, and a run of several engine processes (data parallel) one verdict per process.
 
     \b
     Example:

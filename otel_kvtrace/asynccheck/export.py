@@ -26,7 +26,7 @@ from opentelemetry.sdk.resources import Resource
 
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck import model as m
-from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler
+from otel_kvtrace.asynccheck.assemble import AssembledStep, OutputReady, StepAssembler, WorkerCall
 from otel_kvtrace.asynccheck.recorder import StampBuffer
 from otel_kvtrace.export.encode import json_span
 from otel_kvtrace.export.sinks import JsonLinesFileSink, SpanSink, safe_run_id
@@ -50,7 +50,8 @@ def async_trace_path(directory: str | os.PathLike[str], run_id: str, pid: int) -
 def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str, Any] | None = None) -> Resource:
     """Resource of an async trace file: the KV exporter's (``export.build_resource``: service name,
     ``OTEL_RESOURCE_ATTRIBUTES``, pid, host) plus the source and label (see docs/async_check.md)."""
-    attrs: dict[str, Any] = {"kvtrace.run_id": run_id, "kvtrace.source": source, "kvtrace.cfg.label": label}
+    attrs: dict[str, Any] = {"kvtrace.run_id": run_id, "kvtrace.source": source, "kvtrace.cfg.label": label,
+                             "process.parent_pid": os.getppid()}  # ties a worker process to its engine (DP)
     attrs.update(extra or {})
     return Resource(build_resource(attrs))
 
@@ -111,6 +112,12 @@ def build_output_span(output: OutputReady, *, anchor: ClockAnchor, lane: str, ou
                      anchor.to_epoch(output.done), attrs)
 
 
+def build_worker_call_span(call: WorkerCall, *, anchor: ClockAnchor, lane: str) -> JsonSpan:
+    """One ``worker_launch`` root span: a worker process's ``execute_model`` / ``sample_tokens`` call."""
+    trace_id, span_id = _ids(f"{lane}/w{call.seq}")
+    attrs = {m.ATTR_WORKER_CALL: call.call, m.ATTR_CALL_SEQ: call.seq}
+    return json_span(trace_id, span_id, None, m.WORKER_LAUNCH, anchor.to_epoch(call.start),
+                     anchor.to_epoch(call.end), attrs)
 
 class StepSource(Recorder):
     """The shared recorder (``record.recorder.Recorder``: bounded hand-off, drop and submit counts) fed with
@@ -140,22 +147,27 @@ class StepSource(Recorder):
         )
 
     def collect(self) -> None:
-        """Submit what the buffer completes: steps and (in a process with no engine loop) outputs."""
+        """Submit what the buffer completes: steps, a worker's launch calls and (in a process with no
+        engine loop) outputs."""
         try:
             steps = self._assembler.feed(self.buffer.drain(self.settle_s))
-            items: list[AssembledStep | OutputReady] = [*self._assembler.orphan_outputs(), *steps]
+            items: list[AssembledStep | OutputReady | WorkerCall] = [
+                *self._assembler.orphan_outputs(), *self._assembler.worker_calls(), *steps]
         except Exception:  # noqa: BLE001 - an assembler bug costs these stamps, never the exporter
             logger.exception("otel-kvtrace: engine-loop stamps could not be assembled")
             return
         for item in items:
             self.submit(item)  # type: ignore[arg-type]
 
-    def build_json(self, item: AssembledStep | OutputReady) -> str:
-        """One step's spans (or one output's span) as OTLP/JSON text; a step also feeds the metrics."""
+    def build_json(self, item: AssembledStep | OutputReady | WorkerCall) -> str:
+        """One step's spans (or one output's or worker call's span) as OTLP/JSON text; a step also feeds
+        the metrics."""
         lost = self.buffer.outputs_dropped
         if isinstance(item, OutputReady):
             return orjson.dumps(build_output_span(item, anchor=self.anchor, lane=self.lane,
                                                   outputs_dropped=lost)).decode()
+        if isinstance(item, WorkerCall):
+            return orjson.dumps(build_worker_call_span(item, anchor=self.anchor, lane=self.lane)).decode()
         spans = build_step_spans(item, anchor=self.anchor, lane=self.lane, dropped=self.buffer.dropped,
                                  outputs_dropped=lost)
         self._dispatch_counter.add(1)
@@ -241,10 +253,11 @@ class AsyncTracer:
         """The parent's stamps are not this process's; its spans carry the child's pid."""
         pid = os.getpid()
         self.source.after_fork_in_child(pid)
-        self.resource = Resource({**self.resource.attributes, "process.pid": pid})
+        child = {"process.pid": pid, "process.parent_pid": os.getppid()}  # ties a worker to its engine (DP)
+        self.resource = Resource({**self.resource.attributes, **child})
         update = getattr(self.sink, "update_resource", None)
         if update is not None:
-            update({"process.pid": pid})
+            update(child)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Write what is left, stop the thread, close the sink. Idempotent."""

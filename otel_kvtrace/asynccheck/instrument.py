@@ -63,6 +63,13 @@ VLLM_OWNERS: Mapping[str, Sequence[OwnerSpec]] = {
         "vllm.v1.worker.gpu.async_utils:AsyncOutput",  # Model Runner V2
         "vllm.v1.worker.gpu.async_utils:AsyncPoolingOutput",
     ),
+    # the worker that launches onto the device (in a MultiprocExecutor worker process: a launch that
+    # blocks there does not block the engine's own launch)
+    "worker": (
+        "vllm.v1.worker.gpu_worker:Worker",
+        "vllm_ascend.worker.worker:NPUWorker",
+        "vllm_ascend.worker.worker_v1:NPUWorker",
+    ),
     # DP engines all-reduce "unfinished requests" on the engine loop: ``has_unfinished_dp`` (wave
     # barriers) and ``sync_dp_state`` (0.23: staticmethod every 32 steps; 0.33: method every
     # ``dp_sync_interval`` steps)
@@ -149,21 +156,35 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
-def _comm_wrapper(state: LoopState) -> Wrapper:
-    """A collective on the engine loop (DP step synchronisation): one ``communication`` interval."""
-    buffer = state.buffer
-    clock = buffer.clock
-    comm_code = int(StampKind.COMM)
+def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Callable[[LoopState], Wrapper]:
+    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end)."""
 
-    def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
-        start = clock()
-        try:
-            return wrapped(*args, **kwargs)
-        finally:
-            if state.enabled:
-                buffer.put(comm_code, start, clock(), max(state.step, 0))
+    def make(state: LoopState) -> Wrapper:
+        buffer = state.buffer
+        clock = buffer.clock
+        code = int(kind)
 
-    return wrapper
+        def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
+            start = clock()
+            try:
+                return wrapped(*args, **kwargs)
+            finally:
+                if state.enabled:
+                    buffer.put(code, start, clock(), tag(state))
+
+        return wrapper
+
+    return make
+
+
+_comm_wrapper = _interval_wrapper(StampKind.COMM, lambda state: max(state.step, 0))
+"""A collective on the engine loop (DP step synchronisation): one ``communication`` interval, attributed to
+the last scheduled step."""
+
+
+def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
+    """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
+    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call)
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:
@@ -235,6 +256,10 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
          _phase_wrapper("in_update", StampKind.UPDATE_BEGIN, StampKind.UPDATE_END)),
     _row("E9", "dp_sync", "has_unfinished_dp", "DP all-reduce: communication", _comm_wrapper),
     _row("E10", "dp_sync", "sync_dp_state", "DP all-reduce: communication", _comm_wrapper),
+    _row("E11", "worker", "execute_model", "worker_launch: the worker process's forward launch",
+         _worker_call_wrapper(0)),
+    _row("E12", "worker", "sample_tokens", "worker_launch: the worker process's sampling launch",
+         _worker_call_wrapper(1)),
 )
 
 

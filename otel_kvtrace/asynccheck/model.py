@@ -28,8 +28,15 @@ OUTPUT_READY = "output_ready"
 """Root span of a process that creates async outputs but runs no engine loop (a ``MultiprocExecutor``
 worker): [output created, output ready]; joined to the engine's steps by time at analysis."""
 
+WORKER_LAUNCH = "worker_launch"
+"""Root span of a process without an engine loop: one ``execute_model`` / ``sample_tokens`` call of its
+worker (``async.worker_call``); joined to the engine's steps by time at analysis: the device-side launch."""
+WORKER_SPANS = frozenset({OUTPUT_READY, WORKER_LAUNCH})
+"""Spans of a ``MultiprocExecutor`` worker process: no step number, the engine's run id."""
+
 STEP_CHILD_SPANS: tuple[str, ...] = (
     OUTPUT_READY,
+    WORKER_LAUNCH,
     BATCH_SCHEDULE,
     MODEL_EXECUTE,
     EXECUTE_DONE,
@@ -46,6 +53,8 @@ ATTR_DISPATCH_COUNT = "async.dispatch_count"
 ATTR_DONE_PRECISION = "async.done_precision"
 ATTR_DONE_BOUND_NS = "async.done_bound_ns"
 ATTR_OUTPUT_SEQ = "async.output_seq"
+ATTR_WORKER_CALL = "async.worker_call"
+ATTR_CALL_SEQ = "async.call_seq"
 ATTR_MODE = "async.mode"
 ATTR_OUTPUTS_DROPPED = "async.outputs_dropped"
 """Cumulative outputs the output-ready watcher did not watch (more than ``ready.MAX_PENDING`` in flight)."""
@@ -63,6 +72,9 @@ DONE_ENGINE_POLL = "engine_poll"
 """``get_output`` returned on the engine thread: max(device ready, engine asks), an upper bound."""
 DONE_ENGINE_OBSERVED = "engine_observed"
 """Only the engine's use of the output is known (``update_from_output`` entry): an upper bound."""
+DONE_WORKER_RETURN = "worker_return"
+"""A ``MultiprocExecutor`` worker's ``sample_tokens`` returned a synchronous output (no async output: the
+sync loop): it returns once the device result is on the host, before the engine sees it."""
 DONE_UPPER_BOUNDS = frozenset({DONE_ENGINE_POLL, DONE_ENGINE_OBSERVED})
 """Precisions that bound the ready time by the engine's own poll (overlap over-, gap under-estimated)."""
 DONE_SYNCED_FORWARD = "synced_forward"
@@ -92,6 +104,8 @@ WARN_OUTPUTS_DROPPED = "outputs_dropped"
 WARN_FORWARD_KIND_UNKNOWN = "forward_kind_unknown"
 WARN_KERNELS_BY_TIME = "kernels_by_time"
 WARN_SPAN_START_LOST = "span_start_lost"
+WARN_PROCESS_JOINED = "process_joined"
+"""A capture of several engine processes (DP): a process without schedule spans was given to one engine."""
 
 
 @dataclass(slots=True)
@@ -124,6 +138,10 @@ class StepRow:
     done: int | None = None
     update_start: int | None = None
     update_end: int | None = None
+    worker_launch_start: int | None = None
+    """``MultiprocExecutor``: the worker process's ``execute_model`` start (the launch onto the device)."""
+    worker_launch_end: int | None = None
+    """... and the end of its last call for the step (``execute_model`` or ``sample_tokens``)."""
     done_precision: str | None = None
     batch_queue: bool | None = None
     queue_depth: int | None = None

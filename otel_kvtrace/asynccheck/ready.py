@@ -37,6 +37,7 @@ IDLE_S = 0.002
 ACTIVE_NS = 50_000_000
 """For this long after the last output the watcher polls with the backoff above even with nothing
 pending; after it, every ``IDLE_S``."""
+_READY = int(StampKind.READY)
 MAX_PENDING = 64
 """Outputs in flight are at most the batch-queue depth; more means the watcher fell behind: the output
 is not watched and counted (``StampBuffer.outputs_dropped``; ``kvtrace async check`` warns)."""
@@ -63,7 +64,14 @@ class ReadyWatcher:
                 if len(self.pending) >= MAX_PENDING:
                     self.buffer.output_dropped()
                     return
-                self.pending.append((event, self.buffer.clock()))
+                clock = self.buffer.clock
+                registered = clock()
+                if not self.pending and event.query():
+                    # nothing older outstanding and already complete (recorded on an idle stream: a launch
+                    # that waited for the device): ready by now, no watcher wake-up latency in the bracket
+                    self.buffer.put(_READY, clock(), registered, registered)
+                    return
+                self.pending.append((event, registered))
                 if self._thread is None:  # once per process: processes that make no outputs stay idle
                     self.start()
                 return
@@ -92,7 +100,7 @@ class ReadyWatcher:
         clock = self.buffer.clock
         put = self.buffer.put
         pending = self.pending
-        ready_code = int(StampKind.READY)
+        ready_code = _READY
         last_false = 0
         last_seen = 0
         delay = POLL_S
@@ -115,9 +123,9 @@ class ReadyWatcher:
             now = clock()
             last_seen = now
             if done:
-                pending.popleft()
                 last_false = max(last_false, registered)
                 put(ready_code, now, last_false, registered)
+                pending.popleft()  # after the stamp: register() stamps at once only when nothing is older
                 delay = POLL_S
                 continue  # one in-order copy stream: the next event is ready no earlier than this one's bound
             last_false = now

@@ -36,6 +36,7 @@ class StampKind(IntEnum):
     SAMPLE_BEGIN = 11  # Executor.sample_tokens (the sampling launch since vLLM 0.23; part of the host launch)
     SAMPLE_END = 12
     READY = 10  # t = first query() true, a = last query() false (or registration), b = registration time
+    WORKER_CALL = 13  # a worker's execute_model (b = 0) / sample_tokens (b = 1): t = start, a = end
 
 
 class _Generation:

@@ -8,7 +8,9 @@ into one folder), and must say what an input holds when it holds no async-check 
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
+from statistics import median
 from pathlib import Path
 
 from otel_kvtrace.asynccheck import model as m
@@ -30,7 +32,7 @@ class SeveralRunsError(ValueError):
 
 def run_of(span: m.SpanRow) -> str:
     """Our traces: ``kvtrace.run_id``; a capture: ``capture <root folder>`` (``importers._files_with_roots``)."""
-    if span.step is not None or span.name == m.OUTPUT_READY:  # a Multiproc worker's outputs: same run id
+    if span.step is not None or span.name in m.WORKER_SPANS:  # a Multiproc worker's spans: same run id
         return span.lane.rsplit("/pid", 1)[0]
     root = span.attrs.get("capture")
     return f"{CAPTURE_RUN} {root}" if root else CAPTURE_RUN
@@ -78,3 +80,72 @@ def refuse_empty(paths: Iterable[str | Path], files: list[Path], result: m.Impor
             f"{where} holds {other} KV-cache recv trace spans and no async-scheduling spans: "
             "read them with `kvtrace report`; `kvtrace async check` reads traces of the engine-loop plugin "
             "(OTEL_KVTRACE_ASYNC) or of `kvtrace async replica`")
+
+
+def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]], dict[str, list[str]]]:
+    """One run's spans per engine process (DP rank), when it has several: ``{"<run> pid<N>": spans}``.
+
+    Engine processes are those with steps (our traces: lanes with ``async.step``) or with schedule spans
+    (a capture: ``BatchSchedule``). A ``MultiprocExecutor`` worker's spans go to the engine that is its
+    parent process (``process.parent_pid``); a capture's other processes (workers, device DBs) to the engine
+    whose schedule ends lie closest before their spans (a note per engine says which). ``({}, {})`` for one.
+    """
+    if not spans:
+        return {}, {}
+    base = run_of(spans[0])
+    ours = [s for s in spans if s.step is not None or s.name in m.WORKER_SPANS]
+    if ours:
+        engines = sorted({_lane_pid(s.lane) for s in ours if s.step is not None})
+        if len(engines) < 2:
+            return {}, {}
+        out: dict[str, list[m.SpanRow]] = {f"{base} pid{e}": [] for e in engines}
+        for s in ours:
+            pid = _lane_pid(s.lane) if s.step is not None else str(s.attrs.get("ppid", ""))
+            for key in ([f"{base} pid{pid}"] if pid in engines else list(out)):  # unknown parent: every engine
+                out[key].append(s)
+        return out, {}
+    by_pid: dict[str, list[m.SpanRow]] = {}
+    for s in spans:
+        by_pid.setdefault(str(s.attrs.get("pid")), []).append(s)
+    engines = sorted(p for p, ss in by_pid.items() if any(s.name == m.BATCH_SCHEDULE for s in ss))
+    if len(engines) < 2:
+        return {}, {}
+    ends = {e: sorted(s.end_ns for s in by_pid[e] if s.name == m.BATCH_SCHEDULE) for e in engines}
+    out = {f"{base} pid{e}": list(by_pid[e]) for e in engines}
+    notes: dict[str, list[str]] = {}
+    for pid, ss in by_pid.items():
+        if pid in engines:
+            continue
+        engine = min(engines, key=lambda e: _lead_ns(ends[e], ss))
+        out[f"{base} pid{engine}"] += ss
+        notes.setdefault(f"{base} pid{engine}", []).append(f"pid {pid} (no schedule spans) joined engine pid {engine}: its spans follow that engine's "
+                     "schedules most closely")
+    return out, notes
+
+
+def _lane_pid(lane: str) -> str:
+    return lane.rsplit("/pid", 1)[-1]
+
+
+def _lead_ns(schedule_ends: list[int], spans: list[m.SpanRow]) -> float:
+    """Median time from the latest schedule end before each span's start to that start (inf if none)."""
+    leads = []
+    for s in spans:
+        i = bisect_right(schedule_ends, s.start_ns) - 1
+        if i >= 0:
+            leads.append(s.start_ns - schedule_ends[i])
+    return float(median(leads)) if leads else float("inf")
+
+
+def select_process(result: m.ImportResult, run: str) -> None:
+    """Keep the spans of engine process ``run`` (a ``split_processes`` key); with several engine processes
+    and no such key, raise ``SeveralRunsError`` (one verdict per process, never a merge of DP ranks)."""
+    procs, notes = split_processes(result.spans)
+    if not procs:
+        return
+    if run not in procs:
+        base = run_of(result.spans[0])
+        files = {key: list(dict.fromkeys(s.file for s in spans)) for key, spans in procs.items()}
+        raise SeveralRunsError(f"{len(procs)} engine processes (DP ranks) in {base}: one verdict per process", files)
+    result.spans = procs[run]
+    result.warnings += [m.CaptureWarning(run, "", m.WARN_PROCESS_JOINED, note) for note in notes.get(run, [])]

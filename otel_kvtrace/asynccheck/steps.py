@@ -58,11 +58,14 @@ def build_steps(spans: list[m.SpanRow], run: str,
                 lost_starts: Iterable[str] = ()) -> tuple[list[m.StepRow], list[m.CaptureWarning]]:
     """Steps of one run and warnings about how they were matched (``lost_starts``: span names with start 0)."""
     outputs = [s for s in spans if s.name == m.OUTPUT_READY]
+    calls = [s for s in spans if s.name == m.WORKER_LAUNCH]
     ours = [s for s in spans if s.step is not None]
-    capture = [s for s in spans if s.step is None and s.name != m.OUTPUT_READY]
+    capture = [s for s in spans if s.step is None and s.name not in m.WORKER_SPANS]
     steps = _steps_from_ours(ours, run)
     if outputs:
         join_worker_outputs(steps, outputs)
+    if calls:
+        join_worker_launches(steps, calls, sync_outputs=not outputs)
     warnings: list[m.CaptureWarning] = []
     if capture:
         capture_steps, warnings = _steps_from_capture(capture, run, frozenset(lost_starts))
@@ -101,19 +104,14 @@ def join_worker_outputs(steps: list[m.StepRow], outputs: list[m.SpanRow]) -> Non
     process created in [launch start(n), update start(n)] is step n's. The worker process is the one
     with the most outputs inside the engine lane's time span (same host clock, epoch ns).
     """
-    by_lane: dict[str, list[m.SpanRow]] = defaultdict(list)
-    for o in outputs:
-        by_lane[o.lane].append(o)
     engine_lanes: dict[str, list[m.StepRow]] = defaultdict(list)
     for row in steps:
         engine_lanes[row.lane].append(row)
-    for lane, rows in engine_lanes.items():
+    for rows in engine_lanes.values():
         rows = [r for r in rows if r.launch_start is not None and r.update_start is not None]
         if not rows or not any(r.done_precision in _ENGINE_BOUNDS for r in rows):
             continue
-        lo, hi = rows[0].launch_start, rows[-1].update_start
-        worker = max(by_lane.values(), key=lambda os_: sum(lo <= o.start_ns <= hi for o in os_))
-        pending = sorted(worker, key=lambda o: o.start_ns)
+        pending = _worker_lane(rows, outputs)
         i = 0
         for row in rows:
             while i < len(pending) and pending[i].start_ns < row.launch_start:
@@ -124,6 +122,51 @@ def join_worker_outputs(steps: list[m.StepRow], outputs: list[m.SpanRow]) -> Non
                 if row.done_precision in _ENGINE_BOUNDS and (row.done is None or o.end_ns <= row.done):
                     row.done = o.end_ns
                     row.done_precision = str(o.attrs.get(m.ATTR_DONE_PRECISION) or m.DONE_DEVICE_READY)
+
+
+def _worker_lane(rows: list[m.StepRow], spans: list[m.SpanRow]) -> list[m.SpanRow]:
+    """The worker process's spans: the lane with most spans inside the engine lane's time span."""
+    by_lane: dict[str, list[m.SpanRow]] = defaultdict(list)
+    for s in spans:
+        by_lane[s.lane].append(s)
+    lo, hi = rows[0].launch_start, rows[-1].update_start
+    return sorted(max(by_lane.values(), key=lambda ss: sum(lo <= s.start_ns <= hi for s in ss)),
+                  key=lambda s: s.start_ns)
+
+
+def join_worker_launches(steps: list[m.StepRow], calls: list[m.SpanRow], *, sync_outputs: bool = False) -> None:
+    """Give each engine step the launch of the worker process that really launches onto the device.
+
+    The worker runs the engine's messages in order: step n's ``execute_model`` is the first one starting in
+    [launch start(n), update start(n)], followed by its ``sample_tokens`` (if any) before the next
+    ``execute_model``. A launch that blocks on the device blocks there, not in the engine's dispatch.
+    ``sync_outputs``: the worker made no async outputs; in a step of the sync loop (no batch queue) its last
+    call then returned the synchronous output: that return bounds the ready time tighter than the engine's
+    update entry.
+    """
+    engine_lanes: dict[str, list[m.StepRow]] = defaultdict(list)
+    for row in steps:
+        if row.launch_start is not None and row.update_start is not None:
+            engine_lanes[row.lane].append(row)
+    for rows in engine_lanes.values():
+        worker = _worker_lane(rows, calls)
+        i = 0
+        for row in rows:
+            while i < len(worker) and (worker[i].start_ns < row.launch_start
+                                       or worker[i].attrs.get(m.ATTR_WORKER_CALL) != "execute_model"):
+                i += 1
+            if i >= len(worker) or worker[i].start_ns > row.update_start:
+                continue
+            row.worker_launch_start, row.worker_launch_end = worker[i].start_ns, worker[i].end_ns
+            i += 1
+            while (i < len(worker) and worker[i].attrs.get(m.ATTR_WORKER_CALL) == "sample_tokens"
+                   and worker[i].start_ns <= row.update_start):
+                row.worker_launch_end = max(row.worker_launch_end, worker[i].end_ns)
+                i += 1
+            if sync_outputs and not row.batch_queue and row.done_precision == m.DONE_ENGINE_OBSERVED \
+                    and row.done is not None and row.worker_launch_end <= row.done:
+                # no async output (the sync loop): the worker's last call returned the synchronous output
+                row.done, row.done_precision = row.worker_launch_end, m.DONE_WORKER_RETURN
 
 
 def _best_origin(spans: list[m.SpanRow]) -> list[m.SpanRow]:

@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from otel_kvtrace.asynccheck import model as m
 from otel_kvtrace.asynccheck.importers import capture_files, import_paths
-from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed
+from otel_kvtrace.asynccheck.runs import refuse_empty, refuse_mixed, select_process
 from otel_kvtrace.asynccheck.steps import build_steps, dedup_markers, dedup_sources, run_warnings
 
 SCHEMA = """
@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS async_steps(
     run VARCHAR, lane VARCHAR, step BIGINT,
     schedule_start BIGINT, schedule_end BIGINT, launch_start BIGINT, launch_end BIGINT,
     device_start BIGINT, done BIGINT, update_start BIGINT, update_end BIGINT,
-    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR);
+    done_precision VARCHAR, batch_queue BOOLEAN, queue_depth INTEGER, batch_size INTEGER, batch_type VARCHAR,
+    worker_launch_start BIGINT, worker_launch_end BIGINT);
 CREATE TABLE IF NOT EXISTS async_markers(run VARCHAR, file VARCHAR, marker VARCHAR, count BIGINT);
 CREATE TABLE IF NOT EXISTS async_warnings(run VARCHAR, file VARCHAR, kind VARCHAR, message VARCHAR);
 CREATE TABLE IF NOT EXISTS async_requests(
@@ -80,6 +81,7 @@ def load_run(con: duckdb.DuckDBPyConnection, paths: Iterable[str | Path], run: s
     result = import_paths(paths, run)
     refuse_empty(paths, capture_files(paths), result)
     refuse_mixed(result)
+    select_process(result, run)
     result.spans = dedup_sources(result.spans)
     result.markers = dedup_markers(result.markers)
     lost = [x.split(":", 1)[1] for x in result.seen if x.startswith("start_lost:")]

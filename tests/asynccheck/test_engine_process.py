@@ -17,6 +17,8 @@ import pytest
 from otel_kvtrace.asynccheck import analysis
 
 from .engine_process import STEPS
+from .test_dp_runs import _true_gap_ms
+from .test_vllm_conformance import GAP_TOLERANCE
 from .vllm_src import vllm_source
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,16 +27,17 @@ from test_export_otlp import http_receiver  # noqa: E402,F401 - a fixture
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])
-def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str) -> None:
+@pytest.mark.parametrize("blocking", [False, True], ids=["async", "serialised"])
+def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str, blocking: bool) -> None:
     vllm_source("0.33.0")  # fetched (once) outside the timed child
     out = tmp_path / "data" / "async"
     env = dict(os.environ, OTEL_KVTRACE_ENABLED="1", OTEL_KVTRACE_RUN_ID="../../escape")
-    proc = subprocess.run([sys.executable, "-m", "tests.asynccheck.engine_process", method, str(out)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    proc = subprocess.run([sys.executable, "-m", "tests.asynccheck.engine_process", method, str(out)]
+                          + ["blocking"] * blocking, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-2000:]
     child_pid, exitcode = proc.stdout.split()
     assert exitcode == "0", proc.stderr[-2000:]
-    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    files = sorted(p for p in tmp_path.rglob("*.jsonl"))
     # the run id cannot move the file out of the data directory, and only the engine process wrote one
     assert [p.parent for p in files] == [out]
     assert [p.name for p in files] == [f"kvtrace-async-_.._escape-{child_pid}.jsonl"]
@@ -43,7 +46,16 @@ def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str) -> None
         assert resource["process.pid"] == {"intValue": child_pid}
     result = analysis.check(files)
     assert result.metrics.steps >= STEPS
-    assert result.verdict == analysis.EFFECTIVE, result.reasons
+    true_gap = _true_gap_ms(json.loads((out / "truth.json").read_text()))
+    gap = result.metrics.gap_p50_ms
+    assert gap is not None
+    if not blocking:
+        assert result.verdict == analysis.EFFECTIVE, result.reasons
+        assert true_gap < 0.05 and gap < 0.1, (gap, true_gap)
+    else:
+        assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
+        assert any("launch returns only after the device output is ready" in r for r in result.reasons)
+        assert abs(gap - true_gap) <= GAP_TOLERANCE * true_gap, (gap, true_gap)
 
 
 PLAIN_VLLM = """

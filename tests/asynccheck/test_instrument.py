@@ -30,7 +30,7 @@ def _originals() -> dict[tuple[type, str], object]:
     return {
         (cls, p.member): vars(cls)[p.member]
         for p in PATCH_POINTS
-        for cls in REPLICA_OWNERS[p.role]
+        for cls in REPLICA_OWNERS.get(p.role, ())  # no worker class: the replica runs no worker process
         if p.member in vars(cls)
     }
 

@@ -66,7 +66,7 @@ def test_polling_backs_off_while_nothing_completes(monkeypatch: pytest.MonkeyPat
     watcher = ready.ReadyWatcher(buffer)
     put = buffer.put
     monkeypatch.setattr(buffer, "put", lambda kind, *a: (put(kind, *a), done.set()))
-    watcher.register(_Output(_CopyEvent(after=8)))
+    watcher.register(_Output(_CopyEvent(after=9)))  # the first query() is register()'s own
     try:
         assert done.wait(10)
     finally:
@@ -74,3 +74,28 @@ def test_polling_backs_off_while_nothing_completes(monkeypatch: pytest.MonkeyPat
     assert delays[:8] == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4, 3e-4])
     assert max(delays) == ready.MAX_POLL_S
     assert [s.kind for s in buffer.drain(0)] == [StampKind.READY]
+
+
+def test_an_output_already_ready_at_registration_is_stamped_there_without_the_watcher() -> None:
+    """A launch that waited for the device records its copy event on an idle stream: ``register()``'s one
+    ``query()`` sees it complete, so the ready time carries no watcher wake-up latency."""
+    ticks = iter(range(1000, 10**6, 10))
+    buffer = StampBuffer(clock=lambda: next(ticks))
+    watcher = ready.ReadyWatcher(buffer)
+    watcher.register(_Output(_CopyEvent(after=0)))
+    assert watcher._thread is None and not watcher.pending
+    (stamp,) = buffer.drain(0)
+    assert (stamp.kind, stamp.t, stamp.a, stamp.b) == (StampKind.READY, 1010, 1000, 1000)
+
+
+def test_an_output_behind_a_pending_one_waits_for_the_watcher_in_order() -> None:
+    """Outputs complete in copy-stream order; one registered behind a pending output is never stamped first."""
+    buffer = StampBuffer()
+    watcher = ready.ReadyWatcher(buffer)
+    try:
+        watcher.register(_Output(_CopyEvent(after=10**9)))
+        watcher.register(_Output(_CopyEvent(after=0)))
+        assert len(watcher.pending) == 2
+        assert buffer.drain(0) == []
+    finally:
+        watcher.stop()

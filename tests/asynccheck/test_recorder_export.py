@@ -62,6 +62,13 @@ def test_watched_copy_event_beats_the_engines_late_poll() -> None:
     assert (step.done, step.done_precision, step.done_bound_ns) == (6, m.DONE_DEVICE_EVENT, 1)
 
 
+def test_watched_ready_time_is_the_middle_of_the_watchers_bracket() -> None:
+    # last query false at 4, first true at 8: the event completed in between; the first true is late by
+    # the poll interval and the wake-up, the midpoint is off by at most half the bracket
+    step = _one_step([(5, 9, 0, 0), (10, 8, 4, 3)])
+    assert (step.done, step.done_precision, step.done_bound_ns) == (6, m.DONE_DEVICE_EVENT, 4)
+
+
 def test_engine_blocked_in_get_output_returns_at_the_ready_time() -> None:
     # the engine blocked in synchronize before the watcher looked: its return (7) is the tighter bound
     step = _one_step([(5, 7, 0, 0), (10, 8, 6, 3)])

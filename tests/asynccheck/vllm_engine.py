@@ -4,9 +4,9 @@ Real vLLM code (``vllm_src``): ``EngineCore.step`` / ``step_with_batch_queue``, 
 ``AsyncOutputFuture``, ``MultiprocExecutor`` with ``FutureWrapper`` and a real ``WorkerProc`` busy loop
 (``handle_output`` / ``async_output_busy_loop``) in a forked worker process, ``AsyncGPUModelRunnerOutput``
 and MRV2 ``AsyncOutput`` (their ``__init__`` records the copy-ready event, ``get_output`` synchronizes
-it). Stand-ins: the scheduler (host work of known length), the worker (launches onto the fake device,
-returns ``None`` from ``execute_model`` and the async output from ``sample_tokens``, like
-``GPUModelRunner``), the message queues between engine and worker process (multiprocessing queues),
+it). Stand-ins: the scheduler (host work of known length), the worker (launches the forward onto the
+fake device and returns ``None`` from ``execute_model``; launches the sampler behind it and returns the
+async output from ``sample_tokens``, like ``GPUModelRunner``), the message queues between engine and worker process (multiprocessing queues),
 and torch (``FakeDevice``: one in-order stream; an event completes when the stream reaches it).
 
 Host work is ``time.sleep`` (a host thread that releases the GIL, like C++ launch paths); see
@@ -16,6 +16,7 @@ docs/async_check.md for what GIL-holding host work does to the watcher's precisi
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing as mp
 import queue
 import threading
@@ -36,16 +37,23 @@ class FakeDevice:
         self.wake_lags: list[float] = []  # how late each blocking synchronize returned (s): host latency
         self.lock = threading.Lock()
 
-    def launch(self, duration_s: float) -> None:
+    def launch(self, duration_s: float, *, same_step: bool = False) -> None:
+        """Queue work; ``same_step``: more work of the step just launched (the sampler after the forward),
+        so the step's device interval ends with it."""
         with self.lock:
             start = max(time.perf_counter(), self.tail)
             self.tail = start + duration_s
-            self.intervals.append((start, self.tail))
+            if same_step and self.intervals:
+                self.intervals[-1] = (self.intervals[-1][0], self.tail)
+            else:
+                self.intervals.append((start, self.tail))
 
-    def synchronize(self) -> None:
+    def synchronize(self, *, step_end: bool = True) -> None:
+        """Block until the stream is idle; ``step_end``: the step's last synchronize, whose wake-up lag the
+        truth takes off (one per step)."""
         tail = self.tail
         wait_until(tail)
-        if tail > 0:
+        if tail > 0 and step_end:
             self.wake_lags.append(max(0.0, time.perf_counter() - tail))
 
 
@@ -135,6 +143,7 @@ class Timing:
     prep_s: float = 0.0  # host input prep inside execute_model before the forward launch (the gap is
     # measured to the launch start, so prep time is under-read; 0 keeps the truth comparable)
     forward_s: float = 0.008  # twice the host work per step: async hides it with margin on a loaded machine
+    sample_s: float = 0.0003  # the sampler's device work, launched by sample_tokens behind the forward
     update_s: float = 0.001
     blocking_launch: bool = False  # the launch synchronizes the device (ASCEND_LAUNCH_BLOCKING-like)
     blocking_sample: bool = False  # sample_tokens synchronizes it (a host read of device data there)
@@ -184,6 +193,7 @@ class FakeWorker:
         self.timing = timing
         self.async_output = async_output
         self.output_kind = output_kind
+        self.forward_pending = False
 
     def execute_model(self, scheduler_output: Any) -> Any:
         if scheduler_output.total_num_scheduled_tokens == 0:
@@ -191,9 +201,11 @@ class FakeWorker:
         if self.timing.prep_s:
             time.sleep(self.timing.prep_s)
         DEVICE.launch(self.timing.forward_s)
+        pooling = self.output_kind in ("pool", "mrv2-pool")
+        self.forward_pending = not pooling
         if self.timing.blocking_launch:
-            DEVICE.synchronize()
-        if self.output_kind in ("pool", "mrv2-pool"):  # pooling runners return the output here, no sampling
+            DEVICE.synchronize(step_end=pooling)
+        if pooling:  # pooling runners return the output here, no sampling
             out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, pooler_output=None)
             if not self.async_output:
                 DEVICE.synchronize()
@@ -211,8 +223,11 @@ class FakeWorker:
     def sample_tokens(self, grammar_output: Any) -> Any:
         out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, sampled_token_ids=None, logprobs=None,
                               prompt_logprobs_dict={}, prompt_token_id_logprobs_dict={})
-        if not self.async_output or self.timing.blocking_sample:
-            DEVICE.synchronize()  # sync: GPUModelRunner's .tolist() on the sampled ids
+        if self.forward_pending:  # GPUModelRunner.sample_tokens launches the sampler on the device
+            self.forward_pending = False
+            DEVICE.launch(self.timing.sample_s, same_step=True)
+        if not self.async_output or self.timing.blocking_sample or self.timing.blocking_launch:
+            DEVICE.synchronize()  # sync: GPUModelRunner's .tolist() on the sampled ids; blocking: every launch
         if not self.async_output:
             out.sampled_token_ids = [[7]]
             return out
@@ -227,10 +242,17 @@ class FakeWorker:
 
 
 def _call_supported(func: Any, **kwargs: Any) -> Any:
+    params = _params(func)
+    return func(**{k: v for k, v in kwargs.items() if k in params})
+
+
+@functools.lru_cache(maxsize=None)
+def _params(func: Any) -> frozenset[str]:
+    """The parameters the release's class takes (cached: ``inspect.signature`` per step would be host work
+    between the device's end and the output's creation that no real worker does, counted as device idle)."""
     import inspect
 
-    params = inspect.signature(func).parameters
-    return func(**{k: v for k, v in kwargs.items() if k in params})
+    return frozenset(inspect.signature(func).parameters)
 
 
 def _mrv2_output(mods: Any, out: Any) -> Any:
@@ -275,6 +297,7 @@ class QueueMQ:
 def _worker_main(mods: Any, timing: Timing, async_output: bool, requests: Any, responses: Any, truth: Any) -> None:
     """Forked worker process: a real ``WorkerProc`` busy loop on the fake device."""
     DEVICE.intervals.clear()
+    DEVICE.wake_lags.clear()
     mpe = mods.multiproc_executor
     proc = mpe.WorkerProc.__new__(mpe.WorkerProc)
     proc.rpc_broadcast_mq = QueueMQ(requests)
@@ -287,7 +310,7 @@ def _worker_main(mods: Any, timing: Timing, async_output: bool, requests: Any, r
         threading.Thread(target=proc.async_output_busy_loop, daemon=True, name="WorkerAsyncOutputCopy").start()
 
     def stop(*args: Any) -> None:
-        truth.put(list(DEVICE.intervals))
+        truth.put((list(DEVICE.intervals), list(DEVICE.wake_lags)))
         raise SystemExit
 
     proc.worker.shutdown_now = stop
@@ -305,6 +328,7 @@ def make_executor(mods: Any, kind: str, timing: Timing, async_output: bool, outp
         ex = cls.__new__(cls)
         ex.driver_worker = FakeWorker(mods, timing, async_output, output_kind)
         ex.truth = lambda: list(DEVICE.intervals)
+        ex.lags = lambda: list(DEVICE.wake_lags)
         ex.stop = lambda: None
         return ex
     mpe = mods.multiproc_executor
@@ -323,18 +347,22 @@ def make_executor(mods: Any, kind: str, timing: Timing, async_output: bool, outp
 
     def stop() -> None:
         requests.put(("shutdown_now", (), {}, None))
-        ex.device_intervals = truth.get(timeout=30)
+        ex.device_intervals, ex.worker_lags = truth.get(timeout=30)
         worker.join(10)
 
     ex.stop = stop
     ex.truth = lambda: ex.device_intervals
+    ex.lags = lambda: ex.worker_lags
     return ex
 
 
-def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler, pooling: bool = False) -> Any:
-    """A real ``EngineCore`` (``__new__``, like vLLM's own unit tests) with the attributes its loops read."""
+def make_engine(mods: Any, *, async_loop: bool, executor: Any, scheduler: FakeScheduler, pooling: bool = False,
+                cls: Any = None) -> Any:
+    """A real ``EngineCore`` (``__new__``, like vLLM's own unit tests) with the attributes its loops read
+    (``cls``: a subclass such as ``DPEngineCoreProc``)."""
     core = mods.core
-    engine = core.EngineCore.__new__(core.EngineCore)
+    cls = cls or core.EngineCore
+    engine = cls.__new__(cls)
     engine.vllm_config = SimpleNamespace(
         observability_config=SimpleNamespace(enable_logging_iteration_details=False))
     engine.log_stats = False
@@ -364,6 +392,16 @@ class Truth:
     def gaps_ms(self) -> list[float]:
         d = sorted(self.device)
         return [max(0.0, (d[i + 1][0] - d[i][1]) * 1e3) for i in range(len(d) - 1)]
+
+
+def true_gaps_ms(device: list[tuple[float, float]], wake_lags: list[float]) -> list[float]:
+    """Device idle between consecutive forwards (ms), less how late the OS woke a synchronizing host
+    thread (blocking synchronizes: one per step, the last ones for the last steps): host latency the
+    engine could not see, ms on a loaded machine."""
+    gaps = Truth(device).gaps_ms()
+    if len(wake_lags) >= len(gaps) + 1:
+        gaps = [g - lag * 1e3 for g, lag in zip(gaps, wake_lags[-len(gaps) - 1:])]
+    return gaps
 
 
 def run_engine(engine: Any, max_calls: int = 10000) -> None:

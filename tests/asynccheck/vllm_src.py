@@ -37,7 +37,7 @@ REAL = (
     "vllm.config.parallel",
     "vllm.v1.serial_utils",
 )
-OPTIONAL_REAL = ("vllm.v1.worker.gpu_model_runner",)
+OPTIONAL_REAL = ("vllm.v1.worker.gpu_model_runner", "vllm.v1.worker.gpu_worker")
 STUBBED = ("vllm", "torch", "pydantic", "pydantic_core", "msgspec", "cloudpickle", "transformers", "triton",
            "psutil", "cbor2", "regex", "tqdm", "prometheus_client", "huggingface_hub", "safetensors", "ray",
            "numba", "xgrammar", "outlines_core", "llguidance", "blake3", "pybase64", "openai", "fastapi",
