@@ -1,0 +1,268 @@
+"""Where the recv thread's added CPU goes: per-component ns per task, measured side by side in one run.
+
+Run through ``bench/upstream_overhead.py --breakdown`` (or directly). The REAL vLLM-Ascend recv thread
+(0.23.0.post1 sdist, or ``KVTRACE_UPSTREAM_SRC``) is attached by ``start_tracing(exporter="agent")``;
+each component is then timed in a loop of ``--loops`` calls on the calling thread (GC off), in
+alternating repeats, against its untraced counterpart where it has one:
+
+- primitives: a pass-through wrapper frame, a ``perf_counter_ns`` call, the thread-ident lookup,
+  ``stages.extend``, ``dep_exact``/``dep_bounds``;
+- each wrapper / proxy on its recording path (the traced call minus the original call, with a task
+  current on this thread);
+- the ship of one finished task: the NPU resolver, the transfer-task summary, ``RingWriter.write_task``
+  (and inside it the ``pack_into`` and the ``crc32`` alone), on a record captured from a real task;
+- ``total``: the added CPU per ``_handle_request`` (traced minus untraced, driven synchronously), so
+  the parts can be compared with the whole; ``rest`` = total minus the listed parts (the
+  ``_handle_request`` wrapper itself, release/submit, pool recycling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from threading import get_ident
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upstream_overhead import _cpu_per_call, _load_harness, _ready_task  # noqa: E402
+
+
+def _loop_ns(fn: Callable[[], Any], loops: int) -> float:
+    """CPU ns per call of ``fn`` (loop overhead included; compare two loops, never one alone)."""
+    t0 = time.thread_time_ns()
+    for _ in range(loops):
+        fn()
+    return (time.thread_time_ns() - t0) / loops
+
+
+def _pair(traced: Callable[[], Any], plain: Callable[[], Any] | None, loops: int) -> float:
+    return _loop_ns(traced, loops) - (_loop_ns(plain, loops) if plain is not None else _loop_ns(_nothing, loops))
+
+
+def _nothing() -> None:
+    return None
+
+
+def _capture_record(session: Any) -> dict[str, Any]:
+    """A copy of the next record the recorder ships (fields as they are when ``_ship`` runs)."""
+    recorder = session.recorder
+    captured: dict[str, Any] = {}
+    original = recorder._ship
+
+    def ship(record: Any, awaiting: bool) -> None:
+        if not captured:
+            captured["rec"] = dataclasses.replace(
+                record, stages=list(record.stages), deps=list(record.deps), npu_marks=list(record.npu_marks),
+                holds=[], transfer_tasks=list(record.transfer_tasks or ()))
+        original(record, awaiting)
+
+    recorder._ship = ship
+    return captured
+
+
+def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int, blocks: int) -> dict[str, Callable]:
+    """name -> zero-argument callable returning the added ns of one call (one measurement)."""
+    from otel_kvtrace.instrument.attach import STATE_ATTR
+    from otel_kvtrace.record.model import TaskRecord
+    from otel_kvtrace.record.ring import _TASK_LAYOUTS, RingWriter, create_memfd, H_HEAD, H_READ
+    import zlib
+
+    thread = env.thread
+    st = thread.__dict__[STATE_ATTR]
+    rt_state = session.runtime.state_by_thread
+    captured = _capture_record(session)
+    request = up.request("r-bench", blocks)
+    task, layer = _ready_task(up, env, request, 1, layers)
+    thread.add_request(task)
+    thread._handle_request(thread.request_queue.get())
+    env.load_done[layer].clear()
+    rec_shipped = captured["rec"]
+    session.recorder._ship = type(session.recorder)._ship.__get__(session.recorder)
+
+    scratch = TaskRecord()
+    scratch.t_enqueue = time.perf_counter_ns()
+    stages = scratch.stages
+
+    def with_current(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def run() -> Any:
+            st.current = scratch
+            try:
+                return fn()
+            finally:
+                st.current = None
+                stages.clear()
+                scratch.npu_marks.clear()
+        return run
+
+    def plain_of(fn: Callable[[], Any]) -> Callable[[], Any]:  # same scaffolding, no record current
+        def run() -> Any:
+            st.current = None
+            try:
+                return fn()
+            finally:
+                st.current = None
+                stages.clear()
+                scratch.npu_marks.clear()
+        return run
+
+    def orig_method(name: str) -> Callable:
+        return getattr(type(thread), name).__kvtrace_wrapped__
+
+    # primitives
+    def target(self: Any, x: Any) -> Any:
+        return x
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return target(self, *args, **kwargs)
+
+    clock = time.perf_counter_ns
+    out: dict[str, Callable] = {
+        "wrapper frame (*args, **kwargs pass-through)": lambda: _pair(lambda: wrapper(None, 1),
+                                                                       lambda: target(None, 1), loops),
+        "clock call (perf_counter_ns)": lambda: _pair(clock, None, loops),
+        "thread lookup (state_by_thread.get(get_ident()))": lambda: _pair(lambda: rt_state.get(get_ident()), None, loops),
+        "stages.extend((s, t0, t1))": lambda: _pair(lambda: (stages.extend((1, 2, 3)), stages.clear()),
+                                                     stages.clear, loops),
+        "rec.dep_exact / dep_bounds (one call)": lambda: _pair(lambda: scratch.dep_bounds(2, 1, 2), None, loops),
+    }
+    # wrappers / proxies on their recording path (traced call minus the original)
+    save_ev = thread.layer_save_finished_events[0]
+    save_ev._inner.set()
+    out["TracedSaveEvent.wait (save wait)"] = lambda: _pair(
+        with_current(lambda: save_ev.wait(timeout=10)), plain_of(lambda: save_ev._inner.wait(10)), loops)
+    gate = up.gate_class()
+    gate.record()
+    gate_wait = type(gate).wait.__kvtrace_wrapped__
+    out["gate wait wrapper (+ _gate_wait_done)"] = lambda: _pair(
+        with_current(lambda: gate.wait(timeout=10)), plain_of(lambda: gate_wait(gate, timeout=10)), loops)
+    builder = thread.group_builders[0]
+    shared = task.transfer_tasks[0].shared_block_data if task.transfer_tasks else rec_shipped.transfer_tasks[0].shared_block_data
+    out["TracedBuilder.build_addrs"] = lambda: _pair(
+        with_current(lambda: builder.build_addrs(shared, layer)), plain_of(lambda: builder._inner.build_addrs(shared, layer)),
+        loops)
+    stagger = orig_method("_stagger_h2d_submit")
+    out["_stagger_h2d_submit wrapper"] = lambda: _pair(
+        with_current(lambda: thread._stagger_h2d_submit(layer)), plain_of(lambda: stagger(thread, layer)), loops)
+    meta = builder._inner.build_addrs(shared, layer)
+    copy_args = (meta.gvas_array, meta.addr_array, meta.size_array, 1, thread.max_transfer_blocks,
+                 thread.max_transfer_bytes)
+    batch_copy = orig_method("_batch_copy_with_limits")
+    out["_batch_copy_with_limits wrapper (+ total_bytes)"] = lambda: _pair(
+        with_current(lambda: thread._batch_copy_with_limits(*copy_args)),
+        plain_of(lambda: batch_copy(thread, *copy_args)), loops)
+    load_ev = thread.layer_load_finished_events[layer]
+    out["TracedLoadEvent.set (completion)"] = lambda: _pair(
+        with_current(lambda: (load_ev.set(), load_ev._inner.clear())),
+        plain_of(lambda: (load_ev._inner.set(), load_ev._inner.clear())), loops)
+
+    # the ship of one task, on the captured record, into a private ring nobody drains
+    recorder = session.recorder
+    _fd, mem = create_memfd(64 + 256)
+    writer = RingWriter(mem)
+    rec = rec_shipped
+    marks = list(rec.npu_marks)
+    resolver = recorder.npu_resolver
+    summarize = recorder._summarize
+
+    def resolve() -> None:
+        rec.npu_marks[:] = marks
+        resolver(rec)
+
+    def write() -> None:
+        writer.hdr[H_READ] = writer._head  # keep the private ring empty
+        writer.write_task(rec, False, summary)
+
+    summary = summarize(rec.transfer_tasks)
+    writer.write_task(rec, False, summary)
+    layout = next(iter(_TASK_LAYOUTS.values())) if len(_TASK_LAYOUTS) == 1 else None
+    out["npu resolver (Runtime.resolve)"] = lambda: _pair(resolve, lambda: marks.copy(), loops)
+    out["summarize_transfer_tasks"] = lambda: _pair(lambda: summarize(rec.transfer_tasks), None, loops)
+    out["RingWriter.write_task (whole)"] = lambda: _pair(write, lambda: writer.hdr.__setitem__(H_READ, writer._head), loops)
+    body = memoryview(mem)[200:1000]
+    out["  crc32 of one task body"] = lambda: _pair(lambda: zlib.crc32(body[:layout.size if layout else 400], 7), None, loops)
+    if layout is not None:
+        values = layout.unpack_from(mem, 128 + 16)
+        out["  struct pack_into of one task"] = lambda: _pair(lambda: layout.pack_into(mem, 128 + 16, *values), None, loops)
+    del H_HEAD
+    return out
+
+
+def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int) -> tuple[dict[str, list[float]], list[float]]:
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    results: dict[str, list[float]] = {}
+    totals: list[float] = []
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bd-") as tmp:
+        targets = up.binding.to_targets()
+        for _ in range(repeats):
+            env0 = up.gva_thread(layers, h.FakeBackend(), start=False)
+            _cpu_per_call(up, env0, 50, layers, blocks)
+            base = _cpu_per_call(up, env0, tasks, layers, blocks)[1]
+            session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
+            env = up.gva_thread(layers, h.FakeBackend(), start=False)
+            _cpu_per_call(up, env, 50, layers, blocks)
+            totals.append(_cpu_per_call(up, env, tasks, layers, blocks)[1] - base)
+            parts = components(up, h, env, session, loops, layers, blocks)
+            gc.collect()
+            gc.disable()
+            try:
+                for name, measure in parts.items():
+                    results.setdefault(name, []).append(measure())
+            finally:
+                gc.enable()
+            session.shutdown()
+    return results, totals
+
+
+def report(results: dict[str, list[float]], totals: list[float], per_task: dict[str, int]) -> None:
+    print("\nrecv-thread CPU per component (ns, median over repeats; traced call minus the original)")
+    print(f"{'component':52} {'ns/call':>8} {'calls/task':>10} {'ns/task':>8}")
+    listed = 0.0
+    for name, values in results.items():
+        ns = statistics.median(values)
+        n = per_task.get(name, 0)
+        if n:
+            listed += ns * n
+        print(f"{name:52} {ns:8.0f} {n if n else '':>10} {ns * n if n else '':>8}")
+    total = statistics.median(totals)
+    print(f"{'total added per _handle_request (traced - untraced)':52} {'':8} {'':>10} {total:8.0f}")
+    print(f"{'rest (handle wrapper, release/submit, recycle, misc)':52} {'':8} {'':>10} {total - listed:8.0f}")
+
+
+# How often each measured component runs per recv task of this bench (one transfer task, gate, save
+# wait); primitives are inside the wrappers and not added again.
+PER_TASK = {
+    "TracedSaveEvent.wait (save wait)": 1,
+    "gate wait wrapper (+ _gate_wait_done)": 1,
+    "TracedBuilder.build_addrs": 1,
+    "_stagger_h2d_submit wrapper": 1,
+    "_batch_copy_with_limits wrapper (+ total_bytes)": 1,
+    "TracedLoadEvent.set (completion)": 1,
+    "npu resolver (Runtime.resolve)": 1,
+    "summarize_transfer_tasks": 1,
+    "RingWriter.write_task (whole)": 1,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loops", type=int, default=5000, help="calls per measurement (default 5000)")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating repeats (default 5)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks for the total (default 2000)")
+    args = parser.parse_args(argv)
+    results, totals = run(args.loops, args.repeats, args.layers, args.blocks, args.tasks)
+    report(results, totals, PER_TASK)
+
+
+if __name__ == "__main__":
+    main()
