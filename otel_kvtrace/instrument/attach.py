@@ -28,6 +28,7 @@ from otel_kvtrace.instrument.state import QueueState, WorkerState
 from otel_kvtrace.record.model import QueueInfo
 
 STATE_ATTR = "_kvtrace_state"
+GATE_ID_ATTR = "_kvtrace_gate_id"  # on an attention gate: the forward layer that created it
 WORKER_ATTR = "_kvtrace_worker"
 
 
@@ -120,14 +121,14 @@ def bind_thread(state: QueueState, rt: Runtime) -> None:
 
 def gate_id(gate: Any, state: QueueState) -> int:
     """The forward layer whose ``wait_for_layer_load`` created ``gate`` (or a per-queue counter)."""
-    existing = gate.__dict__.get("_kvtrace_gate_id")
+    existing = gate.__dict__.get(GATE_ID_ATTR)
     if existing is not None:
         return existing
     layer = state.worker.forward_layer
     if layer < 0:
         layer = state.gates_seen
     state.gates_seen += 1
-    gate._kvtrace_gate_id = layer
+    setattr(gate, GATE_ID_ATTR, layer)
     return layer
 
 

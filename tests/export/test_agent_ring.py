@@ -257,7 +257,7 @@ def test_the_dropped_count_the_agent_reads_is_the_recorders_task_count(make_reco
     recorder.attach_ring(writer)
     for seq in range(10):  # a new queue each time: its definition is dropped along with the task
         rec = make_record(queue=QueueInfo(run_id=f"r{seq}", path="key", thread_name="t", pid=9), seq=seq)
-        recorder._ship(rec, False)
+        recorder.submit(rec)
     assert recorder.dropped > 0 and writer.hdr[R.H_DROPPED] == recorder.dropped
 
 
@@ -317,7 +317,7 @@ def test_shipping_names_at_most_one_request_id_past_what_the_ring_carries(make_r
     recorder.attach_ring(writer)
     rec = make_record()
     rec.transfer_tasks = [SimpleNamespace(group_id=0, shared_block_data=None, block_ranges=ranges)]
-    recorder._ship(rec, False)
+    recorder.submit(rec)
     (decoded,) = _decode(reader)
     assert len(named) <= R.MAX_REQS + 1
     assert decoded.transfer_tasks.num_blocks == 2000
