@@ -51,19 +51,22 @@ def _nothing() -> None:
 
 
 def _capture_record(session: Any) -> dict[str, Any]:
-    """A copy of the next record the recorder ships (fields as they are when ``_ship`` runs)."""
+    """A copy of the next record the recorder ships, taken when its NPU marks are resolved (first thing
+    in the ship; ``capture_done`` puts the resolver back)."""
     recorder = session.recorder
     captured: dict[str, Any] = {}
-    original = recorder._ship
+    original = recorder.npu_resolver
 
-    def ship(record: Any, awaiting: bool) -> None:
-        if not captured:
+    def resolver(record: Any) -> None:
+        if "rec" not in captured:
+            tasks = record.transfer_tasks
             captured["rec"] = dataclasses.replace(
                 record, stages=list(record.stages), deps=list(record.deps), npu_marks=list(record.npu_marks),
-                holds=[], transfer_tasks=list(record.transfer_tasks or ()))
-        original(record, awaiting)
+                holds=[], transfer_tasks=list(tasks) if isinstance(tasks, list) else tasks)
+        original(record)
 
-    recorder._ship = ship
+    recorder.npu_resolver = resolver
+    captured["restore"] = lambda: setattr(recorder, "npu_resolver", original)
     return captured
 
 
@@ -84,7 +87,7 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     thread._handle_request(thread.request_queue.get())
     env.load_done[layer].clear()
     rec_shipped = captured["rec"]
-    session.recorder._ship = type(session.recorder)._ship.__get__(session.recorder)
+    captured["restore"]()
 
     scratch = TaskRecord()
     scratch.t_enqueue = time.perf_counter_ns()
@@ -143,7 +146,8 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     out["gate wait wrapper (+ _gate_wait_done)"] = lambda: _pair(
         with_current(lambda: gate.wait(timeout=10)), plain_of(lambda: gate_wait(gate, timeout=10)), loops)
     builder = thread.group_builders[0]
-    shared = task.transfer_tasks[0].shared_block_data if task.transfer_tasks else rec_shipped.transfer_tasks[0].shared_block_data
+    shipped = rec_shipped.transfer_tasks
+    shared = (shipped[0] if isinstance(shipped, list) else shipped).shared_block_data
     out["TracedBuilder.build_addrs"] = lambda: _pair(
         with_current(lambda: builder.build_addrs(shared, layer)), plain_of(lambda: builder._inner.build_addrs(shared, layer)),
         loops)
@@ -169,7 +173,8 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     rec = rec_shipped
     marks = list(rec.npu_marks)
     resolver = recorder.npu_resolver
-    summarize = recorder._summarize
+    cache = getattr(recorder, "_summaries", None)  # SummaryCache (after #12's cut) or the plain function
+    summarize = cache.get if cache is not None else recorder._summarize
 
     def resolve() -> None:
         rec.npu_marks[:] = marks

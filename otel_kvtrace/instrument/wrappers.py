@@ -205,7 +205,6 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
         finally:
             if rec is not None and st is not None:
                 try:
-                    t_exit = clock()
                     st.current = None
                     st.completed += 1
                     if rec.outcome != _ERROR:
@@ -214,8 +213,8 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                         elif rec.backend_result:  # failed copy that did not raise (0.23)
                             rec.outcome = _ERROR
                             rec.error = BackendResultError(rec.backend_result)
-                    if rec.t_complete == NO_TIME:
-                        rec.t_complete = t_exit
+                    if rec.t_complete == NO_TIME:  # the load event was not set through its proxy
+                        rec.t_complete = clock()
                     holds = rec.holds
                     if len(holds) < 2:  # release_recv's common case, inlined: no consumer hold left
                         if holds and holds.pop() == _HOLD_RECV:
@@ -268,11 +267,16 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
+            if st.stagger_at_submit:
+                rec.stages.extend((H2D_STAGGER, t0, t0))
             rec.stages.extend((BACKEND_SUBMIT, t0, clock()))
             rec.backend_result = -1
             raise
         t1 = clock()
-        rec.stages.extend((BACKEND_SUBMIT, t0, t1))
+        if st.stagger_at_submit:  # the no-op stagger ran just before (attach._skip_noop_stagger)
+            rec.stages.extend((H2D_STAGGER, t0, t0, BACKEND_SUBMIT, t0, t1))
+        else:
+            rec.stages.extend((BACKEND_SUBMIT, t0, t1))
         rec.t_backend_return = t1  # completion starts only after a normal return
         if type(result) is int:
             rec.backend_result = result
