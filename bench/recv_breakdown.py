@@ -19,13 +19,15 @@ alternating repeats, against its untraced counterpart where it has one:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from threading import get_ident
 from typing import Any
@@ -186,7 +188,7 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
 
     summary = summarize(rec.transfer_tasks)
     writer.write_task(rec, False, summary)
-    layout = next(iter(_TASK_LAYOUTS.values())) if len(_TASK_LAYOUTS) == 1 else None
+    layout = _TASK_LAYOUTS.get((len(rec.stages), len(summary.group_ids), len(summary.request_ids)))
     out["npu resolver (Runtime.resolve)"] = lambda: _pair(resolve, lambda: marks.copy(), loops)
     out["summarize_transfer_tasks"] = lambda: _pair(lambda: summarize(rec.transfer_tasks), None, loops)
     out["RingWriter.write_task (whole)"] = lambda: _pair(write, lambda: writer.hdr.__setitem__(H_READ, writer._head), loops)
@@ -199,12 +201,82 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     return out
 
 
-def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int) -> tuple[dict[str, list[float]], list[float]]:
+@contextlib.contextmanager
+def _without(env: Any, session: Any, point: str) -> Iterator[None]:
+    """One interception point (or one ship step) put back to upstream's own / made a no-op for the
+    duration: the drop in the recv thread's CPU is that point's cost *in context* (cold caches and
+    all), which the isolated loops above cannot show."""
+    thread = env.thread
+    recorder = session.recorder
+    undo: list[Callable[[], None]] = []
+
+    def unproxy(lst: list[Any]) -> None:
+        saved = list(lst)
+        lst[:] = [getattr(x, "_inner", x) for x in lst]
+        undo.append(lambda: lst.__setitem__(slice(None), saved))
+
+    def shadow(name: str) -> None:
+        original = getattr(type(thread), name).__kvtrace_wrapped__
+        had = thread.__dict__.get(name)
+        setattr(thread, name, types.MethodType(original, thread))
+        undo.append(lambda: setattr(thread, name, had) if had is not None else thread.__dict__.pop(name, None))
+
+    def set_attr(obj: Any, name: str, value: Any) -> None:
+        had = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, value)
+        undo.append(lambda: obj.__dict__.pop(name, None) if had is _MISSING else setattr(obj, name, had))
+
+    if point == "build_addrs proxy":
+        saved = thread.group_builders
+        thread.group_builders = [b._inner for b in saved]
+        undo.append(lambda: setattr(thread, "group_builders", saved))
+    elif point == "save event proxy":
+        unproxy(thread.layer_save_finished_events)
+    elif point == "load event proxy":
+        unproxy(thread.layer_load_finished_events)
+    elif point == "gate wait wrapper":
+        gate_cls = env.gate_class
+        wrapped = gate_cls.__dict__["wait"]
+        gate_cls.wait = wrapped.__kvtrace_wrapped__
+        undo.append(lambda: setattr(gate_cls, "wait", wrapped))
+    elif point == "batch_copy wrapper":
+        shadow("_batch_copy_with_limits")
+    elif point == "stagger wrapper (where wrapped)":
+        if "_stagger_h2d_submit" not in thread.__dict__:  # else already upstream's own (a no-op stagger)
+            shadow("_stagger_h2d_submit")
+    elif point == "ship: write_task":
+        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary: True)
+    elif point == "ship: summary":
+        cache = getattr(recorder, "_summaries", None)  # the same summary every time, computed once here
+        if cache is not None:
+            fixed = cache.get(env.sample_tasks)
+            set_attr(recorder, "_summaries", type("Fixed", (), {"get": lambda self, t, k=0: fixed})())
+        else:
+            fixed = recorder._summarize(env.sample_tasks)
+            set_attr(recorder, "_summarize", lambda tasks: fixed)
+    elif point == "ship: npu resolver":
+        set_attr(recorder, "npu_resolver", None)
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+_MISSING = object()
+ALTERNATIONS = 7  # with / without pairs per point per repeat (the machine is shared: pairs, then medians)
+IN_CONTEXT = ("build_addrs proxy", "save event proxy", "gate wait wrapper", "stagger wrapper (where wrapped)",
+              "batch_copy wrapper", "load event proxy", "ship: npu resolver", "ship: summary", "ship: write_task")
+
+
+def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
+        ) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]]]:
     from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
     results: dict[str, list[float]] = {}
     totals: list[float] = []
+    in_context: dict[str, list[float]] = {}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bd-") as tmp:
         targets = up.binding.to_targets()
         for _ in range(repeats):
@@ -213,8 +285,20 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int) -> tuple
             base = _cpu_per_call(up, env0, tasks, layers, blocks)[1]
             session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
             env = up.gva_thread(layers, h.FakeBackend(), start=False)
+            env.gate_class = up.gate_class
+            env.sample_tasks = list(_ready_task(up, env, up.request("r-bench", blocks), 1, layers)[0].transfer_tasks)
             _cpu_per_call(up, env, 50, layers, blocks)
-            totals.append(_cpu_per_call(up, env, tasks, layers, blocks)[1] - base)
+            full = _cpu_per_call(up, env, tasks, layers, blocks)[1]
+            totals.append(full - base)
+            for point in IN_CONTEXT:  # each against the full set, alternating, the ring drained before each
+                for _ in range(ALTERNATIONS):
+                    session.flush(30.0)  # a full ring would drop (cheaper) instead of writing
+                    full = _cpu_per_call(up, env, tasks // 8, layers, blocks)[1]
+                    session.flush(30.0)
+                    with _without(env, session, point):
+                        _cpu_per_call(up, env, 10, layers, blocks)
+                        without = _cpu_per_call(up, env, tasks // 8, layers, blocks)[1]
+                    in_context.setdefault(point, []).append(full - without)
             parts = components(up, h, env, session, loops, layers, blocks)
             gc.collect()
             gc.disable()
@@ -224,11 +308,12 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int) -> tuple
             finally:
                 gc.enable()
             session.shutdown()
-    return results, totals
+    return results, totals, in_context
 
 
-def report(results: dict[str, list[float]], totals: list[float], per_task: dict[str, int]) -> None:
-    print("\nrecv-thread CPU per component (ns, median over repeats; traced call minus the original)")
+def report(results: dict[str, list[float]], totals: list[float], per_task: dict[str, int],
+           in_context: dict[str, list[float]]) -> None:
+    print("\nisolated: recv-thread CPU per call in a tight loop (ns, median over repeats; traced minus original)")
     print(f"{'component':52} {'ns/call':>8} {'calls/task':>10} {'ns/task':>8}")
     listed = 0.0
     for name, values in results.items():
@@ -236,10 +321,20 @@ def report(results: dict[str, list[float]], totals: list[float], per_task: dict[
         n = per_task.get(name, 0)
         if n:
             listed += ns * n
-        print(f"{name:52} {ns:8.0f} {n if n else '':>10} {ns * n if n else '':>8}")
+        print(f"{name:52} {ns:8.0f} {n if n else '':>10} {f'{ns * n:.0f}' if n else '':>8}")
     total = statistics.median(totals)
-    print(f"{'total added per _handle_request (traced - untraced)':52} {'':8} {'':>10} {total:8.0f}")
-    print(f"{'rest (handle wrapper, release/submit, recycle, misc)':52} {'':8} {'':>10} {total - listed:8.0f}")
+    print(f"{'sum of the per-task rows':52} {'':8} {'':>10} {listed:8.0f}")
+    print(f"\nin context: drop in CPU per _handle_request when one point is upstream's own again / one ship")
+    print("step a no-op (ns per task, median over with/without pairs)")
+    in_sum = 0.0
+    for name, values in in_context.items():
+        ns = statistics.median(values)
+        in_sum += ns
+        quart = statistics.quantiles(values, n=4) if len(values) > 1 else [ns, ns, ns]
+        print(f"{name:52} {ns:8.0f}   (quartiles {quart[0]:.0f}..{quart[2]:.0f} over {len(values)} pairs)")
+    print(f"{'sum of the points above':52} {in_sum:8.0f}")
+    print(f"{'rest: _handle_request wrapper, release, _ship, reset':52} {total - in_sum:8.0f}")
+    print(f"{'total added per _handle_request (traced - untraced)':52} {total:8.0f}")
 
 
 # How often each measured component runs per recv task of this bench (one transfer task, gate, save
@@ -265,8 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--tasks", type=int, default=2000, help="tasks for the total (default 2000)")
     args = parser.parse_args(argv)
-    results, totals = run(args.loops, args.repeats, args.layers, args.blocks, args.tasks)
-    report(results, totals, PER_TASK)
+    results, totals, in_context = run(args.loops, args.repeats, args.layers, args.blocks, args.tasks)
+    report(results, totals, PER_TASK, in_context)
 
 
 if __name__ == "__main__":
