@@ -95,9 +95,10 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     scratch.t_enqueue = time.perf_counter_ns()
     stages = scratch.stages
 
-    def with_current(fn: Callable[[], Any]) -> Callable[[], Any]:
+    def scaffold(fn: Callable[[], Any], current: Any) -> Callable[[], Any]:
+        """``fn`` with ``current`` as the thread's task (``None``: the untraced counterpart), then a clean record."""
         def run() -> Any:
-            st.current = scratch
+            st.current = current
             try:
                 return fn()
             finally:
@@ -106,16 +107,11 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
                 scratch.npu_marks.clear()
         return run
 
-    def plain_of(fn: Callable[[], Any]) -> Callable[[], Any]:  # same scaffolding, no record current
-        def run() -> Any:
-            st.current = None
-            try:
-                return fn()
-            finally:
-                st.current = None
-                stages.clear()
-                scratch.npu_marks.clear()
-        return run
+    def with_current(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return scaffold(fn, scratch)
+
+    def plain_of(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return scaffold(fn, None)
 
     def orig_method(name: str) -> Callable:
         return getattr(type(thread), name).__kvtrace_wrapped__
