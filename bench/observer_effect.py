@@ -53,13 +53,17 @@ def _steps(up: Any, env: Any, steps: int, work_us: int, out: list[int], seconds:
     layers = env.num_layers
     request = up.request("r-fwd", 16)
 
+    shared = [None]
+
     def enqueue(layer: int) -> None:
         gate = up.gate_class()
         gate.record()
         if layer:
             env.save_done[layer - 1].set()
+        else:  # one SharedBlockData per step, on every layer's task, as upstream builds them
+            shared[0] = up.shared_data([request])
         env.thread.add_request(up.gva_task(layer, [request], wait_for_save_layer=layer - 1 if layer else None,
-                                           gate=gate))
+                                           gate=gate, shared=shared[0]))
 
     end = time.perf_counter() + seconds
     n_steps = 0

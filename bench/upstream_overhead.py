@@ -18,6 +18,7 @@ Usage::
 
     .venv/bin/python bench/upstream_overhead.py                 # 0.23.0.post1 sdist
     KVTRACE_UPSTREAM_SRC=/tmp/vllm-ascend-main .venv/bin/python bench/upstream_overhead.py
+    .venv/bin/python bench/upstream_overhead.py --breakdown     # per-component recv-thread CPU
 """
 
 from __future__ import annotations
@@ -46,13 +47,22 @@ def _load_harness() -> Any:
     return module
 
 
+_STEP_SHARED: dict[int, Any] = {}  # id(request) -> (request, the current step's SharedBlockData)
+
+
 def _ready_task(up: Any, env: Any, request: Any, i: int, num_layers: int) -> tuple[Any, int]:
-    """Task ``i`` with its dependencies already met: gate recorded, source layer's save done."""
+    """Task ``i`` with its dependencies already met: gate recorded, source layer's save done.
+
+    As upstream does (``pool_worker._build_shared_load_data``), every layer's transfer task of one step
+    carries the same ``SharedBlockData`` object; a new step (layer 1 again) gets a new one."""
     layer = 1 + i % (num_layers - 1)  # layer 0 is the save source of layer 1
+    entry = _STEP_SHARED.get(id(request))
+    if layer == 1 or entry is None or entry[0] is not request:
+        entry = _STEP_SHARED[id(request)] = (request, up.shared_data([request]))
     gate = up.gate_class()
     gate.record()  # the forward already passed attention: the gate is open
     env.save_done[layer - 1].set()
-    return up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate), layer
+    return up.gva_task(layer, [request], wait_for_save_layer=layer - 1, gate=gate, shared=entry[1]), layer
 
 
 def _run_tasks(h: Any, up: Any, env: Any, count: int, num_layers: int, blocks: int) -> list[int]:
@@ -213,7 +223,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--layers", type=int, default=8, help="layers of the recv thread (default 8)")
     parser.add_argument("--blocks", type=int, default=16, help="blocks per task (default 16)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="print the recv thread's added CPU per component instead (bench/recv_breakdown.py)")
     args = parser.parse_args()
+    if args.breakdown:
+        import recv_breakdown
+
+        recv_breakdown.main(["--layers", str(args.layers), "--blocks", str(args.blocks)])
+        return
     for name in ("tasks", "rounds", "blocks"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import types
 from threading import get_ident
 from typing import Any
 
@@ -28,6 +29,7 @@ from otel_kvtrace.instrument.state import QueueState, WorkerState
 from otel_kvtrace.record.model import QueueInfo
 
 STATE_ATTR = "_kvtrace_state"
+GATE_ID_ATTR = "_kvtrace_gate_id"  # on an attention gate: the forward layer that created it
 WORKER_ATTR = "_kvtrace_worker"
 
 
@@ -120,14 +122,14 @@ def bind_thread(state: QueueState, rt: Runtime) -> None:
 
 def gate_id(gate: Any, state: QueueState) -> int:
     """The forward layer whose ``wait_for_layer_load`` created ``gate`` (or a per-queue counter)."""
-    existing = gate.__dict__.get("_kvtrace_gate_id")
+    existing = gate.__dict__.get(GATE_ID_ATTR)
     if existing is not None:
         return existing
     layer = state.worker.forward_layer
     if layer < 0:
         layer = state.gates_seen
     state.gates_seen += 1
-    gate._kvtrace_gate_id = layer
+    setattr(gate, GATE_ID_ATTR, layer)
     return layer
 
 
@@ -195,6 +197,25 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
     if waiter is not None:
         thread.external_slot_release_waiter = traced_slot_waiter(waiter, rt, state)
         state.undo.append((thread, "external_slot_release_waiter", waiter))
+    _skip_noop_stagger(thread, state)
+
+
+def _skip_noop_stagger(thread: Any, state: QueueState) -> None:
+    """With ``h2d_stagger_us <= 0`` upstream's ``_stagger_h2d_submit`` returns at once, right before the
+    batch copy (kv_transfer.py ``_handle_request``: only array concatenation lies between them when no
+    slot waiter is wired). The instance then calls the original directly (one recv-thread frame less)
+    and the batch_copy wrapper records the zero-length ``h2d_stagger`` stage at its own start."""
+    stagger_us = thread.__dict__.get("h2d_stagger_us")
+    if type(stagger_us) not in (int, float) or stagger_us > 0:
+        return
+    if thread.__dict__.get("external_slot_release_waiter") is not None or "_stagger_h2d_submit" in thread.__dict__:
+        return
+    original = getattr(getattr(type(thread), "_stagger_h2d_submit", None), "__kvtrace_wrapped__", None)
+    if original is None:  # not patched: nothing to skip
+        return
+    thread._stagger_h2d_submit = types.MethodType(original, thread)
+    state.undo.append((thread, "_stagger_h2d_submit", None))
+    state.stagger_at_submit = True
 
 
 def attach_worker(worker: Any, rt: Runtime) -> None:

@@ -31,6 +31,11 @@ CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
 DEP_SAVE_CPU = int(Dep.SAVE_CPU)
 DEP_SAVE_NPU = int(Dep.SAVE_NPU)
 DEP_SLOT_RELEASE = int(Dep.SLOT_RELEASE)
+# TaskRecord.dep_exact / dep_bounds inlined on the recording threads: (has_dep bit, index of lo in deps).
+_SAVE_CPU_BIT, _SAVE_CPU_LO = 1 << DEP_SAVE_CPU, 2 * DEP_SAVE_CPU
+_SAVE_NPU_BIT, _SAVE_NPU_LO = 1 << DEP_SAVE_NPU, 2 * DEP_SAVE_NPU
+_SLOT_RELEASE_BIT, _SLOT_RELEASE_LO = 1 << DEP_SLOT_RELEASE, 2 * DEP_SLOT_RELEASE
+SMALL_ARRAY = 256  # sizes arrays up to this length are summed through tolist() (cheaper than .sum())
 
 
 class _Proxy:
@@ -92,10 +97,13 @@ class TracedSaveEvent(_EventProxy):
                 rec.stages.extend((SAVE_CPU_WAIT, t0, t1))
                 if ok:
                     set_ns = self.set_ns
+                    deps = rec.deps
+                    rec.has_dep |= _SAVE_CPU_BIT
                     if set_ns >= 0:
-                        rec.dep_exact(DEP_SAVE_CPU, set_ns)
+                        deps[_SAVE_CPU_LO] = deps[_SAVE_CPU_LO + 1] = set_ns
                     else:  # set before we were attached: only bounded by our own wait
-                        rec.dep_bounds(DEP_SAVE_CPU, rec.t_enqueue, t1)
+                        deps[_SAVE_CPU_LO] = rec.t_enqueue
+                        deps[_SAVE_CPU_LO + 1] = t1
         except Exception as exc:
             self._rt.fail(exc)
         return ok
@@ -180,7 +188,9 @@ class TracedNpuEvent(_Proxy):
             self.sync_hi = t1
         position = self.position
         if position is not None:
-            position.log.observe(position.position, t1)
+            done_by = position.log.done_by  # StreamLog.observe, inlined
+            if t1 < done_by[position.position]:
+                done_by[position.position] = t1
         st = self._by_thread.get(get_ident())
         if st is not None:
             try:
@@ -189,8 +199,10 @@ class TracedNpuEvent(_Proxy):
                     rec.stages.extend((SAVE_NPU_SYNC, t0, t1))
                     if st.is_send:
                         return result
-                    lo = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
-                    rec.dep_bounds(DEP_SAVE_NPU, lo, self.sync_hi)
+                    deps = rec.deps
+                    rec.has_dep |= _SAVE_NPU_BIT
+                    deps[_SAVE_NPU_LO] = self.record_ns if self.record_ns >= 0 else rec.t_enqueue
+                    deps[_SAVE_NPU_LO + 1] = self.sync_hi
                     if position is not None:
                         rec.npu_marks.append((DEP_SAVE_NPU, position))
                     if self.mark is not None:
@@ -200,28 +212,34 @@ class TracedNpuEvent(_Proxy):
         return result
 
 
-class TracedBuilder(_Proxy):
-    """The recv thread's own ``LayerBatchBuilder``: address/metadata build time."""
+def _timed_build(name: str) -> Any:
+    """A builder method that times ``inner.<name>`` as ``meta_build`` when the recv thread runs a task."""
 
-    __slots__ = ()
-
-    def _timed(self, method: Any, args: tuple, kwargs: dict) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         st = self._by_thread.get(get_ident())
         if st is None or st.current is None:
-            return method(*args, **kwargs)
+            return getattr(self._inner, name)(*args, **kwargs)
         clock = self._clock
         t0 = clock()
-        result = method(*args, **kwargs)
+        result = getattr(self._inner, name)(*args, **kwargs)
         rec = st.current
         if rec is not None:
             rec.stages.extend((META_BUILD, t0, clock()))
         return result
 
-    def build_addrs(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._inner.build_addrs, args, kwargs)
+    method.__name__ = method.__qualname__ = name
+    return method
 
-    def build(self, *args: Any, **kwargs: Any) -> Any:
-        return self._timed(self._inner.build, args, kwargs)
+
+class TracedBuilder(_Proxy):
+    """The recv thread's own ``LayerBatchBuilder``: address/metadata build time."""
+
+    __slots__ = ()
+
+    # One frame of ours per call on the recv thread: the timing is in the method itself (made once per
+    # method name at class creation), not in a helper it calls.
+    build_addrs = _timed_build("build_addrs")
+    build = _timed_build("build")
 
 
 class TracedKeyStore(_Proxy):
@@ -270,6 +288,8 @@ def total_bytes(sizes: Any) -> int:
     """Bytes in a size array or list (numpy ``.sum()``; flat or one level nested lists for the key path)."""
     try:
         if hasattr(sizes, "sum"):
+            if hasattr(sizes, "tolist") and getattr(sizes, "ndim", 0) == 1 and len(sizes) <= SMALL_ARRAY:
+                return int(sum(sizes.tolist()))
             return int(sizes.sum())
         try:
             return int(sum(sizes))
@@ -297,10 +317,13 @@ def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:
                 try:
                     rec.stages.extend((SLOT_RELEASE_WAIT, t0, t1))
                     exact = release_time(layer_id) if release_time is not None else None
+                    deps = rec.deps
+                    rec.has_dep |= _SLOT_RELEASE_BIT
                     if exact is not None and exact >= 0:
-                        rec.dep_exact(DEP_SLOT_RELEASE, exact)
+                        deps[_SLOT_RELEASE_LO] = deps[_SLOT_RELEASE_LO + 1] = exact
                     else:
-                        rec.dep_bounds(DEP_SLOT_RELEASE, rec.t_enqueue, t1)
+                        deps[_SLOT_RELEASE_LO] = rec.t_enqueue
+                        deps[_SLOT_RELEASE_LO + 1] = t1
                 except Exception as exc:
                     rt.fail(exc)
 

@@ -47,10 +47,11 @@ class Runtime:
         First the stream-order upper bounds (always), then exact device times (``OTEL_KVTRACE_NPU_TIMING``),
         which are clamped into the bounds.
         """
-        timing_marks = []
+        timing_marks = None  # allocated only when exact device times are on (this runs on a recv thread)
         deps = record.deps
-        for dep, mark in record.npu_marks:
-            if type(mark) is StreamPosition:  # inlined StreamLog.upper_bound: this may run on a recv thread
+        marks = record.npu_marks
+        for dep, mark in marks:
+            if type(mark) is StreamPosition:  # inlined StreamLog.upper_bound
                 p = mark.position
                 later = mark.log.done_by[p : p + MAX_SCAN]
                 bound = min(later) if later else FAR_FUTURE
@@ -58,12 +59,14 @@ class Runtime:
                 if bound < deps[2 * dep + 1]:
                     record.has_dep |= 1 << dep
                     deps[2 * dep + 1] = bound if bound > lo else lo
+            elif timing_marks is None:
+                timing_marks = [(dep, mark)]
             else:
                 timing_marks.append((dep, mark))
-        record.npu_marks[:] = timing_marks
-        if timing_marks and self.npu_timing is not None:
+        if timing_marks is not None and self.npu_timing is not None:
+            marks[:] = timing_marks
             self.npu_timing.resolve(record)
-        record.npu_marks.clear()
+        marks.clear()
 
     def fail(self, exc: BaseException) -> None:
         """An instrumentation bug: turn tracing off, keep the host running."""

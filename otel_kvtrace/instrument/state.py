@@ -46,5 +46,8 @@ class QueueState:
     # Send tasks are plain lists (no attribute to hang a record on): match them by FIFO order.
     send_fifo: deque[tuple[int, TaskRecord]] = field(default_factory=deque)  # (id(task list), record)
     consumer_tracking: bool = False
+    # The thread's H2D stagger is a no-op (h2d_stagger_us <= 0, no slot waiter between it and the copy):
+    # its zero-length h2d_stagger stage is written by the batch_copy wrapper, not by a wrapper of its own.
+    stagger_at_submit: bool = False
     # Objects replaced on the instance, for exact restore: (owner, attribute or index, original).
     undo: list[tuple[Any, Any, Any]] = field(default_factory=list)

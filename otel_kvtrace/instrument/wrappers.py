@@ -14,13 +14,13 @@ from threading import get_ident
 from typing import Any
 
 from otel_kvtrace.instrument import attach
-from otel_kvtrace.instrument.attach import STATE_ATTR
-from otel_kvtrace.instrument.proxies import total_bytes
+from otel_kvtrace.instrument.attach import GATE_ID_ATTR, STATE_ATTR
+from otel_kvtrace.instrument.proxies import SMALL_ARRAY, total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.instrument.stream_order import StreamLog, next_position
 from otel_kvtrace.record.ring import REASON_STEP_BOUNDARY, REASON_WAITED
-from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind
+from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind, TaskRecord
 
 GATE_COND_WAIT = int(Stage.GATE_COND_WAIT)
 GATE_NPU_SYNC = int(Stage.GATE_NPU_SYNC)
@@ -80,13 +80,70 @@ def release(rt: Runtime, rec: Any, reason: int = REASON_WAITED) -> None:
 def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
     recorder = rt.recorder
     clock = recorder.clock
+    pool = recorder._pool
+    new_record = TaskRecord
 
     def add_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
+        # One frame of ours per enqueue: the record set-up is inlined (``Recorder.new_record``,
+        # ``attach.gate_id``); the forward thread pays for every line of it.
         st = None
         if item is not None and recorder.enabled:
             try:
                 st = self.__dict__.get(STATE_ATTR) or attach.queue_state(self, rt)
-                _on_enqueue(st, self, item, clock)
+                try:
+                    rec = pool.pop()
+                except IndexError:
+                    rec = new_record()
+                worker = st.worker
+                rec.queue = st.info
+                rec.seq = enqueued = st.enqueued
+                rec.queue_depth_at_enqueue = enqueued - st.dequeued
+                rec.inflight_at_enqueue = enqueued - st.completed
+                if st.is_send:
+                    rec.kind = _SEND
+                    rec.layer_id = worker.forward_layer
+                    rec.transfer_tasks = list(item) if item else None  # the sender clears the worker's list
+                    rec.step = worker.step
+                    rec.holds.append(_HOLD_RECV)
+                    st.send_fifo.append((id(item), rec))
+                else:
+                    layer_id = item.layer_id
+                    if not worker.driven:  # no start_load_kv: a repeated layer starts a new step
+                        seen = worker.seen_layers
+                        if layer_id in seen:
+                            worker.step += 1
+                            seen.clear()
+                        seen.add(layer_id)
+                    rec.layer_id = layer_id
+                    rec.final_layer = layer_id == st.final_layer_id
+                    rec.wait_for_save_layer = item.wait_for_save_layer
+                    gate = item.attention_start_gate
+                    if gate is not None:
+                        gid = gate.__dict__.get(GATE_ID_ATTR)
+                        if gid is None:  # attach.gate_id, inlined: the forward layer that created the gate
+                            gid = worker.forward_layer
+                            if gid < 0:
+                                gid = st.gates_seen
+                            st.gates_seen += 1
+                            setattr(gate, GATE_ID_ATTR, gid)
+                        rec.gate_id = gid
+                    tasks = item.transfer_tasks
+                    if tasks:  # upstream clears the list after the task: keep its elements (one task as is)
+                        rec.transfer_tasks = tasks[0] if len(tasks) == 1 else list(tasks)
+                    rec.step = worker.step
+                    rec.holds.append(_HOLD_RECV)
+                    try:
+                        item._kvtrace = rec
+                    except AttributeError:  # a slotted task type cannot carry its record: not traced
+                        recorder.recycle([rec])
+                        st = None
+                    else:
+                        if st.consumer_tracking:
+                            rec.holds.append(_HOLD_CONSUMER)
+                            worker.step_records[layer_id] = rec
+                if st is not None:
+                    st.enqueued = enqueued + 1
+                    rec.t_enqueue = clock()
             except Exception as exc:
                 rt.fail(exc)
                 st = None
@@ -96,49 +153,6 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
             if st is not None and st.send_fifo and st.send_fifo[-1][0] == id(item):
                 st.send_fifo.pop()  # never queued: keep the FIFO pairing right
             raise
-
-    def _on_enqueue(st: QueueState, thread: Any, item: Any, clock: Callable[[], int]) -> None:
-        rec = recorder.new_record()
-        worker = st.worker
-        rec.queue = st.info
-        rec.seq = st.enqueued
-        rec.queue_depth_at_enqueue = st.enqueued - st.dequeued
-        rec.inflight_at_enqueue = st.enqueued - st.completed
-        if st.is_send:
-            rec.kind = _SEND
-            rec.layer_id = worker.forward_layer
-            rec.transfer_tasks = list(item) if item else None  # the sender clears the worker's list
-        else:
-            layer_id = item.layer_id
-            if not worker.driven:  # no start_load_kv: a repeated layer starts a new step
-                seen = worker.seen_layers
-                if layer_id in seen:
-                    worker.step += 1
-                    seen.clear()
-                seen.add(layer_id)
-            rec.layer_id = layer_id
-            rec.final_layer = layer_id == st.final_layer_id
-            rec.wait_for_save_layer = item.wait_for_save_layer
-            gate = item.attention_start_gate
-            if gate is not None:
-                rec.gate_id = attach.gate_id(gate, st)
-            tasks = item.transfer_tasks
-            rec.transfer_tasks = list(tasks) if tasks else None
-        rec.step = worker.step
-        rec.holds.append(_HOLD_RECV)
-        if st.is_send:
-            st.send_fifo.append((id(item), rec))
-        else:
-            try:
-                item._kvtrace = rec
-            except AttributeError:  # a slotted task type cannot carry its record: not traced
-                recorder.recycle([rec])
-                return
-            if st.consumer_tracking:
-                rec.holds.append(_HOLD_CONSUMER)
-                worker.step_records[rec.layer_id] = rec
-        st.enqueued += 1
-        rec.t_enqueue = clock()
 
     return _mark(add_request, original)
 
@@ -162,8 +176,8 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                 rec = fifo.popleft()[1] if fifo and fifo[0][0] == id(item) else None
             else:
                 try:
-                    rec = vars(item).pop("_kvtrace", None)
-                except TypeError:  # no __dict__
+                    rec = item.__dict__.pop("_kvtrace", None)
+                except AttributeError:  # no __dict__
                     rec = None
             if rec is not None and rec.queue is not st.info and getattr(rec.queue, "run_id", None) != st.info.run_id:
                 rec = None  # enqueued under an earlier tracing session
@@ -191,7 +205,6 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
         finally:
             if rec is not None and st is not None:
                 try:
-                    t_exit = clock()
                     st.current = None
                     st.completed += 1
                     if rec.outcome != _ERROR:
@@ -200,9 +213,14 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
                         elif rec.backend_result:  # failed copy that did not raise (0.23)
                             rec.outcome = _ERROR
                             rec.error = BackendResultError(rec.backend_result)
-                    if rec.t_complete == NO_TIME:
-                        rec.t_complete = t_exit
-                    release_recv(rt, rec)
+                    if rec.t_complete == NO_TIME:  # the load event was not set through its proxy
+                        rec.t_complete = clock()
+                    holds = rec.holds
+                    if len(holds) < 2:  # release_recv's common case, inlined: no consumer hold left
+                        if holds and holds.pop() == _HOLD_RECV:
+                            recorder.submit(rec)
+                    else:
+                        release_recv(rt, rec)
                 except Exception as exc:
                     rt.fail(exc)
         return result
@@ -249,17 +267,25 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
         try:
             result = original(self, *args, **kwargs)
         except BaseException:
+            if st.stagger_at_submit:
+                rec.stages.extend((H2D_STAGGER, t0, t0))
             rec.stages.extend((BACKEND_SUBMIT, t0, clock()))
             rec.backend_result = -1
             raise
         t1 = clock()
-        rec.stages.extend((BACKEND_SUBMIT, t0, t1))
+        if st.stagger_at_submit:  # the no-op stagger ran just before (attach._skip_noop_stagger)
+            rec.stages.extend((H2D_STAGGER, t0, t0, BACKEND_SUBMIT, t0, t1))
+        else:
+            rec.stages.extend((BACKEND_SUBMIT, t0, t1))
         rec.t_backend_return = t1  # completion starts only after a normal return
         if type(result) is int:
             rec.backend_result = result
         sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
         if sizes is not None:
-            rec.nbytes += total_bytes(sizes)
+            try:  # a small numpy size array: sum(tolist()) is about half of .sum() (proxies.total_bytes)
+                rec.nbytes += sum(sizes.tolist()) if len(sizes) <= SMALL_ARRAY else total_bytes(sizes)
+            except Exception:
+                rec.nbytes += total_bytes(sizes)
         return result
 
     return _mark(_batch_copy_with_limits, original)
@@ -295,6 +321,11 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
     return _mark(record, original)
 
 
+_GATE_BITS = (1 << DEP_GATE_RECORD) | (1 << DEP_GATE_NPU)
+_GATE_RECORD_LO = 2 * DEP_GATE_RECORD
+_GATE_NPU_LO = 2 * DEP_GATE_NPU
+
+
 def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
     clock = rt.recorder.clock
     state_by_thread = rt.state_by_thread
@@ -309,37 +340,43 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
         try:
             rec = st.current
             if rec is not None:
-                _gate_wait_done(rec, self.__dict__.get(GATE_STAMP_ATTR), ok, t0, t1)
+                # Stages and dependencies of one gate ``wait()``: condition wait until the record was seen, then the
+                # NPU synchronize; the record time is exact, the NPU completion bounded (tightened by stream
+                # order). TaskRecord.dep_exact/dep_bounds and StreamLog.observe are inlined (recv-thread frames).
+                stamp = self.__dict__.get(GATE_STAMP_ATTR)
+                stages = rec.stages
+                deps = rec.deps
+                if not ok:  # timed out waiting for the record
+                    stages.extend((GATE_COND_WAIT, t0, t1))
+                elif stamp is None:  # recorded before tracing started: only our own wait bounds it
+                    stages.extend((GATE_NPU_SYNC, t0, t1))
+                    rec.has_dep |= _GATE_BITS
+                    deps[_GATE_RECORD_LO] = deps[_GATE_NPU_LO] = rec.t_enqueue
+                    deps[_GATE_RECORD_LO + 1] = t0
+                    deps[_GATE_NPU_LO + 1] = t1
+                else:
+                    recorded, position, mark = stamp
+                    cond_end = max(t0, min(recorded, t1))
+                    if cond_end > t0:
+                        stages.extend((GATE_COND_WAIT, t0, cond_end, GATE_NPU_SYNC, cond_end, t1))
+                    else:
+                        stages.extend((GATE_NPU_SYNC, cond_end, t1))
+                    done_by = position.log.done_by
+                    p = position.position
+                    if t1 < done_by[p]:
+                        done_by[p] = t1
+                    rec.has_dep |= _GATE_BITS
+                    deps[_GATE_RECORD_LO] = deps[_GATE_RECORD_LO + 1] = deps[_GATE_NPU_LO] = recorded
+                    deps[_GATE_NPU_LO + 1] = t1
+                    marks = rec.npu_marks
+                    marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
+                    if mark is not None:
+                        marks.append((DEP_GATE_NPU, mark))
         except Exception as exc:
             rt.fail(exc)
         return ok
 
     return _mark(wait, original)
-
-
-def _gate_wait_done(rec: Any, stamp: tuple[int, Any, Any] | None, ok: bool, t0: int, t1: int) -> None:
-    """Stages and dependencies of one gate ``wait()``: condition wait until the record was seen, then the
-    NPU synchronize; the record time is exact, the NPU completion bounded (tightened by stream order)."""
-    stages = rec.stages
-    if not ok:  # timed out waiting for the record
-        stages.extend((GATE_COND_WAIT, t0, t1))
-        return
-    if stamp is None:  # recorded before tracing started: only our own wait bounds it
-        stages.extend((GATE_NPU_SYNC, t0, t1))
-        rec.dep_bounds(DEP_GATE_RECORD, rec.t_enqueue, t0)
-        rec.dep_bounds(DEP_GATE_NPU, rec.t_enqueue, t1)
-        return
-    recorded, position, mark = stamp
-    cond_end = max(t0, min(recorded, t1))
-    if cond_end > t0:
-        stages.extend((GATE_COND_WAIT, t0, cond_end))
-    stages.extend((GATE_NPU_SYNC, cond_end, t1))
-    position.log.observe(position.position, t1)
-    rec.dep_exact(DEP_GATE_RECORD, recorded)
-    rec.dep_bounds(DEP_GATE_NPU, recorded, t1)
-    rec.npu_marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
-    if mark is not None:
-        rec.npu_marks.append((DEP_GATE_NPU, mark))
 
 
 # ---- KVPoolWorker (forward side) ------------------------------------------------------------------

@@ -174,7 +174,8 @@ class TaskRecord:
     error: BaseException | None = None
     nbytes: int = 0
     backend_result: int = 0
-    # Raw references, described at export time (never formatted on the hot path).
+    # Raw references, described at export time (never formatted on the hot path): the task's
+    # ``LayerTransferTask`` list (a copy: upstream clears its own), or its one task as is.
     transfer_tasks: Any = None
     # Device-time marks ``(Dep, timing_event)`` resolved off the hot path (``Recorder.drain``).
     npu_marks: list[tuple[int, Any]] = field(default_factory=list)

@@ -72,18 +72,27 @@ class Recorder:
         # Set by ``attach_ring``: records leave the process through a shared-memory ring to the
         # exporter agent instead of the in-process hand-off.
         self.ring: Any = None
-        self._summarize: Callable[[Any], Any] | None = None
+        self._summaries: Any = None  # export.spans.SummaryCache while a ring is attached
 
     def attach_ring(self, writer: Any) -> None:
-        """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process."""
+        """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process.
+
+        With a ring, ``submit``/``submit_first`` become ``functools.partial`` objects over ``_ship`` on the
+        instance: the recording thread enters one Python frame per shipped task, not two."""
         import functools
 
-        from otel_kvtrace.export.spans import summarize_transfer_tasks
+        from otel_kvtrace.export.spans import SummaryCache
         from otel_kvtrace.record.ring import MAX_REQS
 
         # Bounded on the recording thread: one id past what the ring carries, so the cut is still flagged.
-        self._summarize = functools.partial(summarize_transfer_tasks, max_reqs=MAX_REQS + 1)
+        self._summaries = SummaryCache(max_reqs=MAX_REQS + 1)
         self.ring = writer
+        if writer is None:
+            self.__dict__.pop("submit", None)
+            self.__dict__.pop("submit_first", None)
+        else:
+            self.submit = functools.partial(self._ship, False)  # type: ignore[method-assign]
+            self.submit_first = functools.partial(self._ship, True)  # type: ignore[method-assign]
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pending records and counts are not this process's."""
@@ -106,7 +115,7 @@ class Recorder:
         hand-off can hold at most ``capacity + k - 1`` records: still bounded, and lock-free.
         """
         if self.ring is not None:
-            self._ship(record, False)
+            self._ship(False, record)
             return
         if len(self._ready) >= self.capacity:
             next(self._drops)
@@ -122,7 +131,7 @@ class Recorder:
         In-process, nothing happens until the last holder calls ``submit_consumer``.
         """
         if self.ring is not None:
-            self._ship(record, True)
+            self._ship(True, record)
 
     def submit_consumer(self, record: TaskRecord, reason: int) -> None:
         """The forward released a task after ``submit_first``: its consumer wait, or ``reason`` it has none."""
@@ -137,34 +146,41 @@ class Recorder:
             self.disable(f"ring write failed: {exc!r}")
         self._recycle_one(record)
 
-    def _ship(self, record: TaskRecord, awaiting: bool) -> None:
+    def _ship(self, awaiting: bool, record: TaskRecord) -> None:
+        ring = self.ring
+        if ring is None:  # the ring was detached meanwhile (shutdown, fork fallback): in-process
+            if not awaiting:
+                Recorder.submit(self, record)
+            return
         try:
-            resolver = self.npu_resolver
-            if record.npu_marks and resolver is not None:
-                resolver(record)  # what the producer knows now: stream-order bounds, device marks
-            ok = self.ring.write_task(record, awaiting, self._summarize(record.transfer_tasks))  # type: ignore[misc]
+            if record.npu_marks:
+                resolver = self.npu_resolver
+                if resolver is not None:
+                    resolver(record)  # what the producer knows now: stream-order bounds, device marks
+            ok = ring.write_task(record, awaiting, self._summaries.get(record.transfer_tasks, record.kind))
         except Exception as exc:  # noqa: BLE001 - never into the host thread
             self.disable(f"ring write failed: {exc!r}")
             ok = False
         if ok:
             next(self._submitted)
         else:
-            next(self._drops)
-            ring = self.ring
-            if ring is not None:
-                try:
-                    ring.publish_dropped(count_value(self._drops))  # exact; the agent reports it
-                except Exception:  # noqa: BLE001 - the ring was released meanwhile (shutdown)
-                    pass
-            if ring is not None and not ring.overflow_logged:
-                ring.overflow_logged = True
-                logger.warning(
-                    "otel-kvtrace: exporter agent ring full (agent dead or behind): task records are dropped "
-                    "and counted; recording threads are not blocked"
-                )
+            self._ring_drop(ring)
         if not awaiting and len(self._pool) < self.capacity:  # _recycle_one, inlined
             record.reset()
             self._pool.append(record)
+
+    def _ring_drop(self, ring: Any) -> None:
+        next(self._drops)
+        try:
+            ring.publish_dropped(count_value(self._drops))  # exact; the agent reports it
+        except Exception:  # noqa: BLE001 - the ring was released meanwhile (shutdown)
+            pass
+        if not ring.overflow_logged:
+            ring.overflow_logged = True
+            logger.warning(
+                "otel-kvtrace: exporter agent ring full (agent dead or behind): task records are dropped "
+                "and counted; recording threads are not blocked"
+            )
 
     def _recycle_one(self, rec: TaskRecord) -> None:
         if len(self._pool) < self.capacity:

@@ -156,6 +156,10 @@ class RingWriter:
         self._req_ids: dict[str, int] = {}
         self._next_req = itertools.count()
         self._next_queue = itertools.count()
+        self._req_generation = 0
+        # Per task kind (recv, send): the last summary's ring view (``_prepare``), one tuple swapped in
+        # one store, so a racing thread reads a consistent one.
+        self._prepared: list[tuple[Any, ...] | None] = [None, None]
         self.overflow_logged = False
 
     # -- slots ------------------------------------------------------------------------------------
@@ -214,6 +218,7 @@ class RingWriter:
         idx = self._req_ids.get(req_id)
         if idx is None:
             if len(self._req_ids) >= 65536:
+                self._req_generation += 1  # prepared summaries name indices of the old table
                 self._req_ids.clear()  # bounded; ids seen again are re-sent under a new index
             idx = next(self._next_req)
             raw = _utf8(req_id, BODY_BYTES - REQ_FIXED.size)
@@ -245,40 +250,37 @@ class RingWriter:
     # -- per task -----------------------------------------------------------------------------------
     def write_task(self, rec: Any, awaiting: bool, summary: Any) -> bool:
         """One task record (``summary``: group ids, request ids, block count of its transfer tasks)."""
-        entry = self._queues.get(id(rec.queue))
-        qidx = entry[1] if entry is not None and entry[0] is rec.queue else self.queue_index(rec.queue)
+        queue = rec.queue
+        entry = self._queues.get(id(queue))
+        qidx = entry[1] if entry is not None and entry[0] is queue else self.queue_index(queue)
         if qidx < 0:
             return False  # its definition did not fit: the task is dropped (and counted) rather than lost
         if rec.error is not None:
             self._write_error(qidx, rec.seq, rec.error)
-        reqs = summary.request_ids
-        flags = F_AWAITING if awaiting else 0
-        if len(reqs) > MAX_REQS:
-            reqs = reqs[:MAX_REQS]
-            flags |= F_REQS_TRUNCATED
-        known = self._req_ids  # definitions are written before the task that uses them
-        req_ids = []
-        for r in reqs:
-            i = known.get(r)
-            if i is None:
-                i = self.req_index(r)
-                if i < 0:
-                    return False  # as for the queue: never a task pointing at an id the agent lacks
-            req_ids.append(i & 0xFFFFFFFF)
+        slot = rec.kind & 1
+        prepared = self._prepared[slot]  # the step's layers share one summary (export.spans.SummaryCache)
+        if prepared is None or prepared[0] is not summary or prepared[1] != self._req_generation:
+            prepared = self._prepare(summary)
+            if prepared is None:
+                return False  # as for the queue: never a task pointing at an id the agent lacks
+            self._prepared[slot] = prepared
+        _, _, flags, n_groups, n_reqs, tail = prepared
+        if awaiting:
+            flags |= F_AWAITING
         stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
         if len(stages) > MAX_STAGE_INTS:
             stages = fold_stages(stages)
             flags |= F_STAGES_FOLDED
-        groups = summary.group_ids[:MAX_GROUPS]
         src = rec.wait_for_save_layer
         gate = rec.gate_id
         if src is not None:
             flags |= F_SRC
         if gate is not None:
             flags |= F_GATE
-        layout = _TASK_LAYOUTS.get((len(stages), len(groups), len(req_ids)))
+        key = (len(stages), n_groups, n_reqs)
+        layout = _TASK_LAYOUTS.get(key)
         if layout is None:
-            layout = _task_struct(len(stages), len(groups), len(req_ids))
+            layout = _task_struct(*key)
         # _claim(), inlined (this runs once per task on a recording thread); from here to the commit
         # nothing may leave the slot claimed but uncommitted.
         hdr = self.hdr
@@ -297,8 +299,7 @@ class RingWriter:
                 rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
                 rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
                 rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
-                len(stages), len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF, *stages, *groups,
-                *req_ids,
+                len(stages), n_groups, n_reqs, summary.num_blocks & 0xFFFFFFFF, *stages, *tail,
             )
             n = layout.size  # _commit(), inlined
             crc = zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
@@ -308,6 +309,30 @@ class RingWriter:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
         return True
+
+    def _prepare(self, summary: Any) -> tuple[Any, ...] | None:
+        """The ring's view of a summary, computed once per summary object: ``(summary, id generation,
+        flags, n_groups, n_reqs, group ids + request indices)``; ``None`` when an id's definition did
+        not fit (the ring was full)."""
+        generation = self._req_generation
+        reqs = summary.request_ids
+        flags = 0
+        if len(reqs) > MAX_REQS:
+            reqs = reqs[:MAX_REQS]
+            flags |= F_REQS_TRUNCATED
+        known = self._req_ids  # definitions are written before the task that uses them
+        req_ids = []
+        for r in reqs:
+            i = known.get(r)
+            if i is None:
+                i = self.req_index(r)
+                if i < 0:
+                    return None
+            req_ids.append(i & 0xFFFFFFFF)
+        groups = summary.group_ids[:MAX_GROUPS]
+        if generation != self._req_generation:  # the id table was reset meanwhile: do not keep it
+            generation = -1
+        return (summary, generation, flags, len(groups), len(req_ids), (*groups, *req_ids))
 
     def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:
         """The consumer-wait stages of a task sent earlier with ``awaiting`` (or the reason they are absent)."""

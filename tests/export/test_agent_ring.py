@@ -257,7 +257,7 @@ def test_the_dropped_count_the_agent_reads_is_the_recorders_task_count(make_reco
     recorder.attach_ring(writer)
     for seq in range(10):  # a new queue each time: its definition is dropped along with the task
         rec = make_record(queue=QueueInfo(run_id=f"r{seq}", path="key", thread_name="t", pid=9), seq=seq)
-        recorder._ship(rec, False)
+        recorder.submit(rec)
     assert recorder.dropped > 0 and writer.hdr[R.H_DROPPED] == recorder.dropped
 
 
@@ -317,8 +317,31 @@ def test_shipping_names_at_most_one_request_id_past_what_the_ring_carries(make_r
     recorder.attach_ring(writer)
     rec = make_record()
     rec.transfer_tasks = [SimpleNamespace(group_id=0, shared_block_data=None, block_ranges=ranges)]
-    recorder._ship(rec, False)
+    recorder.submit(rec)
     (decoded,) = _decode(reader)
     assert len(named) <= R.MAX_REQS + 1
     assert decoded.transfer_tasks.num_blocks == 2000
     assert decoded.transfer_tasks.request_ids == [f"req-{i}" for i in range(R.MAX_REQS)]
+
+
+def test_a_summary_shared_by_a_step_is_named_right_also_after_the_id_table_reset(make_record) -> None:
+    """The writer keeps the ring view (request indices) of the step's summary; when its id table is
+    reset (bounded at 65536), the cached indices are stale and the ids must be defined again."""
+    from otel_kvtrace.export.spans import TransferSummary
+
+    writer, reader = _ring()
+    decoder = Decoder()
+    step = TransferSummary([0], ["r-step"], 4)
+    for layer in range(3):
+        assert writer.write_task(make_record(seq=layer, layer_id=layer), False, step)
+    other = TransferSummary([1], ["r-other"], 2)  # the next summary (a new step) is not confused with it
+    assert writer.write_task(make_record(seq=3), False, other)
+    got = _decode(reader, decoder)
+    assert [r.transfer_tasks.request_ids for r in got] == [["r-step"]] * 3 + [["r-other"]]
+    writer._req_ids.update((f"filler-{i}", 10**6 + i) for i in range(65536 - len(writer._req_ids)))
+    writer.req_index("r-new")  # the table is full: reset, "r-new" gets the first index of the new table
+    decoder.req_ids.clear()  # as the agent may evict them later: only ids defined again can be named
+    decoder.req_ids.update((i, n) for n, i in writer._req_ids.items())
+    assert writer.write_task(make_record(seq=4), False, other)
+    (last,) = _decode(reader, decoder)
+    assert last.transfer_tasks.request_ids == ["r-other"]

@@ -8,6 +8,7 @@ import logging
 import pytest
 
 from otel_kvtrace.api import start_tracing
+from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.replica import ReplicaConfig, replica_targets
 from otel_kvtrace.replica.threaded import run_threaded
@@ -30,18 +31,16 @@ def test_an_instrumentation_bug_disables_tracing_not_the_host(
         if calls["n"] >= 5:  # fail mid-run, after tracing worked for a while
             raise KeyError("instrumentation bug")
 
-    if where.startswith("save wait"):
-        monkeypatch.setattr(TaskRecord, "dep_exact", broken, raising=True)
-    else:
-        from otel_kvtrace.instrument import attach
+    # The hot path inlines its helpers, so the fault goes into a slot it reads: TaskRecord.deps (written
+    # by the recv thread's save wait) or QueueState.enqueued (read by the forward's enqueue only).
+    cls, name = (TaskRecord, "deps") if where.startswith("save wait") else (QueueState, "enqueued")
+    slot = cls.__dict__[name]
 
-        original_gate_id = attach.gate_id
+    def read(obj):
+        broken()
+        return slot.__get__(obj, cls)
 
-        def gate_id(gate, state):
-            broken()
-            return original_gate_id(gate, state)
-
-        monkeypatch.setattr(attach, "gate_id", gate_id)
+    monkeypatch.setattr(cls, name, property(read, slot.__set__), raising=True)
     session = start_tracing(replica_targets(CFG.behaviour), exporter=None, run_id="broken")
     with caplog.at_level(logging.ERROR, logger="otel_kvtrace"):
         try:

@@ -316,18 +316,25 @@ class Upstream:
                                block_ids=list(range(1, num_blocks + 1)),
                                block_hashes=[f"{req_id}-{i:04x}".encode().hex() for i in range(num_blocks)])
 
+    def shared_data(self, requests: list[SimpleNamespace], load_keys: list[str] | None = None) -> Any:
+        """The ``SharedBlockData`` of ``requests``: upstream builds one per step and group and hands the
+        same object to every layer's transfer task (``pool_worker._build_shared_load_data``)."""
+        block_ids = np.concatenate([np.asarray(r.block_ids, dtype=np.int64) for r in requests])
+        return self.metadata.SharedBlockData(
+            block_ids_arr=block_ids,
+            block_gvas_arr=np.arange(1, len(block_ids) + 1, dtype=np.int64) * 0x100000,
+            req_ids=[r.req_id for r in requests], is_last_chunks=[r.is_last_chunk for r in requests],
+            load_keys=list(load_keys or [f"{r.req_id}-key" for r in requests]))
+
     def gva_task(self, layer_id: int, requests: list[SimpleNamespace], *, wait_for_save_layer: int | None = None,
-                 gate: Any = None, load_keys: list[str] | None = None) -> Any:
-        """A ``LayerLoadTask`` whose transfer task carries shared block data (the normal GVA path)."""
+                 gate: Any = None, load_keys: list[str] | None = None, shared: Any = None) -> Any:
+        """A ``LayerLoadTask`` whose transfer task carries shared block data (the normal GVA path);
+        ``shared``: the step's ``shared_data(requests)`` (a fresh one per task when omitted)."""
         md = self.metadata
         transfer_tasks = []
         if requests:
-            block_ids = np.concatenate([np.asarray(r.block_ids, dtype=np.int64) for r in requests])
-            shared = md.SharedBlockData(
-                block_ids_arr=block_ids,
-                block_gvas_arr=np.arange(1, len(block_ids) + 1, dtype=np.int64) * 0x100000,
-                req_ids=[r.req_id for r in requests], is_last_chunks=[r.is_last_chunk for r in requests],
-                load_keys=list(load_keys or [f"{r.req_id}-key" for r in requests]))
+            if shared is None:
+                shared = self.shared_data(requests, load_keys)
             ranges = [md.LayerBlockRange(request=r, start_block=0, end_block=len(r.block_ids)) for r in requests]
             transfer_tasks.append(md.LayerTransferTask(layer_id=layer_id, block_ranges=ranges,
                                                        shared_block_data=shared, group_id=0,

@@ -74,6 +74,27 @@ def stamp(log: dict[str, float], name: str, action: Any) -> Any:
 # ---- plain task -----------------------------------------------------------------------------------
 
 
+def test_a_no_op_stagger_is_called_unwrapped_and_recorded_at_the_copy(upstream: Upstream) -> None:
+    """h2d_stagger_us == 0: the instance calls upstream's own ``_stagger_h2d_submit`` (no frame of ours),
+    the zero-length h2d_stagger stage is written at the copy's start, and shutdown removes the shortcut."""
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="stagger")
+    try:
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        assert env.thread.h2d_stagger_us == 0
+        env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        env.thread._handle_request(env.thread.request_queue.get())
+        unwrapped = type(env.thread)._stagger_h2d_submit.__kvtrace_wrapped__
+        assert env.thread.__dict__["_stagger_h2d_submit"].__func__ is unwrapped
+        (task,) = traces_after(session, 1)
+        stagger, submit = task.children["h2d_stagger"], task.children["backend_submit"]
+        assert stagger.start == stagger.end == submit.start
+    finally:
+        session.shutdown()
+    assert "_stagger_h2d_submit" not in env.thread.__dict__
+
+
+
+
 def test_plain_task_stages_bracket_the_real_backend_call(upstream: Upstream, tracing: Any) -> None:
     backend = FakeBackend(copy_s=0.002)
     env = upstream.gva_thread(N_LAYERS, backend)

@@ -1,0 +1,364 @@
+"""Where the recv thread's added CPU goes: per-component ns per task, measured side by side in one run.
+
+Run through ``bench/upstream_overhead.py --breakdown`` (or directly). The REAL vLLM-Ascend recv thread
+(0.23.0.post1 sdist, or ``KVTRACE_UPSTREAM_SRC``) is attached by ``start_tracing(exporter="agent")``;
+each component is then timed in a loop of ``--loops`` calls on the calling thread (GC off), in
+alternating repeats, against its untraced counterpart where it has one:
+
+- primitives: a pass-through wrapper frame, a ``perf_counter_ns`` call, the thread-ident lookup,
+  ``stages.extend``, ``dep_exact``/``dep_bounds``;
+- each wrapper / proxy on its recording path (the traced call minus the original call, with a task
+  current on this thread);
+- the ship of one finished task: the NPU resolver, the transfer-task summary, ``RingWriter.write_task``
+  (and inside it the ``pack_into`` and the ``crc32`` alone), on a record captured from a real task;
+- ``total``: the added CPU per ``_handle_request`` (traced minus untraced, driven synchronously), so
+  the parts can be compared with the whole; ``rest`` = total minus the listed parts (the
+  ``_handle_request`` wrapper itself, release/submit, pool recycling).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import statistics
+import sys
+import tempfile
+import time
+import types
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from threading import get_ident
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from upstream_overhead import _cpu_per_call, _load_harness, _ready_task  # noqa: E402
+
+
+def _loop_ns(fn: Callable[[], Any], loops: int) -> float:
+    """CPU ns per call of ``fn`` (loop overhead included; compare two loops, never one alone)."""
+    t0 = time.thread_time_ns()
+    for _ in range(loops):
+        fn()
+    return (time.thread_time_ns() - t0) / loops
+
+
+def _pair(traced: Callable[[], Any], plain: Callable[[], Any] | None, loops: int) -> float:
+    return _loop_ns(traced, loops) - (_loop_ns(plain, loops) if plain is not None else _loop_ns(_nothing, loops))
+
+
+def _nothing() -> None:
+    return None
+
+
+def _capture_record(session: Any) -> dict[str, Any]:
+    """A copy of the next record the recorder ships, taken when its NPU marks are resolved (first thing
+    in the ship; ``capture_done`` puts the resolver back)."""
+    recorder = session.recorder
+    captured: dict[str, Any] = {}
+    original = recorder.npu_resolver
+
+    def resolver(record: Any) -> None:
+        if "rec" not in captured:
+            tasks = record.transfer_tasks
+            captured["rec"] = dataclasses.replace(
+                record, stages=list(record.stages), deps=list(record.deps), npu_marks=list(record.npu_marks),
+                holds=[], transfer_tasks=list(tasks) if isinstance(tasks, list) else tasks)
+        original(record)
+
+    recorder.npu_resolver = resolver
+    captured["restore"] = lambda: setattr(recorder, "npu_resolver", original)
+    return captured
+
+
+def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int, blocks: int) -> dict[str, Callable]:
+    """name -> zero-argument callable returning the added ns of one call (one measurement)."""
+    from otel_kvtrace.instrument.attach import STATE_ATTR
+    from otel_kvtrace.record.model import TaskRecord
+    from otel_kvtrace.record.ring import _TASK_LAYOUTS, RingWriter, create_memfd, H_HEAD, H_READ
+    import zlib
+
+    thread = env.thread
+    st = thread.__dict__[STATE_ATTR]
+    rt_state = session.runtime.state_by_thread
+    captured = _capture_record(session)
+    request = up.request("r-bench", blocks)
+    task, layer = _ready_task(up, env, request, 1, layers)
+    thread.add_request(task)
+    thread._handle_request(thread.request_queue.get())
+    env.load_done[layer].clear()
+    rec_shipped = captured["rec"]
+    captured["restore"]()
+
+    scratch = TaskRecord()
+    scratch.t_enqueue = time.perf_counter_ns()
+    stages = scratch.stages
+
+    def scaffold(fn: Callable[[], Any], current: Any) -> Callable[[], Any]:
+        """``fn`` with ``current`` as the thread's task (``None``: the untraced counterpart), then a clean record."""
+        def run() -> Any:
+            st.current = current
+            try:
+                return fn()
+            finally:
+                st.current = None
+                stages.clear()
+                scratch.npu_marks.clear()
+        return run
+
+    def with_current(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return scaffold(fn, scratch)
+
+    def plain_of(fn: Callable[[], Any]) -> Callable[[], Any]:
+        return scaffold(fn, None)
+
+    def orig_method(name: str) -> Callable:
+        return getattr(type(thread), name).__kvtrace_wrapped__
+
+    # primitives
+    def target(self: Any, x: Any) -> Any:
+        return x
+
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return target(self, *args, **kwargs)
+
+    clock = time.perf_counter_ns
+    out: dict[str, Callable] = {
+        "wrapper frame (*args, **kwargs pass-through)": lambda: _pair(lambda: wrapper(None, 1),
+                                                                       lambda: target(None, 1), loops),
+        "clock call (perf_counter_ns)": lambda: _pair(clock, None, loops),
+        "thread lookup (state_by_thread.get(get_ident()))": lambda: _pair(lambda: rt_state.get(get_ident()), None, loops),
+        "stages.extend((s, t0, t1))": lambda: _pair(lambda: (stages.extend((1, 2, 3)), stages.clear()),
+                                                     stages.clear, loops),
+        "rec.dep_exact / dep_bounds (one call)": lambda: _pair(lambda: scratch.dep_bounds(2, 1, 2), None, loops),
+    }
+    # wrappers / proxies on their recording path (traced call minus the original)
+    save_ev = thread.layer_save_finished_events[0]
+    save_ev._inner.set()
+    out["TracedSaveEvent.wait (save wait)"] = lambda: _pair(
+        with_current(lambda: save_ev.wait(timeout=10)), plain_of(lambda: save_ev._inner.wait(10)), loops)
+    gate = up.gate_class()
+    gate.record()
+    gate_wait = type(gate).wait.__kvtrace_wrapped__
+    out["gate wait wrapper (+ _gate_wait_done)"] = lambda: _pair(
+        with_current(lambda: gate.wait(timeout=10)), plain_of(lambda: gate_wait(gate, timeout=10)), loops)
+    builder = thread.group_builders[0]
+    shipped = rec_shipped.transfer_tasks
+    shared = (shipped[0] if isinstance(shipped, list) else shipped).shared_block_data
+    out["TracedBuilder.build_addrs"] = lambda: _pair(
+        with_current(lambda: builder.build_addrs(shared, layer)), plain_of(lambda: builder._inner.build_addrs(shared, layer)),
+        loops)
+    stagger = orig_method("_stagger_h2d_submit")
+    out["_stagger_h2d_submit wrapper"] = lambda: _pair(
+        with_current(lambda: thread._stagger_h2d_submit(layer)), plain_of(lambda: stagger(thread, layer)), loops)
+    meta = builder._inner.build_addrs(shared, layer)
+    copy_args = (meta.gvas_array, meta.addr_array, meta.size_array, 1, thread.max_transfer_blocks,
+                 thread.max_transfer_bytes)
+    batch_copy = orig_method("_batch_copy_with_limits")
+    out["_batch_copy_with_limits wrapper (+ total_bytes)"] = lambda: _pair(
+        with_current(lambda: thread._batch_copy_with_limits(*copy_args)),
+        plain_of(lambda: batch_copy(thread, *copy_args)), loops)
+    load_ev = thread.layer_load_finished_events[layer]
+    out["TracedLoadEvent.set (completion)"] = lambda: _pair(
+        with_current(lambda: (load_ev.set(), load_ev._inner.clear())),
+        plain_of(lambda: (load_ev._inner.set(), load_ev._inner.clear())), loops)
+
+    # the ship of one task, on the captured record, into a private ring nobody drains
+    recorder = session.recorder
+    _fd, mem = create_memfd(64 + 256)
+    writer = RingWriter(mem)
+    rec = rec_shipped
+    marks = list(rec.npu_marks)
+    resolver = recorder.npu_resolver
+    cache = getattr(recorder, "_summaries", None)  # SummaryCache (after #12's cut) or the plain function
+    summarize = cache.get if cache is not None else recorder._summarize
+
+    def resolve() -> None:
+        rec.npu_marks[:] = marks
+        resolver(rec)
+
+    def write() -> None:
+        writer.hdr[H_READ] = writer._head  # keep the private ring empty
+        writer.write_task(rec, False, summary)
+
+    summary = summarize(rec.transfer_tasks)
+    writer.write_task(rec, False, summary)
+    layout = _TASK_LAYOUTS.get((len(rec.stages), len(summary.group_ids), len(summary.request_ids)))
+    out["npu resolver (Runtime.resolve)"] = lambda: _pair(resolve, lambda: marks.copy(), loops)
+    out["summarize_transfer_tasks"] = lambda: _pair(lambda: summarize(rec.transfer_tasks), None, loops)
+    out["RingWriter.write_task (whole)"] = lambda: _pair(write, lambda: writer.hdr.__setitem__(H_READ, writer._head), loops)
+    body = memoryview(mem)[200:1000]
+    out["  crc32 of one task body"] = lambda: _pair(lambda: zlib.crc32(body[:layout.size if layout else 400], 7), None, loops)
+    if layout is not None:
+        values = layout.unpack_from(mem, 128 + 16)
+        out["  struct pack_into of one task"] = lambda: _pair(lambda: layout.pack_into(mem, 128 + 16, *values), None, loops)
+    del H_HEAD
+    return out
+
+
+@contextlib.contextmanager
+def _without(env: Any, session: Any, point: str) -> Iterator[None]:
+    """One interception point (or one ship step) put back to upstream's own / made a no-op for the
+    duration: the drop in the recv thread's CPU is that point's cost *in context* (cold caches and
+    all), which the isolated loops above cannot show."""
+    thread = env.thread
+    recorder = session.recorder
+    undo: list[Callable[[], None]] = []
+
+    def unproxy(lst: list[Any]) -> None:
+        saved = list(lst)
+        lst[:] = [getattr(x, "_inner", x) for x in lst]
+        undo.append(lambda: lst.__setitem__(slice(None), saved))
+
+    def shadow(name: str) -> None:
+        original = getattr(type(thread), name).__kvtrace_wrapped__
+        had = thread.__dict__.get(name)
+        setattr(thread, name, types.MethodType(original, thread))
+        undo.append(lambda: setattr(thread, name, had) if had is not None else thread.__dict__.pop(name, None))
+
+    def set_attr(obj: Any, name: str, value: Any) -> None:
+        had = obj.__dict__.get(name, _MISSING)
+        setattr(obj, name, value)
+        undo.append(lambda: obj.__dict__.pop(name, None) if had is _MISSING else setattr(obj, name, had))
+
+    if point == "build_addrs proxy":
+        saved = thread.group_builders
+        thread.group_builders = [b._inner for b in saved]
+        undo.append(lambda: setattr(thread, "group_builders", saved))
+    elif point == "save event proxy":
+        unproxy(thread.layer_save_finished_events)
+    elif point == "load event proxy":
+        unproxy(thread.layer_load_finished_events)
+    elif point == "gate wait wrapper":
+        gate_cls = env.gate_class
+        wrapped = gate_cls.__dict__["wait"]
+        gate_cls.wait = wrapped.__kvtrace_wrapped__
+        undo.append(lambda: setattr(gate_cls, "wait", wrapped))
+    elif point == "batch_copy wrapper":
+        shadow("_batch_copy_with_limits")
+    elif point == "stagger wrapper (where wrapped)":
+        if "_stagger_h2d_submit" not in thread.__dict__:  # else already upstream's own (a no-op stagger)
+            shadow("_stagger_h2d_submit")
+    elif point == "ship: write_task":
+        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary: True)
+    elif point == "ship: summary":
+        cache = getattr(recorder, "_summaries", None)  # the same summary every time, computed once here
+        if cache is not None:
+            fixed = cache.get(env.sample_tasks)
+            set_attr(recorder, "_summaries", type("Fixed", (), {"get": lambda self, t, k=0: fixed})())
+        else:
+            fixed = recorder._summarize(env.sample_tasks)
+            set_attr(recorder, "_summarize", lambda tasks: fixed)
+    elif point == "ship: npu resolver":
+        set_attr(recorder, "npu_resolver", None)
+    try:
+        yield
+    finally:
+        for step in reversed(undo):
+            step()
+
+
+_MISSING = object()
+ALTERNATIONS = 7  # with / without pairs per point per repeat (the machine is shared: pairs, then medians)
+IN_CONTEXT = ("build_addrs proxy", "save event proxy", "gate wait wrapper", "stagger wrapper (where wrapped)",
+              "batch_copy wrapper", "load event proxy", "ship: npu resolver", "ship: summary", "ship: write_task")
+
+
+def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
+        ) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]]]:
+    from otel_kvtrace.api import start_tracing
+
+    h = _load_harness()
+    results: dict[str, list[float]] = {}
+    totals: list[float] = []
+    in_context: dict[str, list[float]] = {}
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bd-") as tmp:
+        targets = up.binding.to_targets()
+        for _ in range(repeats):
+            env0 = up.gva_thread(layers, h.FakeBackend(), start=False)
+            _cpu_per_call(up, env0, 50, layers, blocks)
+            base = _cpu_per_call(up, env0, tasks, layers, blocks)[1]
+            session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
+            env = up.gva_thread(layers, h.FakeBackend(), start=False)
+            env.gate_class = up.gate_class
+            env.sample_tasks = list(_ready_task(up, env, up.request("r-bench", blocks), 1, layers)[0].transfer_tasks)
+            _cpu_per_call(up, env, 50, layers, blocks)
+            full = _cpu_per_call(up, env, tasks, layers, blocks)[1]
+            totals.append(full - base)
+            for point in IN_CONTEXT:  # each against the full set, alternating, the ring drained before each
+                for _ in range(ALTERNATIONS):
+                    session.flush(30.0)  # a full ring would drop (cheaper) instead of writing
+                    full = _cpu_per_call(up, env, tasks // 8, layers, blocks)[1]
+                    session.flush(30.0)
+                    with _without(env, session, point):
+                        _cpu_per_call(up, env, 10, layers, blocks)
+                        without = _cpu_per_call(up, env, tasks // 8, layers, blocks)[1]
+                    in_context.setdefault(point, []).append(full - without)
+            parts = components(up, h, env, session, loops, layers, blocks)
+            gc.collect()
+            gc.disable()
+            try:
+                for name, measure in parts.items():
+                    results.setdefault(name, []).append(measure())
+            finally:
+                gc.enable()
+            session.shutdown()
+    return results, totals, in_context
+
+
+def report(results: dict[str, list[float]], totals: list[float], per_task: dict[str, int],
+           in_context: dict[str, list[float]]) -> None:
+    print("\nisolated: recv-thread CPU per call in a tight loop (ns, median over repeats; traced minus original)")
+    print(f"{'component':52} {'ns/call':>8} {'calls/task':>10} {'ns/task':>8}")
+    listed = 0.0
+    for name, values in results.items():
+        ns = statistics.median(values)
+        n = per_task.get(name, 0)
+        if n:
+            listed += ns * n
+        print(f"{name:52} {ns:8.0f} {n if n else '':>10} {f'{ns * n:.0f}' if n else '':>8}")
+    total = statistics.median(totals)
+    print(f"{'sum of the per-task rows':52} {'':8} {'':>10} {listed:8.0f}")
+    print(f"\nin context: drop in CPU per _handle_request when one point is upstream's own again / one ship")
+    print("step a no-op (ns per task, median over with/without pairs)")
+    in_sum = 0.0
+    for name, values in in_context.items():
+        ns = statistics.median(values)
+        in_sum += ns
+        quart = statistics.quantiles(values, n=4) if len(values) > 1 else [ns, ns, ns]
+        print(f"{name:52} {ns:8.0f}   (quartiles {quart[0]:.0f}..{quart[2]:.0f} over {len(values)} pairs)")
+    print(f"{'sum of the points above':52} {in_sum:8.0f}")
+    print(f"{'rest: _handle_request wrapper, release, _ship, reset':52} {total - in_sum:8.0f}")
+    print(f"{'total added per _handle_request (traced - untraced)':52} {total:8.0f}")
+
+
+# How often each measured component runs per recv task of this bench (one transfer task, gate, save
+# wait); primitives are inside the wrappers and not added again.
+PER_TASK = {
+    "TracedSaveEvent.wait (save wait)": 1,
+    "gate wait wrapper (+ _gate_wait_done)": 1,
+    "TracedBuilder.build_addrs": 1,
+    "_stagger_h2d_submit wrapper": 1,
+    "_batch_copy_with_limits wrapper (+ total_bytes)": 1,
+    "TracedLoadEvent.set (completion)": 1,
+    "npu resolver (Runtime.resolve)": 1,
+    "summarize_transfer_tasks": 1,
+    "RingWriter.write_task (whole)": 1,
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--loops", type=int, default=5000, help="calls per measurement (default 5000)")
+    parser.add_argument("--repeats", type=int, default=5, help="alternating repeats (default 5)")
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--tasks", type=int, default=2000, help="tasks for the total (default 2000)")
+    args = parser.parse_args(argv)
+    results, totals, in_context = run(args.loops, args.repeats, args.layers, args.blocks, args.tasks)
+    report(results, totals, PER_TASK, in_context)
+
+
+if __name__ == "__main__":
+    main()
