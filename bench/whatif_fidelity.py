@@ -34,12 +34,24 @@ def record(preset: str, seeds: int, steps: int, out: Path, cpu: dict[str, list[f
     from otel_kvtrace.demo import run_demo
 
     fifo, rq = out / preset / "fifo", out / preset / "ready_queue"
+    for scheduler in POLICIES:  # warm-up, not kept: the first runs of a process are slower (imports, caches)
+        run_demo(preset, seed=0, steps=WARMUP_STEPS, scheduler=scheduler, out=out / preset / "warmup")
     for seed in range(1, seeds + 1):
-        for scheduler, where in (("fifo", fifo), ("ready_queue", rq)):
+        for scheduler in order(seed):
             c0 = time.process_time()
-            run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=where)
+            run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=fifo if scheduler == "fifo" else rq)
             cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
     return fifo / "traces", rq / "traces"
+
+
+POLICIES = ("fifo", "ready_queue")
+WARMUP_STEPS = 10
+
+
+def order(seed: int) -> tuple[str, ...]:
+    """ABBA: FIFO first on odd seeds, the policy first on even ones, so a drift over the bench (the
+    machine, the process's heap) does not always favour the policy run of a pair."""
+    return POLICIES if seed % 2 else POLICIES[::-1]
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,19 +84,21 @@ def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float
     h = _harness()
     with h.upstream_session(h.upstream_source_dir()) as up:
         targets = up.binding.to_targets()
-        for seed in range(1, seeds + 1):
-            for scheduler in ("fifo", "ready_queue"):
+        for seed in range(0, seeds + 1):  # seed 0: warm-up, not kept
+            for scheduler in order(seed):
                 install_scheduler(targets, scheduler)
-                session = start_tracing(targets, out_dir=out / "upstream" / scheduler, run_id=f"up-{scheduler}-s{seed}",
+                where = out / "upstream" / (scheduler if seed else "warmup")
+                session = start_tracing(targets, out_dir=where, run_id=f"up-{scheduler}-s{seed}",
                                         resource={"kvtrace.cfg.label": UPSTREAM_LABEL, "kvtrace.source": "upstream",
                                                   "kvtrace.cfg.scheduler": scheduler})
                 c0 = time.process_time()
                 try:
-                    _drive_upstream(h, up, steps, random.Random(seed))
+                    _drive_upstream(h, up, steps if seed else WARMUP_STEPS, random.Random(seed))
                 finally:
                     session.shutdown()
                     install_scheduler(targets, "fifo")
-                cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
+                if seed:
+                    cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
     return out / "upstream" / "fifo" / "traces", out / "upstream" / "ready_queue" / "traces"
 
 

@@ -230,6 +230,8 @@ class SchedulingQueue(queue.Queue):
         seen = self._signals
         if self.policy != "ready_queue" or self.queue[0].barrier or not self._waiter_readable():
             return 0, None, seen
+        if self._head_goes():
+            return 0, None, seen
         snapshot = list(self.queue)
         self.mutex.release()
         try:
@@ -242,6 +244,15 @@ class SchedulingQueue(queue.Queue):
         if pick > 0:
             self.bypassed += 1
         return pick, wait_s, seen
+
+    def _head_goes(self) -> bool:
+        """The fast path, under the lock: a head whose waits are met (or cannot be checked) goes out
+        without the snapshot and the unlocked scan. One probe of non-blocking checks; the lock is
+        held for it so the common case (FIFO order is already right) costs no lock hand-off."""
+        try:
+            return probe(self.thread, self.queue[0].item, time.perf_counter_ns())[0] in (READY, UNKNOWN)
+        except Exception:
+            return False  # the full decision reports it (and falls back to fifo)
 
     def _waiter_readable(self) -> bool:
         """A waiter wired after :func:`attach` (see :func:`unreadable_waiter`): FIFO from then on, said once."""

@@ -39,6 +39,7 @@ class QueueState:
         "busy_start",
         "complete",
         "delay_only",
+        "dispatch",
         "eff_rg",
         "eff_rs",
         "fwd_arrive",
@@ -61,10 +62,11 @@ class QueueState:
         "waiting",
     )
 
-    def __init__(self, q: QueueArrays, index: bool, feedback: str = "full") -> None:
+    def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
+        self.dispatch = dispatch_ns
         n = q.n
         self.q = q
         self.n = n
@@ -189,7 +191,7 @@ class QueueState:
             if self.served[i]:
                 raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
             self._effective(i)
-            t = now + q.w0[i]
+            t = now + self.dispatch + q.w0[i]
             r = self.eff_rs[i]
             if t < r:
                 t = r + q.ws[i]
@@ -235,7 +237,7 @@ class QueueState:
             take = min(saving, W[seg])
             W[seg] -= take
             saving -= take
-        t = now + W[0]
+        t = now + self.dispatch + W[0]
         t = (RS + LS if t < RS else t) + W[1]
         t = (RG + LG if t < RG else t) + W[2]
         t = RL + LL if t < RL else t
@@ -264,7 +266,7 @@ class QueueState:
         t = now
         if ph == 0:
             self.start[i] = now
-            t += q.w0[i]
+            t += self.dispatch + q.w0[i]
             ph = 1
         det = self.determinable(i)
         if det:
@@ -383,13 +385,15 @@ class QueueReplay:
     """Intervals the recv thread was occupied (running work or blocked in a wait), in order."""
 
 
-def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> QueueReplay:
+def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
     ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
     replayed forward (assumes a host-bound device); ``delay_only`` only moves them later (conservative).
+    ``dispatch_ns``: the policy's own recv-thread cost per dequeue (its ``get()`` decision) on top of
+    FIFO's, paid at the start of every task (batch); 0 = the recorded FIFO dispatch only.
     """
-    state = QueueState(q, policy.uses_ready_index, feedback)
+    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns)
     n = q.n
     arr = q.arr
     select = policy.select

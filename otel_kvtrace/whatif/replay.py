@@ -162,12 +162,14 @@ def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
 
 
 def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
-               run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None) -> RunReplay:
+               run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None,
+               dispatch_ns: Mapping[str, int] | None = None) -> RunReplay:
     """Replay every queue of one run under each policy (``fifo`` always included, first).
 
     ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
     save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
-    forward alone.
+    forward alone. ``dispatch_ns``: per policy, its own cost per dequeue on top of FIFO's
+    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
@@ -184,7 +186,8 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         replays[queue] = {}
         for name, policy in instances.items():
             try:
-                rep = replay_queue(arrays, policy, feedback=feedback)
+                extra = (dispatch_ns or {}).get(name, 0) if name != "fifo" else 0
+                rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra)
             except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
                 raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
                                     f"policy {name!r}: {exc}") from exc
