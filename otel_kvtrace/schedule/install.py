@@ -62,14 +62,15 @@ def check_scheduler(name: str, *, merged_copy: bool = False) -> str:
     raise ValueError(f"scheduler: unknown {name!r}; choose from {', '.join(live)}")
 
 
-def from_env(environ: Mapping[str, str] | None = None) -> str:
-    """``OTEL_KVTRACE_SCHEDULER`` (unset = ``fifo``); a bad value logs one warning and gives ``fifo``."""
+def from_env(environ: Mapping[str, str] | None = None, *, merged_copy: bool = False) -> str:
+    """``OTEL_KVTRACE_SCHEDULER`` (unset = ``fifo``); a bad value logs one warning and gives ``fifo``.
+    ``merged_copy``: for the threaded replica, which can run ``gate_group``."""
     env = os.environ if environ is None else environ
     raw = env.get(config.OTEL_KVTRACE_SCHEDULER, "").strip()
     if not raw:
         return "fifo"
     try:
-        return check_scheduler(raw)
+        return check_scheduler(raw, merged_copy=merged_copy)
     except ValueError as exc:
         logger.warning("otel-kvtrace: %s=%s ignored, recv thread stays fifo: %s", config.OTEL_KVTRACE_SCHEDULER,
                        raw, exc)
