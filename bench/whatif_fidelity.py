@@ -20,7 +20,7 @@ gives the worst error without that cost.
 
 Usage::
 
-    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 5 seeds x 80 steps (~2 min)
+    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 8 seeds x 50 steps (~2 min)
     .venv/bin/python bench/whatif_fidelity.py --seeds 8 --steps 120 --cells hol upstream
 """
 
@@ -150,8 +150,8 @@ def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = ap.parse_args()
     from otel_kvtrace.whatif.api import whatif
