@@ -1,19 +1,27 @@
-"""What-if fidelity: the ready_queue gain the what-if predicts from FIFO runs vs the gain measured with
-the live scheduler switched on (``otel_kvtrace.schedule``), same workloads, same seeds.
+"""What-if fidelity: the gain the what-if predicts from FIFO runs vs the gain measured with the live
+scheduler switched on (``otel_kvtrace.schedule``), same workloads, same seeds.
 
-Per configuration (threaded replica presets on the real clock: ``hol`` = slow save, ``slow-slot`` = slow
-external slot release, ``buckets`` = several cache-spec buckets with a slow save): for each seed, one
-traced FIFO run and one traced ready_queue run, alternated so machine drift hits both alike. Then
-``whatif(FIFO runs, measured=[ready_queue runs])`` predicts the gain from the FIFO runs and reads the
-measured one from the ready_queue runs (``otel_kvtrace.whatif.measured``).
+Cells (``CELLS``): threaded replica presets on the real clock (``hol`` = slow save, ``slow-slot`` = slow
+external slot release, ``buckets`` = several cache-spec buckets with a slow save) under ``ready_queue``
+and, where the replica can make the merged backend call, ``gate_group``; and ``upstream``: the REAL
+0.23.0.post1 recv/send threads under a forward driver, ``ready_queue`` only (upstream cannot merge).
+Per seed, one traced run per policy, FIFO first on odd seeds and last on even ones (ABBA: a drift over
+the bench does not always favour one policy), after one untimed warm-up run per policy (the first runs
+of a process are slower: imports, caches). Then ``whatif(FIFO runs, measured=[policy runs])``.
 
 gain error = |predicted - measured| mean TTFT gain in % of max(|measured gain|, noise), noise = the larger
-run-to-run stdev of the two policies' measured mean TTFT. Last line: ``max_gain_error_pct=<x> cells=<n>``.
+run-to-run stdev of the two policies' measured mean TTFT. Printed per cell next to it: the standard
+error of the measured gain (stdev of the per-seed paired gains / sqrt(seeds)) and the error that this
+sampling alone gives (``floor %`` = 100 * SE / max(|measured gain|, noise)): an error below a few floors
+is what the measurement can resolve, not a model error. ``cal`` columns: the prediction replayed again
+with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
+The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
+gives the worst error without that cost.
 
 Usage::
 
-    .venv/bin/python bench/whatif_fidelity.py                 # 3 presets x 3 seeds x 2 policies
-    .venv/bin/python bench/whatif_fidelity.py --seeds 5 --steps 60
+    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 8 seeds x 50 steps (~2 min)
+    .venv/bin/python bench/whatif_fidelity.py --seeds 8 --steps 120 --cells hol upstream
 """
 
 from __future__ import annotations
@@ -25,21 +33,36 @@ import time
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("hol", "slow-slot", "buckets")
+CELLS: dict[str, tuple[str, ...]] = {
+    "hol": ("ready_queue", "gate_group"),
+    "slow-slot": ("ready_queue",),
+    "buckets": ("ready_queue", "gate_group"),
+    "upstream": ("ready_queue",),
+}
+"""Per configuration, the policies run live (the upstream threads cannot run gate_group)."""
+WARMUP_STEPS = 10
 
 
-def record(preset: str, seeds: int, steps: int, out: Path, cpu: dict[str, list[float]]) -> tuple[Path, Path]:
-    """Traced FIFO and ready_queue runs of ``preset``, alternated per seed; process CPU ms per step
-    of each run goes to ``cpu[scheduler]`` (the recv thread's idle cost shows up here)."""
+def order(seed: int, policies: tuple[str, ...]) -> tuple[str, ...]:
+    """ABBA: FIFO first on odd seeds, last on even ones."""
+    both = ("fifo", *policies)
+    return both if seed % 2 else both[::-1]
+
+
+def record(preset: str, policies: tuple[str, ...], seeds: int, steps: int, out: Path,
+           cpu: dict[str, list[float]]) -> dict[str, Path]:
+    """Traced runs of ``preset`` per policy (and FIFO); process CPU ms per step of each run goes to
+    ``cpu[policy]``. Returns the traces folder per policy."""
     from otel_kvtrace.demo import run_demo
 
-    fifo, rq = out / preset / "fifo", out / preset / "ready_queue"
+    for scheduler in ("fifo", *policies):  # warm-up, not kept
+        run_demo(preset, seed=0, steps=WARMUP_STEPS, scheduler=scheduler, out=out / preset / "warmup")
     for seed in range(1, seeds + 1):
-        for scheduler, where in (("fifo", fifo), ("ready_queue", rq)):
+        for scheduler in order(seed, policies):
             c0 = time.process_time()
-            run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=where)
+            run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=out / preset / scheduler)
             cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
-    return fifo / "traces", rq / "traces"
+    return {p: out / preset / p / "traces" for p in ("fifo", *policies)}
 
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,7 +83,7 @@ def _harness() -> Any:
     return module
 
 
-def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float]]) -> tuple[Path, Path]:
+def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float]]) -> dict[str, Path]:
     """The REAL 0.23.0.post1 KVPoolWorker, recv and send threads (fetched like the conformance tests),
     driven like vLLM's forward (wait -> attention -> compute -> save per layer), with main's buffer-reuse
     save dependency put on each LayerLoadTask at enqueue and the save copy of layer 1 3 ms slower."""
@@ -72,20 +95,22 @@ def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float
     h = _harness()
     with h.upstream_session(h.upstream_source_dir()) as up:
         targets = up.binding.to_targets()
-        for seed in range(1, seeds + 1):
-            for scheduler in ("fifo", "ready_queue"):
+        for seed in range(0, seeds + 1):  # seed 0: warm-up, not kept
+            for scheduler in order(seed, CELLS["upstream"]):
                 install_scheduler(targets, scheduler)
-                session = start_tracing(targets, out_dir=out / "upstream" / scheduler, run_id=f"up-{scheduler}-s{seed}",
+                where = out / "upstream" / (scheduler if seed else "warmup")
+                session = start_tracing(targets, out_dir=where, run_id=f"up-{scheduler}-s{seed:03d}",
                                         resource={"kvtrace.cfg.label": UPSTREAM_LABEL, "kvtrace.source": "upstream",
                                                   "kvtrace.cfg.scheduler": scheduler})
                 c0 = time.process_time()
                 try:
-                    _drive_upstream(h, up, steps, random.Random(seed))
+                    _drive_upstream(h, up, steps if seed else WARMUP_STEPS, random.Random(seed))
                 finally:
                     session.shutdown()
                     install_scheduler(targets, "fifo")
-                cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
-    return out / "upstream" / "fifo" / "traces", out / "upstream" / "ready_queue" / "traces"
+                if seed:
+                    cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
+    return {p: out / "upstream" / p / "traces" for p in ("fifo", *CELLS["upstream"])}
 
 
 def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
@@ -125,45 +150,51 @@ def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--presets", nargs="*", default=list(PRESETS))
-    ap.add_argument("--no-upstream", action="store_true", help="Skip the real upstream recv thread cell.")
+    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     args = ap.parse_args()
     from otel_kvtrace.whatif.api import whatif
 
-    rows = []
+    rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]] = []
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-") as tmp:
-        for preset in args.presets:
+        for cell in args.cells:
             cpu: dict[str, list[float]] = {}
-            fifo, rq = record(preset, args.seeds, args.steps, Path(tmp), cpu)
+            if cell == "upstream":
+                dirs = record_upstream(args.seeds, args.steps, Path(tmp), cpu)
+            else:
+                dirs = record(cell, CELLS[cell], args.seeds, args.steps, Path(tmp), cpu)
+            fifo = dirs.pop("fifo")
             try:
-                report = whatif([fifo], measured=[rq], policies=["ready_queue"])
+                report = whatif([fifo], measured=list(dirs.values()), policies=list(dirs))
             except ValueError as exc:  # the live queue stayed FIFO (e.g. a slot waiter it cannot read)
-                print(f"# {preset}: no measured cell: the ready_queue runs ran FIFO ({exc})", flush=True)
+                print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
                 continue
             for v in report.verdicts:
-                for c in v.extra.get("measured", []):
-                    rows.append((preset, c, v.verdict, cpu))
-            print(f"# {preset}: done at {time.perf_counter() - t0:.0f} s", flush=True)
-        if not args.no_upstream:
-            cpu = {}
-            fifo, rq = record_upstream(args.seeds, args.steps, Path(tmp), cpu)
-            report = whatif([fifo], measured=[rq], policies=["ready_queue"])
-            for v in report.verdicts:
-                for c in v.extra.get("measured", []):
-                    rows.append(("upstream", c, v.verdict, cpu))
-            print(f"# upstream: done at {time.perf_counter() - t0:.0f} s", flush=True)
-    print(f"{'config':10} {'FIFO ms':>8} {'pred gain':>9} {'meas gain':>9} {'noise':>6} {'err %':>7} "
-          f"{'CPU ms/step fifo/rq':>20}  predicted verdict / measured verdict")
-    worst = 0.0
-    for preset, c, predicted_verdict, cpu in rows:
-        worst = max(worst, c["gain_error_pct"])
-        cpu_text = f"{statistics.median(cpu['fifo']):.2f}/{statistics.median(cpu['ready_queue']):.2f}"
-        print(f"{preset:10} {c['fifo_measured']['ttft_ms_mean']['mean']:8.3f} {c['predicted_gain_ms']:9.3f} "
-              f"{c['measured_gain_ms']:9.3f} {c['noise_ms']:6.3f} {c['gain_error_pct']:7.1f} {cpu_text:>20}  "
-              f"{predicted_verdict} / {c['verdict']}")
+                rows.extend((cell, {**c, "predicted_verdict": v.verdict}, cpu) for c in v.extra.get("measured", []))
+            print(f"# {cell}: done at {time.perf_counter() - t0:.0f} s", flush=True)
+    _print(rows, args.seeds, args.steps)
+
+
+def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds: int, steps: int) -> None:
+    print(f"# {seeds} seeds x {steps} steps per policy; gains and noise in ms; cal = with the policy's cost per "
+          "dequeue from the measured runs")
+    print(f"{'config':10} {'policy':11} {'FIFO':>7} {'pred':>7} {'cal':>7} {'cost us':>7} {'meas':>7} {'SE':>6} "
+          f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'CPU ms/step':>12}  verdict predicted / measured")
+    worst = worst_plain = 0.0
+    for cell, c, cpu in rows:
+        policy = c["policy"]
+        per_run = c["measured_verdict"]["gains"][policy]["ttft_gain_ms"]["per_run"]
+        se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
+        floor = 100 * se / max(abs(c["measured_gain_ms"]), c["noise_ms"]) if c["noise_ms"] or c["measured_gain_ms"] else 0
+        worst, worst_plain = max(worst, c["calibrated_gain_error_pct"]), max(worst_plain, c["gain_error_pct"])
+        cpu_text = f"{statistics.median(cpu['fifo']):.2f}/{statistics.median(cpu[policy]):.2f}"
+        print(f"{cell:10} {policy:11} {c['fifo_measured']['ttft_ms_mean']['mean']:7.3f} {c['predicted_gain_ms']:7.3f} "
+              f"{c['calibrated_gain_ms']:7.3f} {c['dispatch_cost_us']:7.1f} {c['measured_gain_ms']:7.3f} {se:6.3f} "
+              f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} "
+              f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict']}")
+    print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
 
 

@@ -21,7 +21,7 @@ import orjson
 from otel_kvtrace import config
 from otel_kvtrace.replica.config import ReplicaConfig, ReplicaConfigError, SlowInjection
 from otel_kvtrace.replica.threaded import ThreadedResult, replica_targets, run_threaded
-from otel_kvtrace.schedule import LIVE
+from otel_kvtrace.schedule import MERGED_LIVE
 
 PRESETS: dict[str, ReplicaConfig] = {
     "hol": ReplicaConfig(
@@ -317,7 +317,7 @@ def _print_hol_report(result: DemoResult, console: Any) -> None:
 @click.option("--behaviour", type=click.Choice(["main", "v0.23"]),
               help="Upstream behaviour to replicate (default: the preset's, main).")
 @click.option("--path", "path", type=click.Choice(["gva", "key"]), help="Recv path (default: the preset's, gva).")
-@click.option("--scheduler", type=click.Choice(list(LIVE)), default="fifo", show_default=True,
+@click.option("--scheduler", type=click.Choice(list(MERGED_LIVE)), default="fifo", show_default=True,
               envvar=config.OTEL_KVTRACE_SCHEDULER, help="Recv-thread policy the replica runs (env: OTEL_KVTRACE_SCHEDULER).")
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Output directory (traces go to OUT/traces). Default: $OTEL_KVTRACE_DATA_DIR, else "

@@ -174,9 +174,9 @@ class ReplicaConfig:
         """Raise ``ReplicaConfigError`` naming the first bad option; return self when fine."""
         _check(self.behaviour in BEHAVIOURS, "behaviour", f"must be one of {BEHAVIOURS}, got {self.behaviour!r}")
         _check(self.path in PATHS, "path", f"must be one of {PATHS}, got {self.path!r}")
-        from otel_kvtrace.schedule import LIVE
+        from otel_kvtrace.schedule import MERGED_LIVE
 
-        _check(self.scheduler in LIVE, "scheduler", f"must be one of {LIVE}, got {self.scheduler!r}")
+        _check(self.scheduler in MERGED_LIVE, "scheduler", f"must be one of {MERGED_LIVE}, got {self.scheduler!r}")
         _check_min_int("num_layers", self.num_layers, 1)
         if self.num_shared_buffers is not None:
             _check_min_int("num_shared_buffers", self.num_shared_buffers, 1)

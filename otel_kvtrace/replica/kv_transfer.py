@@ -173,7 +173,15 @@ def _split_by_bytes(sizes: list[int], start: int, end: int, limit: int) -> list[
 
 
 class KVCacheStoreLayerRecvingThread(KVTransferThread):
-    """GVA path recv thread (research §1.3 main, §1.4 v0.23)."""
+    """GVA path recv thread (research §1.3 main, §1.4 v0.23).
+
+    Replica-only: under the live ``gate_group`` scheduler (``otel_kvtrace.schedule``) the task that got
+    its gate copies the queued tasks of the same gate (``request_queue.claim_gate_group``) in the same
+    backend call, after each member's own save (and, on main, slot) wait; each member still comes out of
+    ``get()`` in FIFO order, where only its load event, lease and ``task_done`` are left to do."""
+
+    kvtrace_merged_copy = True
+    """This thread can copy several layers in one backend call (what ``gate_group`` needs live)."""
 
     def __init__(
         self,
@@ -215,6 +223,8 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
         self.group_builders = group_builders or [LayerBatchBuilder(token_database, page_size_bytes, num_layers)]
         self.external_slot_release_waiter = external_slot_release_waiter
         self.save_failure_checker = save_failure_checker
+        self._copied: dict[int, tuple[list[str], list[str]]] = {}
+        """``gate_group``: members already copied in their head's call -> (keys, last_reqs) to finish."""
 
     def _handle_request(self, data: LayerLoadTask) -> None:
         if self.behaviour == "main":
@@ -225,6 +235,8 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
     # -- main ----------------------------------------------------------------------------------------
     # kept apart from _handle_v023 on purpose: each mirrors one upstream version's recv path line by line
     def _handle_main(self, data: LayerLoadTask) -> None:
+        if self._finish_copied(data):
+            return
         src = data.wait_for_save_layer
         transfer_tasks = data.transfer_tasks
         layer_id = data.layer_id
@@ -241,13 +253,17 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
         if gate is not None:
             while not gate.wait(timeout=self.wait_timeout_s):
                 pass
+        members = self._claim_members(data, metas, npu_sync=True)
         gvas, addrs, sizes, keys, last_reqs = _aggregate(metas)
         self._stagger_h2d_submit(layer_id)
         if self.external_slot_release_waiter is not None:
             self.external_slot_release_waiter(layer_id)
+            for member in members:
+                self.external_slot_release_waiter(member.layer_id)
         res = self._batch_copy_with_limits(gvas, addrs, sizes, G2L, self.max_transfer_blocks, self.max_transfer_bytes)
         if res != 0:
             raise RuntimeError(f"batch_copy failed for layer {layer_id}: result {res}")
+        self._mark_copied(members)
         self._finish_layer(layer_id, keys, last_reqs)
         # main leaves transfer_tasks alone: the list is the worker's
         self.request_queue.task_done()
@@ -263,6 +279,8 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
 
     # -- v0.23 ---------------------------------------------------------------------------------------
     def _handle_v023(self, data: LayerLoadTask) -> None:
+        if self._finish_copied(data):
+            return
         src = data.wait_for_save_layer
         transfer_tasks = data.transfer_tasks
         layer_id = data.layer_id
@@ -283,15 +301,54 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
         if gate is not None:
             while not gate.wait(timeout=self.wait_timeout_s):
                 pass
+        members = self._claim_members(data, metas, npu_sync=False)
         gvas, addrs, sizes, keys, last_reqs = _aggregate(metas)
         self._stagger_h2d_submit(layer_id)
         res = self._batch_copy_with_limits(gvas, addrs, sizes, G2L, self.max_transfer_blocks, self.max_transfer_bytes)
         if res != 0:
             logger.error("batch_copy failed for layer %d: result %d", layer_id, res)
+        self._mark_copied(members)
         self._finish_layer(layer_id, keys, last_reqs)
         transfer_tasks.clear()
         self.request_queue.task_done()
         self.get_event.set()
+
+    # -- gate_group (replica-only: the merged backend call) ---------------------------------------------
+    def _claim_members(self, data: LayerLoadTask, metas: list[LayerBatchReqMeta], *,
+                       npu_sync: bool) -> list[tuple[LayerLoadTask, list[LayerBatchReqMeta]]]:
+        """The queued tasks of ``data``'s gate that join its copy, each after its own save wait; their
+        metas are appended to ``metas`` (one backend call). [] unless the queue runs ``gate_group``."""
+        claim = getattr(self.request_queue, "claim_gate_group", None)
+        if claim is None:
+            return []
+        members = []
+        for member in claim(data):
+            own = self._build(member.transfer_tasks) if member.transfer_tasks else []
+            if not own:  # nothing to copy: it and those behind it take their own FIFO pass
+                break
+            if member.wait_for_save_layer is not None:
+                self._wait_for_save(member.wait_for_save_layer, npu_sync=npu_sync)
+            metas.extend(own)
+            members.append((member, own))
+        return members
+
+    def _mark_copied(self, members: list[tuple[LayerLoadTask, list[LayerBatchReqMeta]]]) -> None:
+        for member, own in members:
+            _, _, _, keys, last_reqs = _aggregate(own)
+            self._copied[id(member)] = (keys, last_reqs)
+
+    def _finish_copied(self, data: LayerLoadTask) -> bool:
+        """A member copied in its head's call: set its load event (lease on the final layer cannot
+        happen: the final layer never joins), ``task_done``. False for any other task."""
+        done = self._copied.pop(id(data), None) if self._copied else None
+        if done is None:
+            return False
+        self._finish_layer(data.layer_id, *done)
+        if self.behaviour != "main":
+            data.transfer_tasks.clear()  # v0.23 clears the list after its copy
+        self.request_queue.task_done()
+        self.get_event.set()
+        return True
 
     # -- shared steps --------------------------------------------------------------------------------
     def _wait_for_save(self, src: int, *, npu_sync: bool) -> None:

@@ -27,8 +27,12 @@ logger = logging.getLogger("otel_kvtrace")
 SCHEDULERS = ("fifo", "ready_queue", "gate_group")
 """Names the switch knows (the what-if policies)."""
 LIVE = ("fifo", "ready_queue")
-"""Names that run live. ``gate_group`` merges several layers into one backend call, which upstream's
-one-layer ``_handle_request`` cannot express without rewriting it: it is predicted by the what-if only."""
+"""Names that run live on vLLM-Ascend's recv threads. ``gate_group`` merges several layers into one
+backend call, which upstream's one-layer ``_handle_request`` cannot express without rewriting it: there
+it is predicted by the what-if only."""
+MERGED_LIVE = (*LIVE, "gate_group")
+"""Names that run live on a recv thread that can make the merged backend call (the threaded replica's
+GVA thread, whose class says ``kvtrace_merged_copy = True``)."""
 
 _lock = threading.Lock()
 _active = "fifo"
@@ -40,25 +44,33 @@ _seen = 0
 _listeners: list[Callable[[], None]] = []
 
 
-def check_scheduler(name: str) -> str:
-    """The live policy called ``name``; ValueError (one clear sentence) for anything else."""
+def check_scheduler(name: str, *, merged_copy: bool = False) -> str:
+    """The live policy called ``name``; ValueError (one clear sentence) for anything else.
+    ``merged_copy``: the recv thread can copy several layers in one backend call (``gate_group``)."""
     key = (name or "").strip().lower()
-    if key in LIVE:
+    live = MERGED_LIVE if merged_copy else LIVE
+    if key in live:
         return key
+    if key == "gate_group":
+        raise ValueError("scheduler 'gate_group' cannot run on vLLM-Ascend's recv threads: it copies the layers "
+                         "of one gate in one backend call, which upstream's one-layer _handle_request cannot "
+                         "express; it runs live on the threaded replica only (`kvtrace demo --scheduler "
+                         f"gate_group`) and is predicted by `kvtrace whatif`; choose from {', '.join(live)}")
     if key in SCHEDULERS:
         raise ValueError(f"scheduler {key!r} is predicted by `kvtrace whatif` only, it cannot run live; "
-                         f"choose from {', '.join(LIVE)}")
-    raise ValueError(f"scheduler: unknown {name!r}; choose from {', '.join(LIVE)}")
+                         f"choose from {', '.join(live)}")
+    raise ValueError(f"scheduler: unknown {name!r}; choose from {', '.join(live)}")
 
 
-def from_env(environ: Mapping[str, str] | None = None) -> str:
-    """``OTEL_KVTRACE_SCHEDULER`` (unset = ``fifo``); a bad value logs one warning and gives ``fifo``."""
+def from_env(environ: Mapping[str, str] | None = None, *, merged_copy: bool = False) -> str:
+    """``OTEL_KVTRACE_SCHEDULER`` (unset = ``fifo``); a bad value logs one warning and gives ``fifo``.
+    ``merged_copy``: for the threaded replica, which can run ``gate_group``."""
     env = os.environ if environ is None else environ
     raw = env.get(config.OTEL_KVTRACE_SCHEDULER, "").strip()
     if not raw:
         return "fifo"
     try:
-        return check_scheduler(raw)
+        return check_scheduler(raw, merged_copy=merged_copy)
     except ValueError as exc:
         logger.warning("otel-kvtrace: %s=%s ignored, recv thread stays fifo: %s", config.OTEL_KVTRACE_SCHEDULER,
                        raw, exc)
@@ -103,7 +115,7 @@ def _changed() -> None:
 def attach(thread: Any, name: str) -> SchedulingQueue | None:
     """Give one not-yet-started recv thread the scheduler ``name``; None when it stays FIFO (logged)."""
     global _seen
-    q = _attach(thread, check_scheduler(name))
+    q = _attach(thread, check_scheduler(name, merged_copy=getattr(thread, "kvtrace_merged_copy", False) is True))
     if hasattr(thread, "is_alive"):
         _threads[thread] = (_seen, q)
         _seen += 1

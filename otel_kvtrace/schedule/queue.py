@@ -140,6 +140,7 @@ class SchedulingQueue(queue.Queue):
         self._step = 0
         self._last_layer = 1 << 30
         self._signals = 0  # puts and save signals so far (a signal during an unlocked probe is not lost)
+        self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
@@ -206,6 +207,27 @@ class SchedulingQueue(queue.Queue):
                     wait_s = left if wait_s is None else min(wait_s, left)
                 self.not_empty.wait(wait_s)
 
+    def claim_gate_group(self, head: Any) -> list[Any]:
+        """``gate_group``: the queued tasks that join ``head``'s backend call (:func:`rules.gate_batch`), in
+        FIFO order; [] under any other policy. Called by the recv thread that got ``head``, after its gate
+        opened. The members stay queued, so ``get()`` still hands each one out (FIFO) for its own
+        ``task_done`` and load event; the thread only leaves out the copy it already made."""
+        layer = getattr(head, "layer_id", None)
+        if self.policy != "gate_group" or layer is None or layer == self.final_layer_id:
+            return []
+        gate = getattr(head, "attention_start_gate", None)
+        if gate is None:
+            return []
+        with self.mutex:
+            handed, step = self._handed
+            if handed is not head:
+                return []
+            entries = self.queue
+            queued = ((e.step, getattr(e.item, "attention_start_gate", None), e.final or e.barrier, e.src)
+                      for e in entries)
+            k = rules.gate_batch(step, gate, layer, queued)
+            return [e.item for e in entries[:k]]
+
     def try_get(self) -> Any:
         """What a blocking ``get()`` would hand out right now, without waiting; ``queue.Empty`` when it
         would wait (no task may go yet). Deterministic: the rule tests' entry point."""
@@ -220,6 +242,7 @@ class SchedulingQueue(queue.Queue):
 
     def _pop(self, index: int) -> Any:
         entry = self.queue.pop(index)
+        self._handed = (entry.item, entry.step)
         self.not_full.notify()
         return entry.item
 
@@ -229,6 +252,8 @@ class SchedulingQueue(queue.Queue):
         signals seen)``."""
         seen = self._signals
         if self.policy != "ready_queue" or self.queue[0].barrier or not self._waiter_readable():
+            return 0, None, seen
+        if self._head_goes():
             return 0, None, seen
         snapshot = list(self.queue)
         self.mutex.release()
@@ -242,6 +267,15 @@ class SchedulingQueue(queue.Queue):
         if pick > 0:
             self.bypassed += 1
         return pick, wait_s, seen
+
+    def _head_goes(self) -> bool:
+        """The fast path, under the lock: a head whose waits are met (or cannot be checked) goes out
+        without the snapshot and the unlocked scan. One probe of non-blocking checks; the lock is
+        held for it so the common case (FIFO order is already right) costs no lock hand-off."""
+        try:
+            return probe(self.thread, self.queue[0].item, time.perf_counter_ns())[0] in (READY, UNKNOWN)
+        except Exception:
+            return False  # the full decision reports it (and falls back to fifo)
 
     def _waiter_readable(self) -> bool:
         """A waiter wired after :func:`attach` (see :func:`unreadable_waiter`): FIFO from then on, said once."""

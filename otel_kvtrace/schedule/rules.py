@@ -13,8 +13,10 @@ values, so a prediction and an execution apply the same rules:
 - ``final_last``: the step's final-layer task (lease release) starts only when it is the last unserved
   task of its step.
 - ``barrier``: an item that is not a load task (the ``None`` sentinel) is never passed and never passes.
-- ``gate_group``: a batch is the head and the contiguous tasks of its step and gate (not the final
-  layer); a member whose dependency sits behind a load not done yet (``buffer_chain``) is left out.
+- ``gate_group``: a batch is the head and the contiguous tasks queued right behind it of its step and
+  gate (not the final layer), up to the first whose dependency sits behind a load not done yet
+  (``buffer_chain``): :func:`gate_batch`. The replay serves the batch as one call; the threaded replica
+  copies it in one backend call (``otel_kvtrace.replica.kv_transfer``). Members stay in FIFO order.
 
 Where the replay and the live queue still ask with different quantities (each stated, none silent):
 
@@ -38,7 +40,7 @@ Where the replay and the live queue still ask with different quantities (each st
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 
 DEPENDENCY = "dependency"
 BUFFER_CHAIN = "buffer_chain"
@@ -90,3 +92,18 @@ def bypass_blocker(*, ready: bool, is_final: bool, unserved_in_step: int, need: 
 def ends_gate_group(head_step: int, head_gate: object, step: int, gate: object, is_final: bool) -> bool:
     """A gate batch is contiguous: the first task of another step or gate (or the final layer) ends it."""
     return step != head_step or gate != head_gate or is_final
+
+
+def gate_batch(head_step: int, head_gate: object, first_unfinished: int,
+               queued: Iterable[tuple[int, object, bool, int]]) -> int:
+    """``gate_group``: how many of ``queued`` join the head's batch. ``queued`` = ``(step, gate, is_final,
+    need)`` of the tasks right behind the head, in queue order (``need`` as in :func:`chain_blocks`,
+    ``first_unfinished`` the head's position: nothing before it is unfinished). The batch is contiguous:
+    it ends at the first task of another step or gate, the final layer, or a task whose save/gate
+    dependency sits behind a load of the batch (it would wait for the batch it is in)."""
+    n = 0
+    for step, gate, is_final, need in queued:
+        if ends_gate_group(head_step, head_gate, step, gate, is_final) or chain_blocks(need, first_unfinished):
+            break
+        n += 1
+    return n

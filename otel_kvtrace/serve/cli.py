@@ -24,7 +24,7 @@ from otel_kvtrace import config
 @click.option("--data-dir", type=click.Path(file_okay=False, path_type=Path),
               help=f"Traces and request log (default ${config.OTEL_KVTRACE_DATA_DIR} or ./kvtrace-data).")
 @click.option("--run-id", help=f"Trace run id (default ${config.OTEL_KVTRACE_RUN_ID} or serve-<time>-<pid>).")
-@click.option("--scheduler", help=f"Live recv policy (fifo, ready_queue; default ${config.OTEL_KVTRACE_SCHEDULER} "
+@click.option("--scheduler", help=f"Live recv policy (fifo, ready_queue, gate_group; default ${config.OTEL_KVTRACE_SCHEDULER} "
                                    "or fifo), recorded as kvtrace.cfg.scheduler.")
 @click.option("--no-trace", is_flag=True, help="Serve without tracing.")
 @click.option("--no-resources", is_flag=True, help="No per-step resource series (DATA_DIR/metrics, OTel gauges).")
@@ -59,10 +59,10 @@ def serve_replica_command(host: str, port: int, model: str, preset: str, kv_conf
         raise click.BadParameter(f"must be one of {sorted(PRESETS)}", param_hint="--preset")
     base = PRESETS[preset]
     try:
-        changes: dict[str, object] = {"seed": seed, "scheduler": from_env()}
+        changes: dict[str, object] = {"seed": seed, "scheduler": from_env(merged_copy=True)}
         if scheduler is not None:
             try:
-                changes["scheduler"] = check_scheduler(scheduler)
+                changes["scheduler"] = check_scheduler(scheduler, merged_copy=True)  # the replica can merge
             except ValueError as exc:
                 raise click.BadParameter(str(exc), param_hint="--scheduler") from exc
         if num_layers is not None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.whatif.engine import FEEDBACKS
-from otel_kvtrace.whatif.measured import compare, measured_summary
+from otel_kvtrace.whatif.measured import compare, dispatch_cost_ns, measured_summary
 from otel_kvtrace.whatif.saves import saves_from_duckdb
 from otel_kvtrace.whatif.render import (
     VerdictReport,
@@ -149,9 +149,14 @@ def whatif(
         v.extra["hol_example"] = examples[0] if examples else ""
         if label in by_policy:
             fifo_meas = [measured_summary(ts, run_id=run_id, cfg_label=label) for run_id, ts in runs.items()]
-            v.extra["measured"] = [
-                compare(summaries, fifo_meas, name, runs_p, cfg_label=label).to_dict()
-                for name, runs_p in sorted(by_policy[label].items())]
+            v.extra["measured"] = []
+            for name, runs_p in sorted(by_policy[label].items()):
+                cost = dispatch_cost_ns(fifo_meas, runs_p)
+                calibrated = [replay_run(ts, policies=[name], feedback=feedback, run_id=run_id, cfg_label=label,
+                                         saves=saves, dispatch_ns={name: cost}).summary()
+                              for run_id, ts in runs.items()] if cost else None
+                v.extra["measured"].append(compare(summaries, fifo_meas, name, runs_p, cfg_label=label,
+                                                   calibrated=calibrated, dispatch_ns=cost).to_dict())
         verdicts.append(v)
     missing = sorted(set(by_policy) - {v.cfg_label for v in verdicts})
     if missing:

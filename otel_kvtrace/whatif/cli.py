@@ -124,7 +124,13 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
                 table.add_row(title, f"{c['fifo_measured'][key]['mean']:.3f}", f"{c['predicted'][key]['mean']:.3f}",
                               f"{c['measured'][key]['mean']:.3f}")
             table.add_row("TTFT gain ms", "", f"{c['predicted_gain_ms']:.3f}", f"{c['measured_gain_ms']:.3f}")
+            cost = c.get("dispatch_cost_us") or 0.0
+            if cost:
+                table.add_row("gain ms, calibrated", "", f"{c['calibrated_gain_ms']:.3f}", "")
             console.print(table)
+            if cost:
+                console.print(f"calibrated: replayed with +{cost:.1f} us per dequeue, the policy's own cost taken "
+                              "from the measured runs", soft_wrap=True)
             console.print(f"noise {c['noise_ms']:.3f} ms; gain error {c['gain_error_pct']:.1f}% "
                           f"({len(c['fifo_runs'])} FIFO / {len(c['policy_runs'])} {escape(c['policy'])} runs); "
                           f"measured verdict: [bold]{escape(c['verdict'])}[/bold]: {escape(c['reason'])}",

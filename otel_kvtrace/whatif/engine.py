@@ -38,7 +38,11 @@ class QueueState:
         "busy_end",
         "busy_start",
         "complete",
+        "arr",
         "delay_only",
+        "dispatch",
+        "shift",
+        "shift_steps",
         "eff_rg",
         "eff_rs",
         "fwd_arrive",
@@ -54,6 +58,7 @@ class QueueState:
         "prog",
         "q",
         "ready",
+        "reference_end",
         "send_done",
         "served",
         "start",
@@ -61,10 +66,21 @@ class QueueState:
         "waiting",
     )
 
-    def __init__(self, q: QueueArrays, index: bool, feedback: str = "full") -> None:
+    def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0,
+                 reference_end: list[int] | None = None, shift_steps: bool = True) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
+        self.dispatch = dispatch_ns
+        self.arr = list(q.arr)
+        """Replayed arrivals: a step's tasks are enqueued by the forward, so they move with its shift."""
+        self.shift = [0] * len(q.chain)
+        """Per step: replayed minus reference end of the previous step's forward (0 for the first)."""
+        self.reference_end = reference_end if reference_end is not None else [
+            e[-1] if e else NONE for e in q.rec_end]
+        """Per step, the forward end the next step's recorded arrivals go with (the FIFO replay's in
+        ``replay_run``, so FIFO's own small replay error does not compound from step to step)."""
+        self.shift_steps = shift_steps
         n = q.n
         self.q = q
         self.n = n
@@ -125,7 +141,7 @@ class QueueState:
         """max(arrival, effective dependency times) of task ``i`` (uses what has completed so far)."""
         q = self.q
         self._effective(i)
-        t = q.arr[i]
+        t = self.arr[i]
         for r in (self.eff_rs[i], self.eff_rg[i], q.rl[i]):
             t = max(t, r)
         return t
@@ -159,7 +175,7 @@ class QueueState:
         prev = done[-1] if done else NONE
         while len(done) <= j:
             pos, issue, service, _ = sends[len(done)]
-            at = self.fwd_end[s][pos] + issue if pos >= 0 else issue
+            at = self.fwd_end[s][pos] + issue if pos >= 0 else issue + self.shift[s]
             prev = (at if prev == NONE else max(at, prev)) + service
             done.append(prev)
         rec_done = sends[j][3]
@@ -169,9 +185,9 @@ class QueueState:
         return max(fwd_end, t)
 
     def admit(self, now: int) -> None:
-        arr = self.q.arr
+        arr = self.arr
         n = self.n
-        while self.n_arrived < n and arr[self.n_arrived] <= now:
+        while self.n_arrived < n and arr[self.n_arrived] <= now and self.step_known(self.n_arrived):
             i = self.n_arrived
             self.n_arrived = i + 1
             if self.index:
@@ -179,7 +195,7 @@ class QueueState:
 
     def _enlist(self, i: int) -> None:
         # a task that has not started can always run its first work segment (before any wait)
-        heapq.heappush(self.waiting, (self.q.arr[i], i))
+        heapq.heappush(self.waiting, (self.arr[i], i))
 
     def serve(self, batch: list[int], now: int) -> int:
         """Run ``batch`` from ``now``; return the time the thread is free again."""
@@ -189,7 +205,7 @@ class QueueState:
             if self.served[i]:
                 raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
             self._effective(i)
-            t = now + q.w0[i]
+            t = now + self.dispatch + q.w0[i]
             r = self.eff_rs[i]
             if t < r:
                 t = r + q.ws[i]
@@ -227,7 +243,7 @@ class QueueState:
             W[3] += q.w3[i]
             done_total += q.done[i]
             RS = max(RS, self.eff_rs[i])
-            RG = max(RG, self.eff_rg[i], q.arr[i])
+            RG = max(RG, self.eff_rg[i], self.arr[i])
             RL = max(RL, q.rl[i])
             LS, LG, LL = max(LS, q.ws[i]), max(LG, q.wg[i]), max(LL, q.wl[i])
         saving = (len(batch) - 1) * q.call_overhead_ns + done_total
@@ -235,7 +251,7 @@ class QueueState:
             take = min(saving, W[seg])
             W[seg] -= take
             saving -= take
-        t = now + W[0]
+        t = now + self.dispatch + W[0]
         t = (RS + LS if t < RS else t) + W[1]
         t = (RG + LG if t < RG else t) + W[2]
         t = RL + LL if t < RL else t
@@ -264,7 +280,7 @@ class QueueState:
         t = now
         if ph == 0:
             self.start[i] = now
-            t += q.w0[i]
+            t += self.dispatch + q.w0[i]
             ph = 1
         det = self.determinable(i)
         if det:
@@ -302,12 +318,34 @@ class QueueState:
             self.busy_end.append(t)
         return t
 
+    def step_known(self, i: int) -> bool:
+        """Task ``i``'s arrival is final: the first step's, or the previous step's forward has ended."""
+        s = self.q.step[i]
+        return s == 0 or self.prog[s - 1] == len(self.q.chain[s - 1])
+
+    def _next_step_arrivals(self, s: int) -> None:
+        """Step ``s``'s forward passed its last load wait: a later end starts the next step that much later
+        (its tasks are enqueued by the forward, after this step: closed loop). Never earlier: the next
+        step's external slot releases are recorded in absolute time, so an earlier start is not credited."""
+        q = self.q
+        if not self.shift_steps or s + 1 >= len(q.chain) or not q.chain[s]:
+            return
+        rec = self.reference_end[s]
+        d = self.fwd_end[s][-1] - rec if rec != NONE and self.fwd_end[s][-1] != NONE else 0
+        if d < 0:  # later only: an earlier next step would meet external slot releases recorded in absolute time
+            d = 0
+        self.shift[s + 1] = d
+        if d:
+            arr, base = self.arr, q.arr
+            for i in q.chain[s + 1]:
+                arr[i] = base[i] + d
+
     def _progress_time(self, i: int) -> int:
         """When task ``i`` can run again: now for a task not started, else its pending wait's time."""
         ph = self.phase[i]
         q = self.q
         if ph == 0:
-            return q.arr[i]
+            return self.arr[i]
         self._effective(i)
         if ph == 1:
             return self.eff_rs[i] + q.ws[i]
@@ -337,12 +375,14 @@ class QueueState:
         complete = self.complete
         while p < len(chain) and complete[chain[p]] != NONE:
             g = gaps[p - 1] if p > 0 else None
-            arrive = ends[p - 1] + g if g is not None else rec_arrive[p]
+            arrive = ends[p - 1] + g if g is not None else rec_arrive[p] + (self.shift[s] if rec_arrive[p] != NONE else 0)
             c = complete[chain[p]] + lags[p]
             arrives[p] = arrive
             ends[p] = max(arrive, c)
             p += 1
         self.prog[s] = p
+        if p == len(chain):
+            self._next_step_arrivals(s)
         if self.index and self.blocked[s]:
             still = []
             for j in self.blocked[s]:
@@ -381,15 +421,28 @@ class QueueReplay:
     batches: int
     busy: list[tuple[int, int]]
     """Intervals the recv thread was occupied (running work or blocked in a wait), in order."""
+    arrivals: list[int] | None = None
+    """Replayed arrivals (moved with the forward's shift per step); None = as recorded (``arrays.arr``)."""
+
+    @property
+    def arr(self) -> list[int]:
+        """Arrival per task, as replayed."""
+        return self.arrivals if self.arrivals is not None else self.arrays.arr
 
 
-def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> QueueReplay:
+def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
+                 reference_end: list[int] | None = None, shift_steps: bool = True) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
     ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
     replayed forward (assumes a host-bound device); ``delay_only`` only moves them later (conservative).
+    ``dispatch_ns``: the policy's own recv-thread cost per dequeue (its ``get()`` decision) on top of
+    FIFO's, paid at the start of every task (batch); 0 = the recorded FIFO dispatch only.
+    Step arrivals: a step's tasks are enqueued by the forward after the previous step, so they move later
+    by how much the previous step's forward ended after ``reference_end`` (per step; default the recorded
+    ends; never earlier; ``shift_steps=False``: as recorded).
     """
-    state = QueueState(q, policy.uses_ready_index, feedback)
+    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps)
     n = q.n
     arr = q.arr
     select = policy.select
@@ -403,7 +456,8 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> Q
         if isinstance(choice, tuple):
             now = state.advance(choice[0], now)
             continue
-        nxt = arr[state.n_arrived] if state.n_arrived < n else INF
+        k = state.n_arrived
+        nxt = state.arr[k] if k < n and state.step_known(k) else INF
         wake = min(nxt, choice)
         if wake >= INF or wake <= now:
             raise ReplayStalled(
@@ -411,4 +465,4 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full") -> Q
         now = wake
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
                        state.fwd_arrive, state.fwd_end, state.batches,
-                       list(zip(state.busy_start, state.busy_end, strict=True)))
+                       list(zip(state.busy_start, state.busy_end, strict=True)), state.arr)

@@ -22,6 +22,30 @@ from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
 from otel_kvtrace.whatif.verdict import METRICS, ConfigVerdict, decide, spread
 
 MEASURED = "measured"
+DISPATCH = "dispatch_ns"
+"""Key of the measured figures: median recv-thread dispatch gap of the run's busy, in-order dequeues."""
+
+
+def busy_dispatch_ns(tasks: list[ReplayTask]) -> int:
+    """Median gap from the previous completion to the next dequeue, over dequeues that found the recv
+    thread busy (the task was queued before the previous one completed) and went in seq order: the
+    thread's own loop and ``get()`` cost, without wake-ups from idle or bypass decisions. 0 if none."""
+    gaps: list[int] = []
+    for qtasks in group_by_queue(tasks).values():
+        done = sorted((t for t in qtasks if t.recorded_start_ns is not None and t.recorded_complete_ns is not None),
+                      key=lambda t: t.recorded_start_ns)  # type: ignore[arg-type, return-value]
+        for prev, t in zip(done, done[1:]):
+            if t.seq > prev.seq and t.arrival_ns < prev.recorded_complete_ns <= t.recorded_start_ns:  # type: ignore[operator]
+                gaps.append(t.recorded_start_ns - prev.recorded_complete_ns)  # type: ignore[operator]
+    return int(statistics.median(gaps)) if gaps else 0
+
+
+def dispatch_cost_ns(fifo_measured: list[RunSummary], policy_measured: list[RunSummary]) -> int:
+    """The policy's own cost per dequeue, from the measured runs (labelled so wherever it is used):
+    median busy dispatch gap of the policy runs minus that of the FIFO runs, never below 0."""
+    def med(runs: list[RunSummary]) -> float:
+        return statistics.median(float(r.figures[MEASURED].get(DISPATCH, 0)) for r in runs)
+    return max(0, int(med(policy_measured) - med(fifo_measured)))
 
 
 def recorded_replay(q: QueueArrays) -> QueueReplay:
@@ -44,7 +68,8 @@ def measured_summary(tasks: list[ReplayTask], *, run_id: str, cfg_label: str) ->
         replays[queue] = {MEASURED: rep}
         figs.append(queue_figures(rep))
     run = RunReplay(run_id, cfg_label, replays, {MEASURED: summarise(MEASURED, figs)}, validation_from([], []))
-    return RunSummary(run_id=run_id, cfg_label=cfg_label, figures={MEASURED: run.figures[MEASURED].to_dict()},
+    figures = {**run.figures[MEASURED].to_dict(), DISPATCH: busy_dispatch_ns(tasks)}
+    return RunSummary(run_id=run_id, cfg_label=cfg_label, figures={MEASURED: figures},
                       fifo_errors_ns=[], service_ns=[], hol_events=0, hol_ms=0.0,
                       layers={MEASURED: run.layer_profile(MEASURED)})
 
@@ -65,6 +90,11 @@ class Comparison:
     noise_ms: float
     gain_error_pct: float
     """|predicted - measured| mean TTFT gain in % of the measured gain (of the noise when the gain is below it)."""
+    dispatch_cost_us: float
+    """The policy's own cost per dequeue, taken FROM THE MEASURED RUNS (:func:`dispatch_cost_ns`)."""
+    calibrated_gain_ms: float
+    """The prediction replayed again with ``dispatch_cost_us`` per dequeue (labelled: uses the measured runs)."""
+    calibrated_gain_error_pct: float
     layers: dict[str, dict[str, list[float]]]
     verdict: str
     reason: str
@@ -83,8 +113,11 @@ def gain_error_pct(predicted_ms: float, measured_ms: float, noise_ms: float) -> 
 
 
 def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], policy: str,
-            policy_measured: list[RunSummary], *, cfg_label: str) -> Comparison:
-    """Predicted vs measured for ``policy`` on one configuration; the measured verdict by the same rules."""
+            policy_measured: list[RunSummary], *, cfg_label: str,
+            calibrated: list[RunSummary] | None = None, dispatch_ns: int = 0) -> Comparison:
+    """Predicted vs measured for ``policy`` on one configuration; the measured verdict by the same rules.
+    ``calibrated``: the FIFO runs replayed again with the policy's measured cost per dequeue
+    (``dispatch_ns``, :func:`dispatch_cost_ns`)."""
     if policy not in fifo_replayed[0].figures:
         raise ValueError(f"policy {policy!r} was not replayed for {cfg_label!r}")
     predicted = {m: spread([float(r.figures[policy][m]) for r in fifo_replayed]) for m in METRICS}
@@ -94,6 +127,8 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
                                  for r in fifo_replayed)
     meas_gain = fifo_meas["ttft_ms_mean"]["mean"] - measured["ttft_ms_mean"]["mean"]
     noise = max(fifo_meas["ttft_ms_mean"]["stdev"], measured["ttft_ms_mean"]["stdev"])
+    cal_gain = statistics.fmean(r.figures["fifo"]["ttft_ms_mean"] - r.figures[policy]["ttft_ms_mean"]
+                                for r in calibrated) if calibrated else pred_gain
     verdict = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label)
     layers = {
         "predicted": _mean_profile([r.layers.get(policy, {}) for r in fifo_replayed]),
@@ -101,7 +136,8 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
     }
     return Comparison(cfg_label, policy, [r.run_id for r in fifo_replayed], [r.run_id for r in policy_measured],
                       predicted, measured, fifo_meas, pred_gain, meas_gain, noise,
-                      gain_error_pct(pred_gain, meas_gain, noise), layers, verdict.verdict, verdict.reason,
+                      gain_error_pct(pred_gain, meas_gain, noise), dispatch_ns / 1e3, cal_gain,
+                      gain_error_pct(cal_gain, meas_gain, noise), layers, verdict.verdict, verdict.reason,
                       {"gains": verdict.gains, "noise_ms": verdict.noise_ms})
 
 

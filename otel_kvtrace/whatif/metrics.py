@@ -43,7 +43,7 @@ def step_figures(rep: QueueReplay) -> list[StepFigures]:
         arrives = rep.fwd_arrive[s]
         ends = rep.fwd_end[s]
         waits = [ends[p] - arrives[p] for p in range(len(chain)) if arrives[p] != NONE]
-        first = min(q.arr[i] for i in chain)
+        first = min(rep.arr[i] for i in chain)
         last = ends[-1] if ends and ends[-1] != NONE else max(rep.complete[i] for i in chain)
         out.append(StepFigures(q.step_values[s], sum(waits), last - first, waits))
     return out
@@ -126,7 +126,7 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
     q = rep.arrays
     n = q.n
     out: list[HolEvent] = []
-    ready = [max(q.arr[j], rep.eff_rs[j], rep.eff_rg[j], q.rl[j]) for j in range(n)]
+    ready = [max(rep.arr[j], rep.eff_rs[j], rep.eff_rg[j], q.rl[j]) for j in range(n)]
     order = sorted(range(n), key=lambda i: rep.start[i])
     for h in order:
         t = rep.start[h] + q.w0[h]
@@ -147,9 +147,9 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
             e_min = None
             j_min = -1
             j = h + 1
-            while j < n and q.arr[j] < b:
+            while j < n and rep.arr[j] < b:
                 if q.step[j] == step_h and not q.final[j] and rep.start[j] >= a:
-                    e = max(q.arr[j], ready[j])
+                    e = max(rep.arr[j], ready[j])
                     if e < b and (e_min is None or e < e_min):
                         e_min, j_min = e, j
                 j += 1
@@ -182,14 +182,14 @@ class QueueFigures:
 def queue_figures(rep: QueueReplay, *, with_hol: bool = False) -> QueueFigures:
     """Summarise one queue replay."""
     q = rep.arrays
-    lat = [rep.complete[i] - q.arr[i] for i in range(q.n)]
-    makespan = max(rep.complete) - q.arr[0]
+    lat = [rep.complete[i] - rep.arr[i] for i in range(q.n)]
+    makespan = max(rep.complete) - rep.arr[0]
     return QueueFigures(
         policy=rep.policy,
         tasks=q.n,
         steps=step_figures(rep),
         task_latency_p99_ns=quantile(lat, 0.99),
-        peak_inflight=peak_inflight(q.arr, rep.complete),
+        peak_inflight=peak_inflight(rep.arr, rep.complete),
         makespan_ns=makespan,
         throughput_tasks_per_s=q.n * 1e9 / makespan if makespan > 0 else 0.0,
         batches=rep.batches,
@@ -223,7 +223,7 @@ def check_constraints(rep: QueueReplay) -> list[str]:
         last = max(last, end)
     for i in range(n):
         seq = q.tasks[i].seq
-        if rep.start[i] < q.arr[i]:
+        if rep.start[i] < rep.arr[i]:
             bad.append(f"seq {seq}: starts before it arrived")
         p = rep.passed[i]
         if p < rep.start[i] or p > rep.complete[i]:

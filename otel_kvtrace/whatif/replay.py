@@ -99,7 +99,7 @@ class RunReplay:
             rep = per[policy]
             q = rep.arrays
             for s, chain in enumerate(q.chain):
-                first = min(q.arr[i] for i in chain)
+                first = min(rep.arr[i] for i in chain)
                 for p, i in enumerate(chain):
                     layer = q.layer[i]
                     done.setdefault(layer, []).append(rep.complete[i] - first)
@@ -162,12 +162,14 @@ def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
 
 
 def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
-               run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None) -> RunReplay:
+               run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None,
+               dispatch_ns: Mapping[str, int] | None = None) -> RunReplay:
     """Replay every queue of one run under each policy (``fifo`` always included, first).
 
     ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
     save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
-    forward alone.
+    forward alone. ``dispatch_ns``: per policy, its own cost per dequeue on top of FIFO's
+    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
@@ -182,13 +184,19 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     for queue, qtasks in group_by_queue(tasks).items():
         arrays = QueueArrays.from_tasks(qtasks, (saves or {}).get(process_key(queue)))
         replays[queue] = {}
+        reference: list[int] | None = None
         for name, policy in instances.items():
             try:
-                rep = replay_queue(arrays, policy, feedback=feedback)
+                extra = (dispatch_ns or {}).get(name, 0) if name != "fifo" else 0
+                # FIFO is the reference: as recorded; a policy's steps move by its forward's shift from it
+                rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra, reference_end=reference,
+                                   shift_steps=name != "fifo")
             except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
                 raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
                                     f"policy {name!r}: {exc}") from exc
             replays[queue][name] = rep
+            if name == "fifo":
+                reference = [e[-1] if e else NONE for e in rep.fwd_end]
             f = queue_figures(rep, with_hol=name == "fifo")
             hol.extend(f.hol)
             figs[name].append(f)

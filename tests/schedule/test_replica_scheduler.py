@@ -83,10 +83,11 @@ def test_shutdown_while_the_head_waits_ends_the_thread() -> None:
 
 def test_replica_rejects_a_scheduler_that_cannot_run_live() -> None:
     with pytest.raises(ReplicaConfigError, match="scheduler"):
-        dataclasses.replace(HOL, scheduler="gate_group").validate()
+        dataclasses.replace(HOL, scheduler="lifo").validate()
+    dataclasses.replace(HOL, scheduler="gate_group").validate()  # the replica can make the merged call
 
 
-def _bare_recv_thread() -> kv_transfer.KVCacheStoreLayerRecvingThread:
+def _bare_recv_thread(policy: str = "ready_queue") -> kv_transfer.KVCacheStoreLayerRecvingThread:
     from otel_kvtrace.replica.backend import FakeMStore, FakeTokenDatabase
     from otel_kvtrace.replica.fake_npu import FakeNPU, RealClock, set_default_device
     from otel_kvtrace.replica.plan import build_plan
@@ -101,5 +102,5 @@ def _bare_recv_thread() -> kv_transfer.KVCacheStoreLayerRecvingThread:
         FakeMStore(plan, npu), FakeTokenDatabase(plan, npu, 4096), 128, 0, 1, 1, 4096, threading.Event(),
         threading.Event(), [threading.Event() for _ in range(n)], [threading.Event() for _ in range(n)],
         [npu.Event() for _ in range(n)], n)
-    assert attach(thread, "ready_queue") is not None
+    assert attach(thread, policy) is not None
     return thread

@@ -67,7 +67,9 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     assert "predicted vs measured" in res.output and "measured verdict:" in res.output
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
-    assert data["configurations"][0]["extra"]["measured"][0]["policy"] == "ready_queue"
+    c = data["configurations"][0]["extra"]["measured"][0]
+    assert c["policy"] == "ready_queue"
+    assert c["dispatch_cost_us"] >= 0 and "calibrated_gain_ms" in c and "calibrated_gain_error_pct" in c
 
 
 def test_fifo_runs_given_as_measured_are_a_clear_error(ab: tuple[Path, Path]) -> None:

@@ -4,8 +4,9 @@ The head is taken in FIFO order. If it has a gate and is not the step's final-la
 waits for that gate to open (it would block on it anyway), then takes the head and every queued task of
 the same step and gate as one batch. The batch waits for every member's save and slot, runs the members'
 work with one backend call fewer per extra member (``QueueArrays.call_overhead_ns``), and sets the
-members' load events in seq order. The final-layer task never joins a batch (H3), nor does a task whose
-save or gate depends on a load not yet completed (e.g. a slot-chain successor of another member, H1).
+members' load events in seq order. The batch is contiguous (:func:`otel_kvtrace.schedule.rules.gate_batch`,
+the same definition the threaded replica runs live): it ends at the final-layer task (H3) and at a task
+whose save or gate depends on a load not yet completed (e.g. a slot-chain successor of another member, H1).
 """
 
 from __future__ import annotations
@@ -30,12 +31,8 @@ class GateGroup(Policy):
         opens = state.eff_rg[head]
         if opens > now:
             return opens
-        batch = [head]
         step = q.step[head]
-        served, final = state.served, q.final
-        for j in range(head + 1, state.n_arrived):
-            if rules.ends_gate_group(step, gate, q.step[j], q.gate[j], final[j]):
-                break
-            if not served[j] and state.determinable(j):  # a member never depends on another member
-                batch.append(j)
-        return batch
+        behind = range(head + 1, state.n_arrived)
+        k = rules.gate_batch(step, gate, state.prog[step],
+                             ((q.step[j], q.gate[j], q.final[j], q.need[j]) for j in behind))
+        return [head, *behind[:k]]
