@@ -328,4 +328,6 @@ def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:
                     rt.fail(exc)
 
     external_slot_release_waiter.__kvtrace_wrapped__ = waiter  # type: ignore[attr-defined]
+    if release_time is not None:  # still readable without blocking: tracing must not change the schedule
+        external_slot_release_waiter.kvtrace_release_time = release_time  # type: ignore[attr-defined]
     return external_slot_release_waiter

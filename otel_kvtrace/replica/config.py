@@ -177,6 +177,8 @@ class ReplicaConfig:
         from otel_kvtrace.schedule import MERGED_LIVE
 
         _check(self.scheduler in MERGED_LIVE, "scheduler", f"must be one of {MERGED_LIVE}, got {self.scheduler!r}")
+        _check(self.scheduler != "gate_group" or self.path == "gva", "scheduler",
+               "gate_group needs the GVA path (one merged batch_copy); the key path runs fifo or ready_queue")
         _check_min_int("num_layers", self.num_layers, 1)
         if self.num_shared_buffers is not None:
             _check_min_int("num_shared_buffers", self.num_shared_buffers, 1)

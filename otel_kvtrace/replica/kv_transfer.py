@@ -258,7 +258,7 @@ class KVCacheStoreLayerRecvingThread(KVTransferThread):
         self._stagger_h2d_submit(layer_id)
         if self.external_slot_release_waiter is not None:
             self.external_slot_release_waiter(layer_id)
-            for member in members:
+            for member, _own in members:
                 self.external_slot_release_waiter(member.layer_id)
         res = self._batch_copy_with_limits(gvas, addrs, sizes, G2L, self.max_transfer_blocks, self.max_transfer_bytes)
         if res != 0:

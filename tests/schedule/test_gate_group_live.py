@@ -146,3 +146,24 @@ def test_upstream_threads_refuse_gate_group_with_the_reason(caplog: pytest.LogCa
 
     with pytest.raises(ValueError, match="cannot run on vLLM-Ascend's recv threads"):
         attach(FakeThread(), "gate_group")  # a recv thread without the merged copy (upstream's)
+
+
+def test_a_slot_waiter_is_called_for_every_member_of_a_merged_copy(loads: list[int]) -> None:
+    """main with a sibling connector's slot release (``slow-slot``): each merged layer's slot is waited
+    for before the one copy, as FIFO waits for each before its own."""
+    cfg = dataclasses.replace(HOL, behaviour="main", slow=dataclasses.replace(
+        HOL.slow, slow_slot_release_layers=(3,), slow_slot_release_us=3000.0))
+    fifo = run_threaded(cfg)
+    fifo_calls = list(loads)
+    loads.clear()
+    gg = run_threaded(dataclasses.replace(cfg, scheduler="gate_group"))
+    assert fifo.error is None and gg.error is None and gg.clean_shutdown
+    assert len(loads) < len(fifo_calls) and sum(loads) == sum(fifo_calls)
+    assert gg.unfinished_tasks["KVCacheStoreLayerRecvingThread"] == 0
+
+
+def test_gate_group_on_the_key_path_is_a_parameter_error() -> None:
+    from otel_kvtrace.replica.config import ReplicaConfigError
+
+    with pytest.raises(ReplicaConfigError, match="GVA path"):
+        dataclasses.replace(HOL, path="key", scheduler="gate_group").validate()

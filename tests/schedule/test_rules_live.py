@@ -249,3 +249,23 @@ def test_a_signal_while_probing_is_not_lost() -> None:
     t.start()
     t.join(30)
     assert got == [3]
+
+
+def test_a_traced_slot_waiter_stays_readable_so_tracing_does_not_change_the_schedule() -> None:
+    import time
+    from types import SimpleNamespace
+
+    from otel_kvtrace.instrument.proxies import traced_slot_waiter
+    from otel_kvtrace.schedule.queue import unreadable_waiter
+
+    class Waiter:
+        def __call__(self, layer_id: int) -> None:
+            return None
+
+        def kvtrace_release_time(self, layer_id: int) -> int:
+            return 42
+
+    rt = SimpleNamespace(recorder=SimpleNamespace(clock=time.perf_counter_ns))
+    thread = SimpleNamespace(external_slot_release_waiter=traced_slot_waiter(Waiter(), rt, SimpleNamespace()))
+    assert unreadable_waiter(thread) is None
+    assert thread.external_slot_release_waiter.kvtrace_release_time(3) == 42
