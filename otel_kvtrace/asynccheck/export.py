@@ -182,7 +182,7 @@ class StepSource(Recorder):
         """The parent's stamps, half-assembled and pending steps are not the child's."""
         self.buffer.drain(settle_s=0)
         self._assembler = StepAssembler()
-        self.drain(self.pending)
+        self.after_fork()  # the shared recorder's: pending steps and counts are the parent's
         self.lane = f"{self.lane.rsplit('/pid', 1)[0]}/pid{pid}"
         self.steps_written = 0
 

@@ -243,14 +243,16 @@ class BackgroundExporter:
         self.shutdown()
 
     def _after_fork_in_child(self) -> None:
-        # The parent's records and thread are not ours: discard the records, start a fresh thread.
+        # The parent's records and thread are not ours (the parent exports its records): start fresh.
         self._export_lock = threading.Lock()
         self._shutdown_lock = threading.Lock()
         self._stopping = threading.Event()
         self._thread = None
-        pending = self.recorder.pending
-        if pending:
-            self.recorder.recycle(self.recorder.drain(pending))
+        # ... and neither are its counts: the child's stats() balance over the child's own records
+        self.recorder.after_fork()
+        self.exported_tasks = self.failed_batches = self._counted_here = self._in_batch = 0
+        self._dropped_reported = self._dropped_logged = 0
+        self._abandoned = False
         if not self._shutdown_done:
             self.start()
 

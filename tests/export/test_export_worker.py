@@ -348,3 +348,38 @@ def test_a_multiprocessing_child_drains_at_its_os_exit(tmp_path: Path) -> None:
     assert child.exitcode == 0
     assert sorted(_root_seqs(_read_lines(trace_file_path(tmp_path, "wtest", child.pid)))) == [200, 201, 202, 203, 204]
     assert exporter.shutdown(timeout_s=10)
+
+
+def _submit_and_report(recorder: Recorder, exporter: BackgroundExporter, n: int, first_seq: int, conn: object) -> None:
+    _submit(recorder, n, first_seq)
+    exporter.shutdown(timeout_s=10)
+    conn.send(_counts(exporter))  # type: ignore[attr-defined]
+
+
+def _counts(exporter: BackgroundExporter) -> tuple[int, int, int, int, int]:
+    s = exporter.stats()
+    return s.recorded, s.delivered, s.spooled, s.dropped, s.pending
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)")
+def test_a_forked_child_s_accounting_counts_only_its_own_records(tmp_path: Path) -> None:
+    """The parent's exported and pending records are the parent's: the child's summary balances over
+    what the child recorded (before: the parent's counts plus the child's, UNBALANCED)."""
+    import multiprocessing as mp
+
+    recorder = Recorder()
+    exporter = BackgroundExporter(recorder, JsonLinesFileSink(tmp_path, "ftest", RESOURCE), interval_s=3600)
+    _submit(recorder, 5, 0)
+    exporter.force_flush()
+    _submit(recorder, 3, 5)  # pending at the fork
+    ctx = mp.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_submit_and_report, args=(recorder, exporter, 2, 100, child_end))
+    child.start()
+    assert parent_end.poll(30), "the child never reported"
+    child_counts = parent_end.recv()
+    child.join(30)
+    assert child_counts == (2, 2, 0, 0, 0)
+    assert sorted(_root_seqs(_read_lines(trace_file_path(tmp_path, "ftest", child.pid)))) == [100, 101]
+    assert exporter.shutdown(timeout_s=10)
+    assert _counts(exporter) == (8, 8, 0, 0, 0)
