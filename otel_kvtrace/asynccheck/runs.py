@@ -87,7 +87,8 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
 
     Engine processes are those with steps (our traces: lanes with ``async.step``) or with schedule spans
     (a capture: ``BatchSchedule``). A ``MultiprocExecutor`` worker's spans go to the engine that is its
-    parent process (``process.parent_pid``); a capture's other processes (workers, device DBs) to the engine
+    parent process (``process.parent_pid``; a worker without a known parent joins none, with a note); a
+    capture's other processes (workers, device DBs) to the engine
     whose schedule ends lie closest before their spans (a note per engine says which). ``({}, {})`` for one.
     """
     if not spans:
@@ -99,11 +100,16 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
         if len(engines) < 2:
             return {}, {}
         out: dict[str, list[m.SpanRow]] = {f"{base} pid{e}": [] for e in engines}
+        orphans: dict[str, int] = {}
         for s in ours:
             pid = _lane_pid(s.lane) if s.step is not None else str(s.attrs.get("ppid", ""))
-            for key in ([f"{base} pid{pid}"] if pid in engines else list(out)):  # unknown parent: every engine
-                out[key].append(s)
-        return out, {}
+            if pid in engines:
+                out[f"{base} pid{pid}"].append(s)
+            else:  # no known parent: joining it to any engine would mix DP ranks
+                orphans[_lane_pid(s.lane)] = orphans.get(_lane_pid(s.lane), 0) + 1
+        note = [f"pid {pid}: {n} worker span(s) left out of every engine's verdict: no process.parent_pid "
+                "names one of this run's engine processes" for pid, n in sorted(orphans.items())]
+        return out, ({key: list(note) for key in out} if note else {})
     by_pid: dict[str, list[m.SpanRow]] = {}
     for s in spans:
         by_pid.setdefault(str(s.attrs.get("pid")), []).append(s)
