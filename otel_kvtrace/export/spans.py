@@ -213,7 +213,8 @@ class SummaryCache:
     replaced or grown id list, a new block array or another group computes afresh. The cache holds
     its key objects (an id is never reused while they live); it keeps one entry per task kind (recv
     and send threads ship concurrently), each an immutable tuple swapped in one store, so a racing
-    thread reads a consistent entry. Not detected: an id list edited in place at the same length
+    thread reads a consistent entry (a list grown in place is caught by its length). Not detected: an id
+    list edited in place at the same length
     (upstream never does that; it builds a new ``SharedBlockData`` per step).
     """
 
@@ -236,11 +237,11 @@ class SummaryCache:
         slot = kind & 1
         entry = self._entries[slot]
         if (entry is not None and entry[0] is shared and entry[1] is req_ids and entry[2] is blocks
-                and entry[3] == len(req_ids) and entry[4] == group_id):
+                and entry[3] == len(req_ids) and entry[4] == group_id and entry[6] == len(blocks)):
             return entry[5]
         summary = summarize_transfer_tasks(tasks, self._max_reqs)
-        if req_ids is not None and blocks is not None and hasattr(req_ids, "__len__"):
-            self._entries[slot] = (shared, req_ids, blocks, len(req_ids), group_id, summary)
+        if req_ids is not None and hasattr(req_ids, "__len__") and hasattr(blocks, "__len__"):
+            self._entries[slot] = (shared, req_ids, blocks, len(req_ids), group_id, summary, len(blocks))
         return summary
 
 

@@ -63,6 +63,9 @@ def test_a_changed_shared_data_is_summarised_afresh() -> None:
     # a new block array
     shared.block_ids_arr = [1]
     assert _view(cache.get(_task(shared, 3))) == ([0], ["z", "y"], 1)
+    # the same block list, grown in place
+    shared.block_ids_arr.append(2)
+    assert _view(cache.get(_task(shared, 3))) == ([0], ["z", "y"], 2)
     # another group, same shared data
     assert _view(cache.get(_task(shared, 3, group=2))) == ([2], ["z", "y"], 1)
 
