@@ -294,7 +294,7 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
 # ---- attention gate -------------------------------------------------------------------------------
 
 
-GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, timing mark or None)
+GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, its npu_marks entry, timing mark entry or None)
 
 
 def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
@@ -313,7 +313,10 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
                         # Recorded just before the gate's own event on the same stream, with no work in
                         # between, so the device reaches both at the same point.
                         mark = timing.mark(*args, **kwargs)
-                setattr(self, GATE_STAMP_ATTR, (recorded, position, mark))
+                # The waiter's npu_marks entries are built here, once per gate, not per wait.
+                setattr(self, GATE_STAMP_ATTR, (
+                    recorded, position, (DEP_GATE_NPU, position), None if mark is None else (DEP_GATE_NPU, mark)
+                ))
             except Exception as exc:
                 rt.fail(exc)
         return original(self, *args, **kwargs)
@@ -355,23 +358,26 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
                     deps[_GATE_RECORD_LO + 1] = t0
                     deps[_GATE_NPU_LO + 1] = t1
                 else:
-                    recorded, position, mark = stamp
+                    recorded, position, position_mark, mark = stamp
                     cond_end = max(t0, min(recorded, t1))
                     if cond_end > t0:
                         stages.extend((GATE_COND_WAIT, t0, cond_end, GATE_NPU_SYNC, cond_end, t1))
                     else:
                         stages.extend((GATE_NPU_SYNC, cond_end, t1))
-                    done_by = position.log.done_by
+                    log = position.log  # StreamLog.observe, inlined
                     p = position.position
+                    done_by = log.done_by
                     if t1 < done_by[p]:
                         done_by[p] = t1
+                    if p > log.observed:
+                        log.observed = p
                     rec.has_dep |= _GATE_BITS
                     deps[_GATE_RECORD_LO] = deps[_GATE_RECORD_LO + 1] = deps[_GATE_NPU_LO] = recorded
                     deps[_GATE_NPU_LO + 1] = t1
                     marks = rec.npu_marks
-                    marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
+                    marks.append(position_mark)  # tightened to the earliest later completion
                     if mark is not None:
-                        marks.append((DEP_GATE_NPU, mark))
+                        marks.append(mark)
         except Exception as exc:
             rt.fail(exc)
         return ok
