@@ -102,6 +102,8 @@ assert CONSUMER_RELEASE_NAMES[REASON_PRODUCER_DIED] == "producer_died"
 
 _INTS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGE_INTS + 1)]
 _TASK_LAYOUTS: dict[tuple[int, int, int], struct.Struct] = {}
+# (n_groups, n_reqs) -> the task layouts of that summary shape indexed by stage count (``write_task``).
+_LAYOUTS_BY_SHAPE: dict[tuple[int, int], list[struct.Struct | None]] = {}
 
 
 def _task_struct(n_stage_ints: int, n_groups: int, n_reqs: int) -> struct.Struct:
@@ -332,7 +334,10 @@ class RingWriter:
         groups = summary.group_ids[:MAX_GROUPS]
         if generation != self._req_generation:  # the id table was reset meanwhile: do not keep it
             generation = -1
-        layouts: list[struct.Struct | None] = [None] * (MAX_STAGE_INTS + 1)
+        shape = (len(groups), len(req_ids))
+        layouts = _LAYOUTS_BY_SHAPE.get(shape)
+        if layouts is None:  # bounded: at most 17 * 33 shapes, each a list of 67 (filled as stage counts occur)
+            layouts = _LAYOUTS_BY_SHAPE[shape] = [None] * (MAX_STAGE_INTS + 1)
         return (summary, generation, flags, layouts, len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF,
                 (*groups, *req_ids))
 
