@@ -148,7 +148,9 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
                 rt.fail(exc)
                 st = None
         try:
-            return original(self, item, *args, **kwargs)
+            if args or kwargs:
+                return original(self, item, *args, **kwargs)
+            return original(self, item)  # the upstream call: no ``*``/``**`` re-packing (half this frame's cost)
         except BaseException:
             if st is not None and st.send_fifo and st.send_fifo[-1][0] == id(item):
                 st.send_fifo.pop()  # never queued: keep the FIFO pairing right
@@ -163,7 +165,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
 
     def _handle_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
         if not recorder.enabled or item is None:
-            return original(self, item, *args, **kwargs)
+            return original(self, item, *args, **kwargs) if args or kwargs else original(self, item)
         t_dequeue = clock()
         rec = None
         st = None
@@ -191,7 +193,7 @@ def wrap_handle_request(original: Callable, rt: Runtime) -> Callable:
             rt.fail(exc)
             rec = None
         try:
-            result = original(self, item, *args, **kwargs)
+            result = original(self, item, *args, **kwargs) if args or kwargs else original(self, item)
         except BaseException as exc:
             if rec is not None:
                 try:
