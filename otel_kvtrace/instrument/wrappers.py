@@ -424,7 +424,7 @@ def wrap_wait_for_layer_load(original: Callable, rt: Runtime) -> Callable:
                 rt.fail(exc)
                 ws = None
         try:
-            return original(self, *args, **kwargs)
+            return original(self, *args, **kwargs) if args or kwargs else original(self)  # upstream: no arguments
         finally:
             if ws is not None:
                 try:

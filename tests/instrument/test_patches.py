@@ -136,6 +136,11 @@ class ExtraArgsThread(BaseThread):
         return ("handled", item, extra, options)
 
 
+class ExtraArgsWorker:
+    def wait_for_layer_load(self, *extra, **options):
+        return ("waited", extra, options)
+
+
 def test_wrappers_pass_extra_arguments_and_signature_errors_through_unchanged() -> None:
     """The task wrappers call the original without ``*``/``**`` re-packing when there is nothing extra;
     extra arguments, and a call the original's signature rejects, behave exactly as without them."""
@@ -145,9 +150,13 @@ def test_wrappers_pass_extra_arguments_and_signature_errors_through_unchanged() 
         with pytest.raises(TypeError) as err:
             getattr(OverridingRecvThread(), name)(None, 1)
         expected_errors[name] = str(err.value)
-    targets = Targets(recv_thread_classes=(ExtraArgsThread, OverridingRecvThread), gate_class=Gate)
+    targets = Targets(recv_thread_classes=(ExtraArgsThread, OverridingRecvThread), gate_class=Gate,
+                      worker_class=ExtraArgsWorker)
     installed = patches.install(targets, _runtime())
     try:
+        worker = ExtraArgsWorker()
+        assert worker.wait_for_layer_load() == ("waited", (), {})
+        assert worker.wait_for_layer_load("layer.3", key=1) == ("waited", ("layer.3",), {"key": 1})
         for name, tag in (("add_request", "own"), ("_handle_request", "handled")):
             method = getattr(plain, name)
             assert method(None) == (tag, None, (), {})
