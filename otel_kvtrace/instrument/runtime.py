@@ -59,8 +59,8 @@ class Runtime:
                     if p > last:
                         continue  # not even itself (a lost race): the wait's own bound stands
                     bound = log.done_by[p]
-                else:
-                    bound = min(log.done_by[p : min(p + MAX_SCAN, last + 1)])
+                else:  # entries after ``last`` are all unobserved: the window ends there (at most MAX_SCAN)
+                    bound = min(log.done_by[p : last + 1 if last < p + MAX_SCAN else p + MAX_SCAN])
                 lo = deps[2 * dep]
                 if bound < deps[2 * dep + 1]:
                     record.has_dep |= 1 << dep
