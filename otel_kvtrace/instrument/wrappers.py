@@ -296,7 +296,7 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
 # ---- attention gate -------------------------------------------------------------------------------
 
 
-GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, its npu_marks entry, timing mark entry or None)
+GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, timing mark or None)
 
 
 def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
@@ -315,10 +315,7 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
                         # Recorded just before the gate's own event on the same stream, with no work in
                         # between, so the device reaches both at the same point.
                         mark = timing.mark(*args, **kwargs)
-                # The waiter's npu_marks entries are built here, once per gate, not per wait.
-                setattr(self, GATE_STAMP_ATTR, (
-                    recorded, position, (DEP_GATE_NPU, position), None if mark is None else (DEP_GATE_NPU, mark)
-                ))
+                setattr(self, GATE_STAMP_ATTR, (recorded, position, mark))
             except Exception as exc:
                 rt.fail(exc)
         return original(self, *args, **kwargs)
@@ -360,7 +357,7 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
                     deps[_GATE_RECORD_LO + 1] = t0
                     deps[_GATE_NPU_LO + 1] = t1
                 else:
-                    recorded, position, position_mark, mark = stamp
+                    recorded, position, mark = stamp
                     cond_end = max(t0, min(recorded, t1))
                     if cond_end > t0:
                         stages.extend((GATE_COND_WAIT, t0, cond_end, GATE_NPU_SYNC, cond_end, t1))
@@ -377,9 +374,9 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
                     deps[_GATE_RECORD_LO] = deps[_GATE_RECORD_LO + 1] = deps[_GATE_NPU_LO] = recorded
                     deps[_GATE_NPU_LO + 1] = t1
                     marks = rec.npu_marks
-                    marks.append(position_mark)  # tightened to the earliest later completion
+                    marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
                     if mark is not None:
-                        marks.append(mark)
+                        marks.append((DEP_GATE_NPU, mark))
         except Exception as exc:
             rt.fail(exc)
         return ok
