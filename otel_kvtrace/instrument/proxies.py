@@ -188,9 +188,13 @@ class TracedNpuEvent(_Proxy):
             self.sync_hi = t1
         position = self.position
         if position is not None:
-            done_by = position.log.done_by  # StreamLog.observe, inlined
-            if t1 < done_by[position.position]:
-                done_by[position.position] = t1
+            log = position.log  # StreamLog.observe, inlined
+            p = position.position
+            done_by = log.done_by
+            if t1 < done_by[p]:
+                done_by[p] = t1
+            if p > log.observed:
+                log.observed = p
         st = self._by_thread.get(get_ident())
         if st is not None:
             try:

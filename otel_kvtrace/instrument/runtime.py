@@ -9,7 +9,7 @@ from typing import Any
 
 from otel_kvtrace import config
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import FAR_FUTURE, MAX_SCAN, StreamLog, StreamPosition
+from otel_kvtrace.instrument.stream_order import MAX_SCAN, StreamLog, StreamPosition
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import Recorder
 
@@ -53,8 +53,14 @@ class Runtime:
         for dep, mark in marks:
             if type(mark) is StreamPosition:  # inlined StreamLog.upper_bound
                 p = mark.position
-                later = mark.log.done_by[p : p + MAX_SCAN]
-                bound = min(later) if later else FAR_FUTURE
+                log = mark.log
+                last = log.observed
+                if p >= last:  # nothing recorded after it was seen complete yet: no scan
+                    if p > last:
+                        continue  # not even itself (a lost race): the wait's own bound stands
+                    bound = log.done_by[p]
+                else:  # entries after ``last`` are all unobserved: the window ends there (at most MAX_SCAN)
+                    bound = min(log.done_by[p : last + 1 if last < p + MAX_SCAN else p + MAX_SCAN])
                 lo = deps[2 * dep]
                 if bound < deps[2 * dep + 1]:
                     record.has_dep |= 1 << dep

@@ -32,6 +32,10 @@ class StreamLog:
     """Completion upper bounds of the NPU events of one step, in record order."""
 
     done_by: list[int] = field(default_factory=list)
+    # Highest position seen complete so far (-1: none). Every entry after it is still ``FAR_FUTURE``, so
+    # a bound needs to scan only up to it; an observer stores it after its ``done_by`` entry, so a racing
+    # reader at worst misses the newest observation (a looser, still valid bound).
+    observed: int = -1
 
     def append(self) -> int:
         """Register a newly recorded event; returns its position (forward thread only)."""
@@ -42,6 +46,8 @@ class StreamLog:
         """The event at ``position`` was seen complete at ``done_at`` (synchronize return, query True)."""
         if done_at < self.done_by[position]:
             self.done_by[position] = done_at
+        if position > self.observed:
+            self.observed = position
 
     def upper_bound(self, position: int) -> int:
         """Earliest observed completion of this event or of any of the next ``MAX_SCAN`` recorded after it.
@@ -49,8 +55,10 @@ class StreamLog:
         The scan is capped so its cost stays flat when no step boundary is seen (a smaller window only
         gives a looser, still valid bound); a real step records 2 events per layer, well inside it.
         """
-        later = self.done_by[position : position + MAX_SCAN]
-        return min(later) if later else FAR_FUTURE
+        if position >= self.observed:  # nothing after it seen complete: the scan would find only this entry
+            return self.done_by[position] if position == self.observed else FAR_FUTURE
+        later = self.done_by[position : min(position + MAX_SCAN, self.observed + 1)]
+        return min(later)
 
 
 def next_position(holder: Any) -> StreamPosition:

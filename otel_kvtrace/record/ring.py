@@ -19,9 +19,10 @@ Layout (little-endian; ``docs/export.md`` has the same table)::
             H_SINK_SPOOLED, H_SINK_DROPPED (the delivering sink's counts, so the serving process's
             ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``)
     slot i  at HEADER_BYTES + (i % nslots) * slot_size:
-            commit  q   i + 1 once the slot's message is complete (written last)
-            crc     I   zlib.crc32 of the body seeded with i (a torn or reordered write, or a previous
-                        lap's body seen with this lap's commit word, is never decoded)
+            commit  q   i + 1 once the slot's message is complete (the head is written after the body)
+            crc     I   zlib.crc32 of the body seeded with i (a torn or reordered write, a head seen before
+                        its body, or a previous lap's body or crc seen with this lap's commit word, is
+                        never decoded: the crc, not the store order, is what makes a slot complete)
             kind    H   MSG_*
             length  H   body bytes
             body        kind-specific, below
@@ -66,7 +67,6 @@ HEADER_BYTES = 128
 SLOT_SIZE = 1024
 SLOT_HEAD = struct.Struct("<qIHH")
 _COMMIT = struct.Struct("<q")
-_CRC_KIND_LEN = struct.Struct("<IHH")
 BODY_BYTES = SLOT_SIZE - SLOT_HEAD.size
 DEFAULT_SLOTS = 8192  # 8 MiB per serving process
 CLAIM_MARGIN = 64
@@ -102,6 +102,8 @@ assert CONSUMER_RELEASE_NAMES[REASON_PRODUCER_DIED] == "producer_died"
 
 _INTS = [struct.Struct(f"<{n}q") for n in range(MAX_STAGE_INTS + 1)]
 _TASK_LAYOUTS: dict[tuple[int, int, int], struct.Struct] = {}
+# (n_groups, n_reqs) -> the task layouts of that summary shape indexed by stage count (``write_task``).
+_LAYOUTS_BY_SHAPE: dict[tuple[int, int], list[struct.Struct | None]] = {}
 
 
 def _task_struct(n_stage_ints: int, n_groups: int, n_reqs: int) -> struct.Struct:
@@ -177,10 +179,8 @@ class RingWriter:
     def _commit(self, k: int, kind: int, length: int) -> None:
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         body = off + SLOT_HEAD.size
-        mem = self._mem
         crc = zlib.crc32(self._buf[body : body + length], k & 0xFFFFFFFF)  # seeded: a previous lap never matches
-        _CRC_KIND_LEN.pack_into(mem, off + 8, crc, kind, length)
-        _COMMIT.pack_into(mem, off, k + 1)  # last: publishes the slot
+        SLOT_HEAD.pack_into(self._mem, off, k + 1, crc, kind, length)  # after the body: publishes the slot
 
     def _write(self, kind: int, payload: bytes) -> bool:
         k = self._claim()
@@ -264,12 +264,16 @@ class RingWriter:
             if prepared is None:
                 return False  # as for the queue: never a task pointing at an id the agent lacks
             self._prepared[slot] = prepared
-        _, _, flags, n_groups, n_reqs, tail = prepared
+        _, _, flags, layouts, n_groups, n_reqs, num_blocks, tail = prepared
+        # One snapshot when the forward may still append its consumer wait; without a consumer hold this
+        # thread is the record's only writer, and the ``*stages`` below copies it once anyway.
+        stages = tuple(rec.stages) if awaiting else rec.stages
         if awaiting:
             flags |= F_AWAITING
-        stages = tuple(rec.stages)  # one snapshot: the forward may append its consumer wait meanwhile
-        if len(stages) > MAX_STAGE_INTS:
+        n_stages = len(stages)
+        if n_stages > MAX_STAGE_INTS:
             stages = fold_stages(stages)
+            n_stages = len(stages)
             flags |= F_STAGES_FOLDED
         src = rec.wait_for_save_layer
         gate = rec.gate_id
@@ -277,10 +281,9 @@ class RingWriter:
             flags |= F_SRC
         if gate is not None:
             flags |= F_GATE
-        key = (len(stages), n_groups, n_reqs)
-        layout = _TASK_LAYOUTS.get(key)
+        layout = layouts[n_stages]  # this summary's layouts by stage count: a list index, no key tuple
         if layout is None:
-            layout = _task_struct(*key)
+            layout = layouts[n_stages] = _task_struct(n_stages, n_groups, n_reqs)
         # _claim(), inlined (this runs once per task on a recording thread); from here to the commit
         # nothing may leave the slot claimed but uncommitted.
         hdr = self.hdr
@@ -299,12 +302,10 @@ class RingWriter:
                 rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id, src or 0, gate or 0,
                 rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
                 rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
-                len(stages), n_groups, n_reqs, summary.num_blocks & 0xFFFFFFFF, *stages, *tail,
+                n_stages, n_groups, n_reqs, num_blocks, *stages, *tail,
             )
             n = layout.size  # _commit(), inlined
-            crc = zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
-            _CRC_KIND_LEN.pack_into(mem, off + 8, crc, MSG_TASK, n)
-            _COMMIT.pack_into(mem, off, k + 1)
+            SLOT_HEAD.pack_into(mem, off, k + 1, zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF), MSG_TASK, n)
         except BaseException:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
@@ -312,7 +313,8 @@ class RingWriter:
 
     def _prepare(self, summary: Any) -> tuple[Any, ...] | None:
         """The ring's view of a summary, computed once per summary object: ``(summary, id generation,
-        flags, n_groups, n_reqs, group ids + request indices)``; ``None`` when an id's definition did
+        flags, task layouts by stage count, n_groups, n_reqs, block count, group ids + request indices)``;
+        ``None`` when an id's definition did
         not fit (the ring was full)."""
         generation = self._req_generation
         reqs = summary.request_ids
@@ -332,7 +334,12 @@ class RingWriter:
         groups = summary.group_ids[:MAX_GROUPS]
         if generation != self._req_generation:  # the id table was reset meanwhile: do not keep it
             generation = -1
-        return (summary, generation, flags, len(groups), len(req_ids), (*groups, *req_ids))
+        shape = (len(groups), len(req_ids))
+        layouts = _LAYOUTS_BY_SHAPE.get(shape)
+        if layouts is None:  # bounded: at most 17 * 33 shapes, each a list of 67 (filled as stage counts occur)
+            layouts = _LAYOUTS_BY_SHAPE[shape] = [None] * (MAX_STAGE_INTS + 1)
+        return (summary, generation, flags, layouts, len(groups), len(req_ids), summary.num_blocks & 0xFFFFFFFF,
+                (*groups, *req_ids))
 
     def write_cwait(self, rec: Any, reason: int, stages: list[int]) -> bool:
         """The consumer-wait stages of a task sent earlier with ``awaiting`` (or the reason they are absent)."""

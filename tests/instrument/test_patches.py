@@ -126,3 +126,45 @@ def test_a_second_session_on_the_same_classes_is_refused() -> None:
         first.shutdown()
     again = start_tracing(Targets(recv_thread_classes=(RecvThread,)), exporter=None)
     again.shutdown()
+
+
+class ExtraArgsThread(BaseThread):
+    def add_request(self, item, *extra, **options):
+        return ("own", item, extra, options)
+
+    def _handle_request(self, item, *extra, **options):
+        return ("handled", item, extra, options)
+
+
+class ExtraArgsWorker:
+    def wait_for_layer_load(self, *extra, **options):
+        return ("waited", extra, options)
+
+
+def test_wrappers_pass_extra_arguments_and_signature_errors_through_unchanged() -> None:
+    """The task wrappers call the original without ``*``/``**`` re-packing when there is nothing extra;
+    extra arguments, and a call the original's signature rejects, behave exactly as without them."""
+    plain = ExtraArgsThread()
+    expected_errors = {}
+    for name in ("add_request", "_handle_request"):
+        with pytest.raises(TypeError) as err:
+            getattr(OverridingRecvThread(), name)(None, 1)
+        expected_errors[name] = str(err.value)
+    targets = Targets(recv_thread_classes=(ExtraArgsThread, OverridingRecvThread), gate_class=Gate,
+                      worker_class=ExtraArgsWorker)
+    installed = patches.install(targets, _runtime())
+    try:
+        worker = ExtraArgsWorker()
+        assert worker.wait_for_layer_load() == ("waited", (), {})
+        assert worker.wait_for_layer_load("layer.3", key=1) == ("waited", ("layer.3",), {"key": 1})
+        for name, tag in (("add_request", "own"), ("_handle_request", "handled")):
+            method = getattr(plain, name)
+            assert method(None) == (tag, None, (), {})
+            assert method(None, 1, 2) == (tag, None, (1, 2), {})
+            assert method(None, 3, key="v") == (tag, None, (3,), {"key": "v"})
+            assert method(item=None) == (tag, None, (), {})
+            with pytest.raises(TypeError) as err:
+                getattr(OverridingRecvThread(), name)(None, 1)
+            assert str(err.value) == expected_errors[name]
+    finally:
+        patches.uninstall(installed)

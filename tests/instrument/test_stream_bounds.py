@@ -100,3 +100,34 @@ def test_bounds_applied_at_completion_equal_bounds_applied_later() -> None:
         assert early[id(rec)] == rec.deps, f"{TaskKind(rec.kind).name} layer {rec.layer_id} step {rec.step}"
         tightened += before != rec.deps
     assert len(records) > 100 and tightened > 50
+
+
+def test_the_resolver_scans_exactly_up_to_the_last_observed_event() -> None:
+    """``Runtime.resolve`` reads only entries up to the last position seen complete (``StreamLog.observed``):
+    the bound from the newest observation counts, unobserved entries after it never do."""
+    from otel_kvtrace.instrument.runtime import Runtime
+    from otel_kvtrace.record.model import TaskRecord
+    from otel_kvtrace.record.recorder import Recorder
+
+    rt = Runtime(recorder=Recorder(), run_id="window")
+    log = StreamLog()
+    positions = [log.append() for _ in range(6)]
+    dep = int(Dep.GATE_NPU)
+
+    def bound_of(p: int, hi: int, lo: int = 10) -> int:
+        rec = TaskRecord()
+        rec.dep_bounds(dep, lo, hi)
+        rec.npu_marks.append((dep, StreamPosition(log, p)))
+        rt.resolve(rec)
+        assert not rec.npu_marks
+        return rec.dep_hi(dep)
+
+    assert bound_of(1, 1000) == 1000 and log.observed == -1  # nothing seen complete: untouched
+    log.observe(positions[1], 900)
+    assert bound_of(1, 1000) == 900 == StreamPosition(log, 1).upper_bound()  # its own observation
+    assert bound_of(2, 1000) == 1000  # recorded after the last observed event: no bound from it
+    log.observe(positions[4], 700)  # the newest observation, at the window's last entry
+    assert log.observed == 4
+    assert bound_of(1, 1000) == 700 == StreamPosition(log, 1).upper_bound()
+    assert bound_of(4, 1000) == 700 and bound_of(5, 1000) == 1000
+    assert bound_of(0, 1000, lo=800) == 800  # never below the dependency's lower bound
