@@ -67,7 +67,7 @@ def test_a_changed_shared_data_is_summarised_afresh() -> None:
     shared.block_ids_arr.append(2)
     assert _view(cache.get(_task(shared, 3))) == ([0], ["z", "y"], 2)
     # another group, same shared data
-    assert _view(cache.get(_task(shared, 3, group=2))) == ([2], ["z", "y"], 1)
+    assert _view(cache.get(_task(shared, 3, group=2))) == ([2], ["z", "y"], 2)
 
 
 def test_whatever_is_not_one_task_with_shared_data_is_summarised_exactly() -> None:
