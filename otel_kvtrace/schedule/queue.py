@@ -141,6 +141,7 @@ class SchedulingQueue(queue.Queue):
         self._last_layer = 1 << 30
         self._signals = 0  # puts and save signals so far (a signal during an unlocked probe is not lost)
         self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
+        self._waiter_seen: Any = None  # the slot waiter last found readable (checked again only if replaced)
         self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not counted per get)
 
     def set_policy(self, policy: str) -> None:
@@ -254,7 +255,8 @@ class SchedulingQueue(queue.Queue):
     def _pop(self, index: int) -> Any:
         entry = self._take(index)
         self._handed = (entry.item, entry.step)
-        self.not_full.notify()
+        if self.maxsize > 0:  # unbounded (the recv threads' queue): no put ever waits on not_full
+            self.not_full.notify()
         return entry.item
 
     def _decide(self) -> tuple[int, float | None, int]:
@@ -264,11 +266,17 @@ class SchedulingQueue(queue.Queue):
         with the lock released (producers' ``put`` and save ``set()`` never wait on a probe) and the pick
         is re-checked under the lock. ``(index, wait, signals seen)``."""
         seen = self._signals
-        if self.policy != "ready_queue" or self.queue[0].barrier or not self._waiter_readable():
-            return 0, None, seen
-        if self._head_goes():
-            return 0, None, seen
         head = self.queue[0]
+        if self.policy != "ready_queue" or head.barrier:
+            return 0, None, seen
+        if (getattr(self.thread, "external_slot_release_waiter", None) is not self._waiter_seen
+                and not self._waiter_readable()):
+            return 0, None, seen
+        try:  # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass
+            if probe(self.thread, head.item, time.perf_counter_ns())[0] in (READY, UNKNOWN):
+                return 0, None, seen
+        except Exception:
+            pass  # the full decision reports it (and falls back to fifo)
         try:
             cands = self._passable()
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
@@ -323,19 +331,11 @@ class SchedulingQueue(queue.Queue):
             self.blocked_by[blocker] += 1  # type: ignore[index]
         return None
 
-    def _head_goes(self) -> bool:
-        """The fast path, under the lock: a head whose waits are met (or cannot be checked) goes out
-        without the snapshot and the unlocked scan. One probe of non-blocking checks; the lock is
-        held for it so the common case (FIFO order is already right) costs no lock hand-off."""
-        try:
-            return probe(self.thread, self.queue[0].item, time.perf_counter_ns())[0] in (READY, UNKNOWN)
-        except Exception:
-            return False  # the full decision reports it (and falls back to fifo)
-
     def _waiter_readable(self) -> bool:
         """A waiter wired after :func:`attach` (see :func:`unreadable_waiter`): FIFO from then on, said once."""
         reason = unreadable_waiter(self.thread)
         if reason is None:
+            self._waiter_seen = getattr(self.thread, "external_slot_release_waiter", None)
             return True
         self._fallback(reason)
         return False
@@ -349,7 +349,8 @@ class SchedulingQueue(queue.Queue):
 
     # the decision ----------------------------------------------------------------------------------
     def _choose(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
-        """``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+        """Probe the head again, then the candidates the rules let pass, in order; the first ready goes.
+        ``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
         try:
             return self._choose_ready(head, cands)
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
@@ -357,7 +358,6 @@ class SchedulingQueue(queue.Queue):
             return 0, None
 
     def _choose_ready(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
-        """Probe the head again, then the candidates the rules let pass, in order; the first ready goes."""
         now = time.perf_counter_ns()
         head_state, wake = probe(self.thread, head.item, now)
         if head_state in (READY, UNKNOWN):
