@@ -1,5 +1,6 @@
 """The live scheduler's own cost on the ``hol`` replica preset: FIFO vs ``ready_queue``, same run,
-alternated (ABBA per seed, one untimed warm-up run per policy first).
+alternated (the order rotated per seed, one untimed warm-up run per variant first); ``--baseline REV`` adds
+``ready_queue`` with the ``SchedulingQueue`` of git revision REV (before/after in one run).
 
 Printed side by side, medians over every recv-thread dequeue / every waited layer of every run:
 
@@ -13,7 +14,7 @@ Printed side by side, medians over every recv-thread dequeue / every waited laye
 Usage::
 
     .venv/bin/python bench/scheduler_cost.py              # 6 seeds x 40 steps (~1 min)
-    .venv/bin/python bench/scheduler_cost.py --seeds 10 --steps 60
+    .venv/bin/python bench/scheduler_cost.py --seeds 10 --steps 60 --baseline 97b7c75   # + the old queue
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-
-POLICIES = ("fifo", "ready_queue")
-
 
 _blocked = threading.local()
 
@@ -86,67 +84,96 @@ def wake_lags(files: list[Path]) -> dict[int, list[float]]:
     return out
 
 
+def _baseline_queue(rev: str) -> Any:
+    """``SchedulingQueue`` as it was at git revision ``rev`` (loaded from ``git show``, not kept)."""
+    import importlib.util
+    import subprocess
+    import sys
+
+    src = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "show",
+                          f"{rev}:otel_kvtrace/schedule/queue.py"], check=True, capture_output=True, text=True).stdout
+    path = Path(tempfile.mkdtemp(prefix="kvtrace-baseline-")) / "baseline_queue.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("kvtrace_baseline_queue", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--preset", default="hol")
+    ap.add_argument("--baseline", metavar="REV", help="also run ready_queue with the queue of git revision REV")
     args = ap.parse_args()
 
     from otel_kvtrace.demo import run_demo
-    from otel_kvtrace.schedule.queue import SchedulingQueue
+    from otel_kvtrace.schedule import install
+    from otel_kvtrace.schedule import queue as live
 
-    gets: dict[str, list[tuple[int, bool]]] = {p: [] for p in POLICIES}
-    lags: dict[str, dict[int, list[float]]] = {p: defaultdict(list) for p in POLICIES}
-    cpu: dict[str, list[float]] = {p: [] for p in POLICIES}
-    plain, sched, cond_wait = queue.Queue.get, SchedulingQueue.get, threading.Condition.wait
+    impl = {"fifo": live, "ready_queue": live}
+    if args.baseline:
+        impl[f"ready_queue@{args.baseline}"] = _baseline_queue(args.baseline)
+    variants = list(impl)
+    gets: dict[str, list[tuple[int, bool]]] = {v: [] for v in variants}
+    lags: dict[str, dict[int, list[float]]] = {v: defaultdict(list) for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
+    plain, cond_wait = queue.Queue.get, threading.Condition.wait
     with tempfile.TemporaryDirectory(prefix="kvtrace-schedcost-") as tmp:
         out = Path(tmp)
-        for p in POLICIES:
-            run_demo(args.preset, seed=0, steps=10, scheduler=p, out=out / "warmup")
-        for seed in range(1, args.seeds + 1):
-            for p in (POLICIES if seed % 2 else POLICIES[::-1]):
-                sink = gets[p]
-                queue.Queue.get = _timed_get(plain, sink)  # type: ignore[method-assign]
-                SchedulingQueue.get = _timed_get(sched, sink)  # type: ignore[method-assign]
+        for seed in range(0, args.seeds + 1):  # seed 0: warm-up, not kept
+            for v in variants[seed % len(variants):] + variants[:seed % len(variants)]:  # each position in turn
+                mod, policy = impl[v], v.split("@")[0]
+                sched = mod.SchedulingQueue.get
+                install.SchedulingQueue, install.hook_save_signals = mod.SchedulingQueue, mod.hook_save_signals
+                queue.Queue.get = _timed_get(plain, gets[v])  # type: ignore[method-assign]
+                mod.SchedulingQueue.get = _timed_get(sched, gets[v])
                 threading.Condition.wait = _flagging_wait(cond_wait)  # type: ignore[method-assign]
                 c0 = time.process_time()
                 try:
-                    res = run_demo(args.preset, seed=seed, steps=args.steps, scheduler=p, out=out / p / str(seed))
+                    res = run_demo(args.preset, seed=seed, steps=args.steps if seed else 10, scheduler=policy,
+                                   out=out / v / str(seed))
                 finally:
-                    queue.Queue.get, SchedulingQueue.get = plain, sched  # type: ignore[method-assign]
+                    queue.Queue.get, mod.SchedulingQueue.get = plain, sched  # type: ignore[method-assign]
                     threading.Condition.wait = cond_wait  # type: ignore[method-assign]
-                cpu[p].append((time.process_time() - c0) * 1e3 / args.steps)
-                for layer, v in wake_lags(res.scenarios[0].trace_files).items():
-                    lags[p][layer].extend(v)
+                    install.SchedulingQueue, install.hook_save_signals = live.SchedulingQueue, live.hook_save_signals
+                if not seed:
+                    gets[v].clear()
+                    continue
+                cpu[v].append((time.process_time() - c0) * 1e3 / args.steps)
+                for layer, x in wake_lags(res.scenarios[0].trace_files).items():
+                    lags[v][layer].extend(x)
             print(f"seed {seed}/{args.seeds} done", flush=True)
-    _print(gets, lags, cpu, args)
+    _print(variants, gets, lags, cpu, args)
 
 
 def _q(v: list[float], q: float) -> float:
     return statistics.quantiles(v, n=100)[int(q * 100) - 1] if len(v) > 1 else (v[0] if v else float("nan"))
 
 
-def _print(gets: dict[str, list[tuple[int, bool]]], lags: dict[str, dict[int, list[float]]],
+def _print(variants: list[str], gets: dict[str, list[tuple[int, bool]]], lags: dict[str, dict[int, list[float]]],
            cpu: dict[str, list[float]], args: Any) -> None:
-    a, b = POLICIES
-    print(f"\n{args.preset}: {args.seeds} seeds x {args.steps} steps per policy, ABBA")
-    print(f"{'':24}{a:>12}{b:>14}{'ratio':>8}")
+    print(f"\n{args.preset}: {args.seeds} seeds x {args.steps} steps per variant, order rotated per seed; "
+          "(ratio) = / fifo")
+    print(f"{'':24}" + "".join(f"{v:>26}" for v in variants))
+
+    def row(label: str, values: list[float], fmt: str) -> None:
+        base = values[0]
+        print(f"{label:24}" + "".join(f"{format(x, fmt):>18} ({x / base:5.2f})" for x in values))
+
     for label, blocked in (("get cpu us, no wait", False), ("get cpu us, waited", True)):
-        xa = [c / 1e3 for c, w in gets[a] if w is blocked]
-        xb = [c / 1e3 for c, w in gets[b] if w is blocked]
+        xs = [[c / 1e3 for c, w in gets[v] if w is blocked] for v in variants]
         for q in (0.5, 0.9):
-            x, y = _q(xa, q), _q(xb, q)
-            print(f"{f'{label} p{int(q * 100)}':24}{x:12.2f}{y:14.2f}{y / x:8.2f}")
-        print(f"{f'{label} n/run':24}{len(xa) / args.seeds:12.0f}{len(xb) / args.seeds:14.0f}")
-    x, y = statistics.median(cpu[a]), statistics.median(cpu[b])
-    print(f"{'cpu ms/step':24}{x:12.3f}{y:14.3f}{y / x:8.2f}")
-    for layer in sorted(set(lags[a]) | set(lags[b])):
-        la, lb = lags[a].get(layer, []), lags[b].get(layer, [])
-        if len(la) < 5 or len(lb) < 5:
-            continue
-        x, y = statistics.median(la), statistics.median(lb)
-        print(f"{f'wake lag us L{layer} (n)':24}{x:7.0f}({len(la):3}){y:9.0f}({len(lb):3}){y / x:8.2f}")
+            row(f"{label} p{int(q * 100)}", [_q(x, q) for x in xs], ".2f")
+        row(f"{label} n/run", [len(x) / args.seeds for x in xs], ".0f")
+    row("cpu ms/step", [statistics.median(cpu[v]) for v in variants], ".3f")
+    for layer in sorted(set().union(*(lags[v] for v in variants))):
+        per = [lags[v].get(layer, []) for v in variants]
+        if min(len(x) for x in per) >= 5:
+            row(f"wake lag us L{layer}", [statistics.median(x) for x in per], ".0f")
 
 
 if __name__ == "__main__":
