@@ -13,6 +13,11 @@ upstream's own. What changes is only which queued task comes out:
   now. A passed task's waits then return at once: its NPU events are known complete before any
   ``synchronize()``.
 
+Per ``get()``: the head is probed under the lock (a ready head goes at once); then, still under the lock
+and without probing, the rules are applied to the queued tasks with per-step counts kept by
+``put``/``get`` (request ids read only for a task of a later step); when they let no task pass, the head
+goes (it blocks in upstream's own wait); only the tasks they let pass are probed, with the lock released.
+
 Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
 the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
 no host callback: when the head waits only on those and no other task is ready, or when no other queued
