@@ -86,19 +86,16 @@ def wake_lags(files: list[Path]) -> dict[int, list[float]]:
 
 def _baseline_queue(rev: str) -> Any:
     """``SchedulingQueue`` as it was at git revision ``rev`` (loaded from ``git show``, not kept)."""
-    import importlib.util
     import subprocess
     import sys
+    import types
 
-    src = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "show",
-                          f"{rev}:otel_kvtrace/schedule/queue.py"], check=True, capture_output=True, text=True).stdout
-    path = Path(tempfile.mkdtemp(prefix="kvtrace-baseline-")) / "baseline_queue.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location("kvtrace_baseline_queue", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    name = f"{rev}:otel_kvtrace/schedule/queue.py"
+    src = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), "show", name],
+                         check=True, capture_output=True, text=True).stdout
+    module = types.ModuleType("kvtrace_baseline_queue")
+    sys.modules[module.__name__] = module
+    exec(compile(src, name, "exec"), module.__dict__)  # noqa: S102 - the project's own source at REV
     return module
 
 
@@ -139,7 +136,8 @@ def main() -> None:
                 finally:
                     queue.Queue.get, mod.SchedulingQueue.get = plain, sched  # type: ignore[method-assign]
                     threading.Condition.wait = cond_wait  # type: ignore[method-assign]
-                    install.SchedulingQueue, install.hook_save_signals = live.SchedulingQueue, live.hook_save_signals
+                    install.SchedulingQueue = live.SchedulingQueue
+                    install.hook_save_signals = live.hook_save_signals
                 if not seed:
                     gets[v].clear()
                     continue

@@ -147,7 +147,7 @@ class SchedulingQueue(queue.Queue):
         self._signals = 0  # puts and save signals so far (a signal during an unlocked probe is not lost)
         self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
         self._waiter_seen: Any = None  # the slot waiter last found readable (checked again only if replaced)
-        self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not counted per get)
+        self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not recounted)
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
