@@ -16,7 +16,8 @@ upstream's own. What changes is only which queued task comes out:
 Per ``get()``: the head is probed under the lock (a ready head goes at once); then, still under the lock
 and without probing, the rules are applied to the queued tasks with per-step counts kept by
 ``put``/``get`` (request ids read only for a task of a later step); when they let no task pass, the head
-goes (it blocks in upstream's own wait); only the tasks they let pass are probed, with the lock released.
+goes (it blocks in upstream's own wait), as does a head alone in the queue, unprobed; only the tasks
+they let pass are probed, with the lock released.
 
 Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
 the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
@@ -277,6 +278,8 @@ class SchedulingQueue(queue.Queue):
         if (getattr(self.thread, "external_slot_release_waiter", None) is not self._waiter_seen
                 and not self._waiter_readable()):
             return 0, None, seen
+        if len(self.queue) == 1:
+            return 0, None, seen  # alone, the head goes whatever its state: no probe
         try:  # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass
             if probe(self.thread, head.item, time.perf_counter_ns())[0] in (READY, UNKNOWN):
                 return 0, None, seen

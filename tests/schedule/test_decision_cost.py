@@ -38,3 +38,12 @@ def test_step_counts_follow_out_of_order_gets() -> None:
     assert [q.try_get().layer_id for _ in range(3)] == [6, 2, 7]
     assert q.bypassed == 3
     assert q.try_get().layer_id == 5  # alone: handed out to block in its own wait
+
+
+def test_a_head_alone_goes_without_a_probe() -> None:
+    q, th = make()
+    th.layer_save_finished_events[1].set()
+    th.sync_save_events[1].done = False
+    q.put(Task(6, wait_for_save_layer=1))
+    assert q.try_get().layer_id == 6
+    assert th.sync_save_events[1].queries == 0  # nothing could go instead: FIFO's cost
