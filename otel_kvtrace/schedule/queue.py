@@ -13,6 +13,12 @@ upstream's own. What changes is only which queued task comes out:
   now. A passed task's waits then return at once: its NPU events are known complete before any
   ``synchronize()``.
 
+Per ``get()``: the head is probed under the lock (a ready head goes at once); then, still under the lock
+and without probing, the rules are applied to the queued tasks with per-step counts kept by
+``put``/``get`` (request ids read only for a task of a later step); when they let no task pass, the head
+goes (it blocks in upstream's own wait), as does a head alone in the queue, unprobed; only the tasks
+they let pass are probed, with the lock released.
+
 Readiness uses non-blocking checks only (:func:`probe`). A ``put`` and a save event's ``set()`` wake
 the thread at once; a known slot-release time is slept to exactly. NPU completion and gate records have
 no host callback: when the head waits only on those and no other task is ready, or when no other queued
@@ -141,6 +147,8 @@ class SchedulingQueue(queue.Queue):
         self._last_layer = 1 << 30
         self._signals = 0  # puts and save signals so far (a signal during an unlocked probe is not lost)
         self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
+        self._waiter_seen: Any = None  # the slot waiter last found readable (checked again only if replaced)
+        self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not recounted)
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
@@ -171,10 +179,20 @@ class SchedulingQueue(queue.Queue):
                 self._step += 1  # layers of one step are enqueued in increasing order
             self._last_layer = layer
         self.queue.append(_Entry(item, self._step, self.final_layer_id))
+        self._unserved[self._step] = self._unserved.get(self._step, 0) + 1
         self._signals += 1
 
     def _get(self) -> Any:  # only reached through Queue.get_nowait-style callers; FIFO then
-        return self.queue.pop(0).item
+        return self._take(0).item
+
+    def _take(self, index: int) -> _Entry:
+        entry = self.queue.pop(index)
+        left = self._unserved[entry.step] - 1
+        if left:
+            self._unserved[entry.step] = left
+        else:
+            del self._unserved[entry.step]
+        return entry
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         """``queue.Queue.get``: non-blocking with tasks queued returns the pick, else the head (FIFO)."""
@@ -241,46 +259,91 @@ class SchedulingQueue(queue.Queue):
             raise queue.Empty
 
     def _pop(self, index: int) -> Any:
-        entry = self.queue.pop(index)
+        entry = self._take(index)
         self._handed = (entry.item, entry.step)
-        self.not_full.notify()
+        if self.maxsize > 0:  # unbounded (the recv threads' queue): no put ever waits on not_full
+            self.not_full.notify()
         return entry.item
 
     def _decide(self) -> tuple[int, float | None, int]:
-        """Called with the lock held; probes the snapshot with the lock released (producers' ``put`` and
-        save ``set()`` never wait on a probe), then re-checks the pick under the lock. ``(index, wait,
-        signals seen)``."""
+        """Called with the lock held. Under the lock: the head's probe (a ready head goes) and the rule
+        pass over the queue (no probe, no allocation but the short candidate list); when no queued task
+        could pass the head by the rules, the head goes at once. Otherwise the candidates are probed
+        with the lock released (producers' ``put`` and save ``set()`` never wait on a probe) and the pick
+        is re-checked under the lock. ``(index, wait, signals seen)``."""
         seen = self._signals
-        if self.policy != "ready_queue" or self.queue[0].barrier or not self._waiter_readable():
+        head = self.queue[0]
+        if self.policy != "ready_queue" or head.barrier:
             return 0, None, seen
-        if self._head_goes():
+        if (getattr(self.thread, "external_slot_release_waiter", None) is not self._waiter_seen
+                and not self._waiter_readable()):
             return 0, None, seen
-        snapshot = list(self.queue)
+        if len(self.queue) == 1:
+            return 0, None, seen  # alone, the head goes whatever its state: no probe
+        try:  # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass
+            if probe(self.thread, head.item, time.perf_counter_ns())[0] in (READY, UNKNOWN):
+                return 0, None, seen
+        except Exception:
+            pass  # the full decision reports it (and falls back to fifo)
+        try:
+            cands = self._passable()
+        except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
+            self._fallback(f"scheduler error: {type(exc).__name__}: {exc}")
+            return 0, None, seen
+        if cands is None:
+            return 0, None, seen  # nothing could pass: the head blocks in its own wait, as upstream
         self.mutex.release()
         try:
-            pick, wait_s = self._choose(snapshot)
+            pick, wait_s = self._choose(head, cands)
         finally:
             self.mutex.acquire()
-        if pick >= 0 and (self.policy != "ready_queue" or pick >= len(self.queue)
-                          or self.queue[pick] is not snapshot[pick]):
-            return 0 if self.policy != "ready_queue" else -1, 0.0, seen - 1  # changed meanwhile: decide again
         if pick > 0:
+            picked = next(e for j, e, _ in cands if j == pick)
+            if self.policy != "ready_queue" or pick >= len(self.queue) or self.queue[pick] is not picked:
+                return -1 if self.policy == "ready_queue" else 0, 0.0, seen - 1  # changed meanwhile: decide again
             self.bypassed += 1
         return pick, wait_s, seen
 
-    def _head_goes(self) -> bool:
-        """The fast path, under the lock: a head whose waits are met (or cannot be checked) goes out
-        without the snapshot and the unlocked scan. One probe of non-blocking checks; the lock is
-        held for it so the common case (FIFO order is already right) costs no lock hand-off."""
-        try:
-            return probe(self.thread, self.queue[0].item, time.perf_counter_ns())[0] in (READY, UNKNOWN)
-        except Exception:
-            return False  # the full decision reports it (and falls back to fifo)
+    def _passable(self) -> list[tuple[int, _Entry, str | None]] | None:
+        """Under the lock: every queued task behind the head up to a barrier, in order, with the rule
+        (:func:`rules.bypass_blocker`, :func:`rules.request_blocks`) that keeps it behind the head, or
+        None. Returns None (and counts the rules) when no task may pass: nothing to probe."""
+        entries = self.queue
+        head = entries[0]
+        unserved = self._unserved
+        first: dict[int, int] = {head.step: head.layer}
+        earlier: dict[int, set[str] | None] = {}  # per earlier step: the union of its tasks' request ids
+        folded = 0  # entries[:folded] are in ``earlier`` (request ids read only for a cross-step candidate)
+        out: list[tuple[int, _Entry, str | None]] = []
+        free = False
+        for j in range(1, len(entries)):
+            e = entries[j]
+            blocker = rules.bypass_blocker(
+                ready=True, is_final=e.final, unserved_in_step=unserved[e.step], need=e.src,
+                first_unfinished=first.get(e.step, 1 << 30), barrier=e.barrier)
+            if blocker == rules.BARRIER:
+                break
+            first.setdefault(e.step, e.layer)
+            if blocker is None and e.step != head.step:
+                while folded < j:
+                    _add_requests(earlier, entries[folded])
+                    folded += 1
+                ids = e.request_ids()
+                if any(rules.request_blocks(e.step, ids, s, reqs) for s, reqs in earlier.items()):
+                    blocker = rules.SAME_REQUEST
+            out.append((j, e, blocker))
+            free = free or blocker is None
+        if free:
+            return out
+        for _, _, blocker in out:
+            self.blocked_by[blocker] += 1  # type: ignore[index]
+        return None
 
     def _waiter_readable(self) -> bool:
         """A waiter wired after :func:`attach` (see :func:`unreadable_waiter`): FIFO from then on, said once."""
         reason = unreadable_waiter(self.thread)
         if reason is None:
+            self._waiter_seen = getattr(self.thread, "external_slot_release_waiter", None)
             return True
         self._fallback(reason)
         return False
@@ -293,48 +356,32 @@ class SchedulingQueue(queue.Queue):
             self.on_change()
 
     # the decision ----------------------------------------------------------------------------------
-    def _choose(self, entries: list[_Entry]) -> tuple[int, float | None]:
-        """``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+    def _choose(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
+        """Probe the head again, then the candidates the rules let pass, in order; the first ready goes.
+        ``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
         try:
-            return self._choose_ready(entries)
+            return self._choose_ready(head, cands)
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
             self._fallback(f"scheduler error: {type(exc).__name__}: {exc}")
             return 0, None
 
-    def _choose_ready(self, entries: list[_Entry]) -> tuple[int, float | None]:
-        head = entries[0]
+    def _choose_ready(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
         now = time.perf_counter_ns()
         head_state, wake = probe(self.thread, head.item, now)
         if head_state in (READY, UNKNOWN):
             return 0, None
         waits = [(head_state, wake)]
-        first: dict[int, int] = {head.step: head.layer}
-        unserved: dict[int, int] = {}
-        for e in entries:
-            unserved[e.step] = unserved.get(e.step, 0) + 1
-        earlier: dict[int, set[str] | None] = {}  # per earlier step: the union of its tasks' request ids
-        for j in range(1, len(entries)):
-            e = entries[j]
-            _add_requests(earlier, entries[j - 1])
-            blocker = rules.bypass_blocker(
-                ready=True, is_final=e.final, unserved_in_step=unserved[e.step], need=e.src,
-                first_unfinished=first.get(e.step, 1 << 30), barrier=e.barrier)
-            first.setdefault(e.step, e.layer)
-            if blocker is None and e.step != head.step:
-                ids = e.request_ids()
-                if any(rules.request_blocks(e.step, ids, s, reqs) for s, reqs in earlier.items()):
-                    blocker = rules.SAME_REQUEST
-            if blocker == rules.BARRIER:
-                break
+        blocked = self.blocked_by
+        for j, e, blocker in cands:
             if blocker is not None:
-                self.blocked_by[blocker] += 1
+                blocked[blocker] += 1
                 continue
             state, wake = probe(self.thread, e.item, now)
             if state == READY:
                 return j, None
             if state != UNKNOWN:
                 waits.append((state, wake))
-            self.blocked_by[rules.DEPENDENCY] += 1
+            blocked[rules.DEPENDENCY] += 1
         if head_state == POLL or len(waits) == 1:
             # nothing else is ready, and either the head waits only on device progress (an NPU event, a
             # gate) or no other queued task could pass it: block in the head's own wait as upstream does
