@@ -15,7 +15,7 @@ from typing import Any
 
 from otel_kvtrace.instrument import attach
 from otel_kvtrace.instrument.attach import GATE_ID_ATTR, STATE_ATTR
-from otel_kvtrace.instrument.proxies import SMALL_ARRAY, total_bytes
+from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.instrument.stream_order import StreamLog, next_position
@@ -283,11 +283,8 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
         if type(result) is int:
             rec.backend_result = result
         sizes = args[2] if len(args) > 2 else kwargs.get("sizes")
-        if sizes is not None:
-            try:  # a small numpy size array: sum(tolist()) is about half of .sum() (proxies.total_bytes)
-                rec.nbytes += sum(sizes.tolist()) if len(sizes) <= SMALL_ARRAY else total_bytes(sizes)
-            except Exception:
-                rec.nbytes += total_bytes(sizes)
+        if sizes is not None:  # one home for lists and numpy arrays (small ones summed via tolist())
+            rec.nbytes += total_bytes(sizes)
         return result
 
     return _mark(_batch_copy_with_limits, original)
