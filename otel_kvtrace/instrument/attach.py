@@ -120,19 +120,6 @@ def bind_thread(state: QueueState, rt: Runtime) -> None:
     rt.state_by_thread[ident] = state
 
 
-def gate_id(gate: Any, state: QueueState) -> int:
-    """The forward layer whose ``wait_for_layer_load`` created ``gate`` (or a per-queue counter)."""
-    existing = gate.__dict__.get(GATE_ID_ATTR)
-    if existing is not None:
-        return existing
-    layer = state.worker.forward_layer
-    if layer < 0:
-        layer = state.gates_seen
-    state.gates_seen += 1
-    setattr(gate, GATE_ID_ATTR, layer)
-    return layer
-
-
 def npu_timing_for(rt: Runtime, event_type: Any = None) -> NpuTiming | None:
     """The session's device-time mapper, created once, at attach time (never per task).
 

@@ -84,8 +84,8 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
     new_record = TaskRecord
 
     def add_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
-        # One frame of ours per enqueue: the record set-up is inlined (``Recorder.new_record``,
-        # ``attach.gate_id``); the forward thread pays for every line of it.
+        # One frame of ours per enqueue: the record set-up is inlined (``Recorder.new_record``;
+        # the gate-id rule lives here only); the forward thread pays for every line of it.
         st = None
         if item is not None and recorder.enabled:
             try:
@@ -120,7 +120,7 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
                     gate = item.attention_start_gate
                     if gate is not None:
                         gid = gate.__dict__.get(GATE_ID_ATTR)
-                        if gid is None:  # attach.gate_id, inlined: the forward layer that created the gate
+                        if gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
                             gid = worker.forward_layer
                             if gid < 0:
                                 gid = st.gates_seen
