@@ -106,6 +106,8 @@ WARN_KERNELS_BY_TIME = "kernels_by_time"
 WARN_SPAN_START_LOST = "span_start_lost"
 WARN_PROCESS_JOINED = "process_joined"
 """A capture of several engine processes (DP): a process without schedule spans was given to one engine."""
+WARN_PROCESS_LEFT_OUT = "process_left_out"
+"""A run of several engine processes (DP): a worker process naming none of them as parent joined none."""
 
 
 @dataclass(slots=True)

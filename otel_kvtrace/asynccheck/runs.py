@@ -82,7 +82,11 @@ def refuse_empty(paths: Iterable[str | Path], files: list[Path], result: m.Impor
             "(OTEL_KVTRACE_ASYNC) or of `kvtrace async replica`")
 
 
-def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]], dict[str, list[str]]]:
+Notes = dict[str, list[tuple[str, str]]]
+"""Per engine process: ``(warning kind, text)`` of what the split did with the other processes."""
+
+
+def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]], Notes]:
     """One run's spans per engine process (DP rank), when it has several: ``{"<run> pid<N>": spans}``.
 
     Engine processes are those with steps (our traces: lanes with ``async.step``) or with schedule spans
@@ -107,8 +111,9 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
                 out[f"{base} pid{pid}"].append(s)
             else:  # no known parent: joining it to any engine would mix DP ranks
                 orphans[_lane_pid(s.lane)] = orphans.get(_lane_pid(s.lane), 0) + 1
-        note = [f"pid {pid}: {n} worker span(s) left out of every engine's verdict: no process.parent_pid "
-                "names one of this run's engine processes" for pid, n in sorted(orphans.items())]
+        note = [(m.WARN_PROCESS_LEFT_OUT, f"pid {pid}: {n} worker span(s) left out of every engine's verdict: "
+                 "no process.parent_pid names one of this run's engine processes")
+                for pid, n in sorted(orphans.items())]
         return out, ({key: list(note) for key in out} if note else {})
     by_pid: dict[str, list[m.SpanRow]] = {}
     for s in spans:
@@ -118,14 +123,15 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
         return {}, {}
     ends = {e: sorted(s.end_ns for s in by_pid[e] if s.name == m.BATCH_SCHEDULE) for e in engines}
     out = {f"{base} pid{e}": list(by_pid[e]) for e in engines}
-    notes: dict[str, list[str]] = {}
+    notes: Notes = {}
     for pid, ss in by_pid.items():
         if pid in engines:
             continue
         engine = min(engines, key=lambda e: _lead_ns(ends[e], ss))
         out[f"{base} pid{engine}"] += ss
-        notes.setdefault(f"{base} pid{engine}", []).append(f"pid {pid} (no schedule spans) joined engine pid {engine}: its spans follow that engine's "
-                     "schedules most closely")
+        notes.setdefault(f"{base} pid{engine}", []).append((m.WARN_PROCESS_JOINED, (
+            f"pid {pid} (no schedule spans) joined engine pid {engine}: its spans follow that engine's "
+            "schedules most closely")))
     return out, notes
 
 
@@ -154,4 +160,4 @@ def select_process(result: m.ImportResult, run: str) -> None:
         files = {key: list(dict.fromkeys(s.file for s in spans)) for key, spans in procs.items()}
         raise SeveralRunsError(f"{len(procs)} engine processes (DP ranks) in {base}: one verdict per process", files)
     result.spans = procs[run]
-    result.warnings += [m.CaptureWarning(run, "", m.WARN_PROCESS_JOINED, note) for note in notes.get(run, [])]
+    result.warnings += [m.CaptureWarning(run, "", kind, text) for kind, text in notes.get(run, [])]

@@ -116,5 +116,5 @@ def test_worker_processes_follow_their_parent_engine_process() -> None:
     procs, notes = split_processes(spans)
     lanes = {key: sorted(s.lane for s in ss) for key, ss in procs.items()}
     assert lanes == {"r pid10": ["r/pid10", "r/pid11"], "r pid20": ["r/pid20", "r/pid21"]}  # never both ranks
-    assert {key: [n.split(":")[0] for n in ns] for key, ns in notes.items()} == {"r pid10": ["pid 31"],
-                                                                                 "r pid20": ["pid 31"]}
+    assert {key: [(kind, text.split(":")[0]) for kind, text in ns] for key, ns in notes.items()} == {
+        "r pid10": [(m.WARN_PROCESS_LEFT_OUT, "pid 31")], "r pid20": [(m.WARN_PROCESS_LEFT_OUT, "pid 31")]}
