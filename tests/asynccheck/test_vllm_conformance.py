@@ -28,10 +28,10 @@ from . import vllm_engine as ve
 from .vllm_src import VERSIONS, VllmUnavailable, vllm_modules
 
 STEPS = 50
-GAP_TOLERANCE = 0.15
-"""The issue's target is 10 %, and most runs read -0.3 to -2.2 %; but about one run in ten of a serialised
-scenario reads about 0.4 ms (-11 %) short on this 2-core machine, cause not found (docs/async_check.md).
-The suite asserts what holds run after run; the 10 % target stays open until that shortfall is found."""
+GAP_TOLERANCE = 0.10
+SERIALISED_TOLERANCE = 0.15
+"""Serialised launches: most runs read -1 to -2 %, but about one run in ten reads about 0.4 ms (-11 %)
+short on this 2-core machine, cause not found (docs/async_check.md); the 10 % target stays open there."""
 HOST_BOUND = ve.Timing(schedule_s=0.004, forward_s=0.003, update_s=0.002)
 SERIALISED = ve.Timing(blocking_launch=True)
 SERIALISED_IN_SAMPLE = ve.Timing(blocking_sample=True)
@@ -98,15 +98,15 @@ LAST: dict[str, float] = {}
 """The last scenario's median ready-time bracket (``async.done_bound_ns``): the stated precision."""
 
 
-def assert_gap(result: analysis.CheckResult, true_gaps: list[float]) -> None:
-    """Gap p50 within ``GAP_TOLERANCE`` of the true device idle (p50); a true gap of ~0 reads below 0.1 ms."""
+def assert_gap(result: analysis.CheckResult, true_gaps: list[float], tolerance: float = GAP_TOLERANCE) -> None:
+    """Gap p50 within ``tolerance`` of the true device idle (p50); a true gap of ~0 reads below 0.1 ms."""
     truth = statistics.median(true_gaps)
     measured = result.metrics.gap_p50_ms
     assert measured is not None
     if truth < 0.05:
         assert measured < 0.1, (measured, truth)
     else:
-        assert abs(measured - truth) <= GAP_TOLERANCE * truth, \
+        assert abs(measured - truth) <= tolerance * truth, \
             f"gap p50 {measured:.3f} ms vs true {truth:.3f} ms (stated precision {LAST.get('bound_ms', 0.0):.3f} ms)"
 
 
@@ -149,7 +149,7 @@ def test_serialised_launch_is_not_effective_launch_waited(vllm: Any, tmp_path: P
                                    output_kind=output_kind)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
-    assert_gap(result, gaps)
+    assert_gap(result, gaps, SERIALISED_TOLERANCE)
 
 
 def test_blocking_in_sample_tokens_is_a_launch_that_waited(vllm: Any, tmp_path: Path) -> None:
@@ -157,7 +157,7 @@ def test_blocking_in_sample_tokens_is_a_launch_that_waited(vllm: Any, tmp_path: 
     result, gaps, _ = run_scenario(vllm, tmp_path, executor="uniproc", async_loop=True, timing=SERIALISED_IN_SAMPLE)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
-    assert_gap(result, gaps)
+    assert_gap(result, gaps, SERIALISED_TOLERANCE)
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded"])
