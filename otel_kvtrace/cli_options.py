@@ -1,8 +1,8 @@
 """Click options that several commands share, declared once here.
 
 ``output_options`` is the one declaration of the report outputs (``--json``, ``--md``, ``--png-dir``,
-``--html``): ``kvtrace report``, ``kvtrace whatif`` and ``kvtrace sweep`` take them with the same names,
-parameter names and types, and each says in its own help what it writes there.
+``--html``): ``kvtrace report``, ``kvtrace whatif``, ``kvtrace sweep`` and ``kvtrace async check`` take
+them with the same names, parameter names and types, and each says in its own help what it writes there.
 """
 
 from __future__ import annotations

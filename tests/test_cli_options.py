@@ -11,6 +11,7 @@ import click
 
 import otel_kvtrace
 from otel_kvtrace import config
+from otel_kvtrace.asynccheck.cli import check_command
 from otel_kvtrace.collect.cli import collect_command
 from otel_kvtrace.report.cli import export_command, report
 from otel_kvtrace.whatif.cli import sweep_command, whatif_command
@@ -25,9 +26,9 @@ def _outputs(command: click.Command) -> dict[str, tuple]:
             for p in command.params if p.name in OUTPUTS}
 
 
-def test_report_whatif_and_sweep_take_the_same_output_options() -> None:
-    declared = [_outputs(c) for c in (report, whatif_command, sweep_command)]
-    assert set(declared[0]) == {"json_path", "png_dir", "html_path"}
+def test_report_whatif_sweep_and_async_check_take_the_same_output_options() -> None:
+    declared = [_outputs(c) for c in (report, whatif_command, sweep_command, check_command)]
+    assert set(declared[0]) == set(declared[3]) == {"json_path", "png_dir", "html_path"}
     assert set(declared[1]) == set(declared[2]) == set(OUTPUTS)
     for name, flag in OUTPUTS.items():
         shapes = {d[name] for d in declared if name in d}

@@ -11,6 +11,7 @@ from rich.console import Console
 from otel_kvtrace import config
 from otel_kvtrace.asynccheck.analysis import check, compare
 from otel_kvtrace.asynccheck.doctor import DoctorError, doctor
+from otel_kvtrace.cli_options import output_options
 
 
 class InputError(click.ClickException):
@@ -42,7 +43,6 @@ def _parse_compare(items: Sequence[str]) -> dict[str, list[str]]:
 
 @async_group.command("check")
 @click.argument("paths", nargs=-1, type=click.Path(exists=True))
-@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="Also write the result as JSON here.")
 @click.option(
     "--compare",
     "compare_runs",
@@ -50,11 +50,11 @@ def _parse_compare(items: Sequence[str]) -> dict[str, list[str]]:
     metavar="LABEL=PATH",
     help="A labelled run (repeat; same label twice = more files of that run). Rows keep this order.",
 )
-@click.option("--png-dir", type=click.Path(file_okay=False), help="Write the curves (step interval, request latency, "
-              "overlap timeline) as PNG files here.")
-@click.option("--html", "html_path", type=click.Path(dir_okay=False), help="Write one self-contained HTML page here.")
-def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: tuple[str, ...],
-                  png_dir: str | None, html_path: str | None) -> None:
+@output_options(json="Also write the result as JSON here.",
+                png_dir="Write the curves (step interval, request latency, overlap timeline) as PNG files here.",
+                html="Write one self-contained HTML page here.")
+def check_command(paths: tuple[str, ...], compare_runs: tuple[str, ...], json_path: Path | None,
+                  png_dir: Path | None, html_path: Path | None) -> None:
     """Decide from timelines whether schedule(n+1) overlaps execute(n).
 
     PATHS are files or directories of one capture: our traces (./kvtrace-data/async/*.jsonl) and/or
@@ -101,11 +101,12 @@ def check_command(paths: tuple[str, ...], json_path: str | None, compare_runs: t
     except (NothingToCheckError, SeveralRunsError) as exc:
         raise InputError(str(exc)) from None
     if png_dir or html_path:
-        from otel_kvtrace.asynccheck.curves import curve_pngs, write_html, write_pngs
+        from otel_kvtrace.asynccheck.curves import curve_pngs, write_html
+        from otel_kvtrace.report.plots import write_png_files
 
         pngs = curve_pngs(con, results)
         if png_dir:
-            for path in write_pngs(pngs, png_dir):
+            for path in write_png_files(pngs, png_dir):
                 console.print(f"wrote {path}")
         if html_path:
             console.print(f"wrote {write_html(pngs, results, html_path)}")

@@ -12,8 +12,9 @@ import duckdb
 from matplotlib.figure import Figure
 
 from otel_kvtrace.asynccheck.analysis import CheckResult
+from otel_kvtrace.asynccheck.render import num
 from otel_kvtrace.report.html_safety import csp_meta
-from otel_kvtrace.report.plots import figure_png, png_base64
+from otel_kvtrace.report.plots import figure_png, pngs_html
 
 TIMELINE_STEPS = 6
 """Steps drawn per run in the overlap timeline (enough to see the pattern, few enough to read)."""
@@ -107,16 +108,6 @@ def curve_pngs(con: duckdb.DuckDBPyConnection, results: Sequence[CheckResult]) -
     return {stem: figure_png(fig) for stem, fig in figures.items() if fig is not None}
 
 
-def write_pngs(pngs: dict[str, bytes], out_dir: str | Path) -> list[Path]:
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for stem, png in pngs.items():
-        (out / f"{stem}.png").write_bytes(png)
-        paths.append(out / f"{stem}.png")
-    return paths
-
-
 _STYLE = ("body{font-family:system-ui,sans-serif;margin:1.2em}td,th{border:1px solid #ccc;padding:2px 6px}"
           "table{border-collapse:collapse}img{max-width:100%}")
 
@@ -126,14 +117,14 @@ def write_html(pngs: dict[str, bytes], results: Sequence[CheckResult], path: str
     rows = []
     for r in results:
         o = r.outcome
-        cells = [r.run, r.verdict, _fmt(r.metrics.overlap_ratio, "{:.0%}"), _fmt(r.metrics.gap_p50_ms),
-                 _fmt(o.step_interval_p50_ms), _fmt(o.step_interval_p99_ms), _fmt(o.request_latency_p90_ms),
-                 _fmt(o.request_latency_p99_ms), _fmt(o.output_tokens_per_s, "{:.1f}")]
+        ms = (r.metrics.gap_p50_ms, o.step_interval_p50_ms, o.step_interval_p99_ms, o.request_latency_p90_ms,
+              o.request_latency_p99_ms)
+        cells = [r.run, r.verdict, num(r.metrics.overlap_ratio, "{:.0%}"), *(num(v, "{:.2f}") for v in ms),
+                 num(o.output_tokens_per_s, "{:.1f}")]
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     head = ("run", "verdict", "overlap", "gap p50 ms", "step p50 ms", "step p99 ms", "latency p90 ms",
             "latency p99 ms", "tokens/s")
-    imgs = "".join(f'<h2>{html.escape(stem)}</h2><img class="plot" alt="{html.escape(stem)}" '
-                   f'src="data:image/png;base64,{png_base64(png)}">' for stem, png in pngs.items())
+    imgs = pngs_html(pngs, "h2")
     page = ("<!doctype html><html><head><meta charset='utf-8'>" + csp_meta(styles=[_STYLE])
             + f"<title>kvtrace async check</title><style>{_STYLE}</style>"
             "</head><body><h1>Async scheduling: did it take effect, did it pay off?</h1><table><tr>"
@@ -141,7 +132,3 @@ def write_html(pngs: dict[str, bytes], results: Sequence[CheckResult], path: str
     out = Path(path)
     out.write_text(page, encoding="utf-8")
     return out
-
-
-def _fmt(value: float | None, fmt: str = "{:.2f}") -> str:
-    return "-" if value is None else fmt.format(value)

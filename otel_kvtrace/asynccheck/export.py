@@ -32,6 +32,7 @@ from otel_kvtrace.export.encode import json_span
 from otel_kvtrace.export.sinks import JsonLinesFileSink, SpanSink, safe_run_id
 from otel_kvtrace.export.spans import JsonSpan
 from otel_kvtrace.export.worker import BackgroundExporter, build_resource
+from otel_kvtrace.record.model import trace_ids_for
 from otel_kvtrace.record.recorder import ClockAnchor, Recorder
 
 logger = logging.getLogger("otel_kvtrace")
@@ -57,8 +58,9 @@ def default_resource(*, run_id: str, source: str, label: str, extra: Mapping[str
 
 
 def _ids(key: str) -> tuple[int, int]:
-    digest = hashlib.sha256(key.encode()).digest()
-    return int.from_bytes(digest[:16], "big"), int.from_bytes(digest[16:24], "big")
+    """Trace and root span id of ``key``, derived as a KV task's are from its correlation id."""
+    trace_id, span_id = trace_ids_for(key)
+    return int.from_bytes(trace_id, "big"), int.from_bytes(span_id, "big")
 
 
 def _child_id(key: str, name: str, index: int) -> int:

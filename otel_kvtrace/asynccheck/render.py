@@ -18,12 +18,13 @@ _VERDICT_STYLE = {EFFECTIVE: "bold green", NOT_EFFECTIVE: "bold red"}
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
 
 
-def _num(value: float | None, fmt: str = "{:.3f}") -> str:
+def num(value: float | None, fmt: str = "{:.3f}") -> str:
+    """``value`` in ``fmt``, ``-`` when the input has no such value (the terminal's and the page's cells)."""
     return "-" if value is None else fmt.format(value)
 
 
 def _pct(value: float | None) -> str:
-    return _num(value, "{:.0%}")
+    return num(value, "{:.0%}")
 
 
 def render_check(result: CheckResult, console: Console) -> None:
@@ -41,11 +42,11 @@ def render_check(result: CheckResult, console: Console) -> None:
         ("step pairs with schedule + output-ready", str(mt.pairs)),
         ("overlap schedule(n+1) / execute(n)", _pct(mt.overlap_ratio)),
         ("pairs overlapped >= 50%", _pct(mt.overlapped_pairs_share)),
-        ("forward gap p50 (ms)", _num(mt.gap_p50_ms)),
-        ("forward gap p95 (ms)", _num(mt.gap_p95_ms)),
+        ("forward gap p50 (ms)", num(mt.gap_p50_ms)),
+        ("forward gap p95 (ms)", num(mt.gap_p95_ms)),
         ("launches that waited for the device", _pct(mt.blocking_launch_share)),
-        ("max batches in flight", _num(mt.max_queue_depth, "{}")),
-        ("communication total (ms)", _num(mt.comm_total_ms)),
+        ("max batches in flight", num(mt.max_queue_depth, "{}")),
+        ("communication total (ms)", num(mt.comm_total_ms)),
         ("communication exposed", _pct(mt.comm_exposed_share)),
     ]
     for row in rows:
@@ -77,7 +78,7 @@ def render_compare(results: Sequence[CheckResult], console: Console) -> None:
         delta = "-" if previous is None or mt.gap_p50_ms is None else f"{mt.gap_p50_ms - previous:+.2f}"
         style = _VERDICT_STYLE.get(r.verdict, "yellow")
         table.add_row(
-            escape(r.run), f"[{style}]{escape(str(r.verdict))}[/]", _pct(mt.overlap_ratio), _num(mt.gap_p50_ms, "{:.2f}"), delta,
+            escape(r.run), f"[{style}]{escape(str(r.verdict))}[/]", _pct(mt.overlap_ratio), num(mt.gap_p50_ms, "{:.2f}"), delta,
             _pct(mt.comm_exposed_share), _pct(mt.blocking_launch_share),
         )
         previous = mt.gap_p50_ms if mt.gap_p50_ms is not None else previous
@@ -86,8 +87,8 @@ def render_compare(results: Sequence[CheckResult], console: Console) -> None:
     for r in results:
         mt = r.metrics
         markers = ", ".join(sorted(k for k, v in r.markers.items() if v)) or "none"
-        console.print(f"[bold]{escape(r.run)}[/]: gap p95 {_num(mt.gap_p95_ms, '{:.2f}')} ms, max in flight "
-                      f"{_num(mt.max_queue_depth, '{}')}, markers {escape(markers)}")
+        console.print(f"[bold]{escape(r.run)}[/]: gap p95 {num(mt.gap_p95_ms, '{:.2f}')} ms, max in flight "
+                      f"{num(mt.max_queue_depth, '{}')}, markers {escape(markers)}")
         outcome = outcome_line(r.outcome)
         if outcome:
             console.print(f"  outcome: {escape(outcome)}")

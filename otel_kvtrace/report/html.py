@@ -16,7 +16,7 @@ from pathlib import Path
 from otel_kvtrace.analyse.queries import QueryResult
 from otel_kvtrace.report.html_safety import csp_meta, script_json
 from otel_kvtrace.report.model import Report
-from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, png_base64, report_pngs
+from otel_kvtrace.report.plots import HOL_COLORS, STAGE_COLORS, pngs_html, report_pngs
 from otel_kvtrace.report.terminal import hol_headline
 from otel_kvtrace.report.timeline_js import TIMELINE_JS
 
@@ -87,11 +87,7 @@ def render_html(report: Report, *, jaeger_url: str | None = None) -> str:
     css = _CSS + _legend_css()
     legend = "".join(f'<span><i class="c-{s}"></i>{html.escape(s)}</span>' for s in STAGE_COLORS)
     legend += "".join(f'<span><i class="c-hol-{k}"></i>HOL {html.escape(k)}</span>' for k in HOL_COLORS)
-    plots = "".join(
-        f'<h3>{html.escape(stem)}</h3><img class="plot" alt="{html.escape(stem)}" '
-        f'src="data:image/png;base64,{png_base64(png)}">'
-        for stem, png in report_pngs(report).items()
-    )
+    plots = pngs_html(report_pngs(report))
     stats = report.stats
     malformed = "".join(f"<li>{html.escape(str(m))}</li>" for m in stats.malformed[:50])
     shown = (f"{timeline.get('shown', 0)} of {timeline.get('total', 0)} tasks shown "

@@ -6,8 +6,10 @@ a Figure (notebooks ``display`` it) and ``write_pngs`` saves them all."""
 from __future__ import annotations
 
 import base64
+import html
 import io
 from collections import defaultdict
+from collections.abc import Mapping
 from pathlib import Path
 
 from matplotlib.collections import PolyCollection
@@ -146,17 +148,26 @@ def figure_png(fig: Figure, dpi: int = 110) -> bytes:
     return buffer.getvalue()
 
 
-def png_base64(png: bytes) -> str:
-    return base64.b64encode(png).decode("ascii")
+def pngs_html(pngs: Mapping[str, bytes], heading: str = "h3") -> str:
+    """Each PNG as a ``<heading>`` with its stem and an inline ``data:`` image (the pages' policy allows
+    images only from ``data:``); the stem is escaped."""
+    return "".join(f'<{heading}>{html.escape(stem)}</{heading}><img class="plot" alt="{html.escape(stem)}" '
+                   f'src="data:image/png;base64,{base64.b64encode(png).decode("ascii")}">'
+                   for stem, png in pngs.items())
 
 
-def write_pngs(report: Report, out_dir: str | Path) -> list[Path]:
-    """Save every figure as ``<out_dir>/<stem>.png``; returns the paths."""
+def write_png_files(pngs: Mapping[str, bytes], out_dir: str | Path) -> list[Path]:
+    """Save each PNG as ``<out_dir>/<stem>.png``; returns the paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
-    for stem, png in report_pngs(report).items():
+    for stem, png in pngs.items():
         path = out / f"{stem}.png"
         path.write_bytes(png)
         paths.append(path)
     return paths
+
+
+def write_pngs(report: Report, out_dir: str | Path) -> list[Path]:
+    """Save every figure of ``report`` as ``<out_dir>/<stem>.png``; returns the paths."""
+    return write_png_files(report_pngs(report), out_dir)
