@@ -59,8 +59,9 @@ class TracingSession:
         self._closed = False
         self._untraced = 0  # counted over detached queues too
         self._unlisten: Any = lambda: None  # stops following the scheduler in force
-        # At interpreter exit: release records held for a consumer wait (flagged), then drain.
-        atexit.register(self.shutdown)
+        # At interpreter exit: release records held for a consumer wait (flagged), then drain within
+        # the exit deadline (a dying process must not wait out the export timeout).
+        atexit.register(self._shutdown_at_exit)
 
     @property
     def run_id(self) -> str:
@@ -99,12 +100,15 @@ class TracingSession:
         """Uninstrument, drain and stop the exporter. Idempotent."""
         if not self._closed:
             self._closed = True
-            atexit.unregister(self.shutdown)
+            atexit.unregister(self._shutdown_at_exit)
             self._unlisten()
             self.uninstrument()
             if self.exporter is not None:
                 self.exporter.shutdown(timeout_s)
         return self.stats()
+
+    def _shutdown_at_exit(self) -> None:
+        self.shutdown(config.exit_drain_s())
 
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)

@@ -53,7 +53,16 @@ OTEL_KVTRACE_EXPORT_BATCH_SIZE = "OTEL_KVTRACE_EXPORT_BATCH_SIZE"
 which keeps an OTLP/gRPC request well under the Collector's default 4 MiB receive limit."""
 
 OTEL_KVTRACE_EXPORT_TIMEOUT_MS = "OTEL_KVTRACE_EXPORT_TIMEOUT_MS"
-"""Default time ``force_flush`` and ``shutdown`` (also at interpreter exit) may take, in ms. Default: 10000."""
+"""Default time ``force_flush`` and ``shutdown`` may take, in ms (the drain at process exit has its own,
+shorter deadline: ``OTEL_KVTRACE_EXIT_DRAIN_MS``). Default: 10000."""
+
+OTEL_KVTRACE_EXIT_DRAIN_MS = "OTEL_KVTRACE_EXIT_DRAIN_MS"
+"""How long the drain at process exit (interpreter exit, or a multiprocessing child's ``os._exit``) may
+take, in ms, all waits included: a dying serving process must not wait out the export timeout on a slow
+endpoint. What is not delivered by then stays in the OTLP spool, whose resend command is logged, or,
+with no spool (``OTEL_KVTRACE_SPOOL_MAX_MB=0``) or a stuck file sink, is counted as dropped, so
+``delivered + spooled + dropped == recorded`` still holds. ``0`` delivers nothing at exit (spool only).
+Default: 2000."""
 
 OTEL_KVTRACE_DROP_LOG_INTERVAL_S = "OTEL_KVTRACE_DROP_LOG_INTERVAL_S"
 """Minimum seconds between two "records dropped" warnings. Default: 10."""
@@ -90,6 +99,7 @@ DEFAULT_DATA_DIR = "./kvtrace-data"
 DEFAULT_EXPORT_INTERVAL_MS = 200
 DEFAULT_EXPORT_BATCH_SIZE = 256
 DEFAULT_EXPORT_TIMEOUT_MS = 10_000
+DEFAULT_EXIT_DRAIN_MS = 2_000
 DEFAULT_DROP_LOG_INTERVAL_S = 10.0
 DEFAULT_SPOOL_SUBDIR = "spool"
 DEFAULT_SPOOL_MAX_MB = 512
@@ -151,6 +161,11 @@ def env_float(name: str, default: float, *, environ: Mapping[str, str] | None = 
         logger.warning("otel-kvtrace: %s=%s must be >= 0; using %s", name, value, default)
         return default
     return value
+
+
+def exit_drain_s(environ: Mapping[str, str] | None = None) -> float:
+    """``OTEL_KVTRACE_EXIT_DRAIN_MS`` in seconds: the deadline of the drain at process exit."""
+    return env_int(OTEL_KVTRACE_EXIT_DRAIN_MS, DEFAULT_EXIT_DRAIN_MS, minimum=0, environ=environ) / 1000
 
 
 def sdk_disabled(environ: Mapping[str, str] | None = None) -> bool:

@@ -36,6 +36,7 @@ from otel_kvtrace.export.encode import (
 logger = logging.getLogger("otel_kvtrace")
 
 TRACES_SUBDIR = "traces"
+HTTP_POST_THREAD_NAME = "kvtrace-http-post"
 
 
 class SpanSink(Protocol):
@@ -365,9 +366,30 @@ class OtlpHttpSink(_SdkExporterSink):
         return exporter
 
     def attempt(self, request: ExportTraceServiceRequest, abort: threading.Event) -> Attempt:
-        """POST once (no SDK retry loop) with the SDK client's URL, headers, compression and timeout."""
+        """POST once (no SDK retry loop) with the SDK client's URL, headers, compression and timeout.
+
+        The POST runs on a helper thread so that ``abort`` (shutdown, the exit drain's deadline) ends the
+        wait within 50 ms, as it does a gRPC call: a receiver that never answers must not hold the sender
+        for the client's whole timeout. The batch stays in the spool either way."""
         client = self._current()._client
-        result = client._submit(client._compress(request.SerializeToString()), client._timeout)
+        data = client._compress(request.SerializeToString())
+        outcome: list[Any] = []
+
+        def post() -> None:
+            try:
+                outcome.append(client._submit(data, client._timeout))
+            except BaseException as exc:  # noqa: BLE001 - re-raised on the sender's thread below
+                outcome.append(exc)
+
+        poster = threading.Thread(target=post, name=HTTP_POST_THREAD_NAME, daemon=True)
+        poster.start()
+        while poster.is_alive():
+            poster.join(0.05)
+            if abort.is_set() and poster.is_alive():
+                return Attempt(RETRY, "aborted at shutdown")
+        result = outcome[0]
+        if isinstance(result, BaseException):
+            raise result
         status = result.status_code
         if result.error is None and status is not None and 200 <= status < 300:
             try:

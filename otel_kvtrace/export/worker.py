@@ -202,6 +202,17 @@ class BackgroundExporter:
         Returns True when every pending record was delivered in time (none left at the deadline, no
         batch failed during the drain). Records still pending at the deadline are counted as dropped.
         """
+        return self._shutdown(self.timeout_s if timeout_s is None else timeout_s, grace_s=1.0)
+
+    def _shutdown_at_exit(self) -> None:
+        """The drain of a dying process (atexit, multiprocessing's ``os._exit``): every wait, the sink's
+        included, fits in ``OTEL_KVTRACE_EXIT_DRAIN_MS``; what a stuck worker still holds is counted as
+        dropped rather than waited for, what a delivering sink did not send stays in its spool."""
+        self._shutdown(config.exit_drain_s(), grace_s=0.0, at_exit=True)
+
+    def _shutdown(self, timeout: float, *, grace_s: float, at_exit: bool = False) -> bool:
+        """``shutdown`` with ``timeout``; a worker stuck in the sink past it gets ``grace_s`` more after
+        the sink is told to abort."""
         with self._shutdown_lock:
             if self._shutdown_done:
                 return self.recorder.pending == 0
@@ -210,7 +221,6 @@ class BackgroundExporter:
         with contextlib.suppress(Exception):  # interpreter teardown
             atexit.unregister(self._atexit)
             self._mp_exit.cancel()
-        timeout = self.timeout_s if timeout_s is None else timeout_s
         self._deadline = time.monotonic() + timeout
         self._stopping.set()
         thread = self._thread
@@ -218,7 +228,7 @@ class BackgroundExporter:
             thread.join(timeout)
             if thread.is_alive():
                 self._safe_sink_shutdown(0.0)  # aborts retry back-off of a sink sending inline
-                thread.join(1.0)
+                thread.join(grace_s)
         else:  # never started (or called from the worker): drain here
             with self._export_lock:
                 self._export_pending(self._deadline)
@@ -235,12 +245,11 @@ class BackgroundExporter:
         self._report_drops(final=True)
         stats = self.stats()
         log = logger.info if stats.dropped == 0 and stats.spooled == 0 else logger.warning
-        log("otel-kvtrace: export summary: %s (%s)", stats.line(),
-            "balanced" if stats.balanced else "UNBALANCED: please report")
+        log("otel-kvtrace: export summary: %s (%s)%s", stats.line(),
+            "balanced" if stats.balanced else "UNBALANCED: please report",
+            f"; exit drain deadline {config.OTEL_KVTRACE_EXIT_DRAIN_MS}={timeout * 1000:.0f}"
+            if at_exit and (stats.dropped or stats.spooled) else "")
         return left == 0 and self.failed_batches == failed_before and not self._broken and stats.spooled == 0
-
-    def _shutdown_at_exit(self) -> None:
-        self.shutdown()
 
     def _after_fork_in_child(self) -> None:
         # The parent's records and thread are not ours (the parent exports its records): start fresh.
