@@ -45,7 +45,7 @@ UNREADABLE_WARNINGS = frozenset({"unsupported_file", "unsupported_db", "unsuppor
 LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME, m.WARN_NPU_SYNC_HOOKS})
 """Capture warnings under which the measured overlap is only a lower bound: a low value proves nothing."""
 
-_PAIRS_SQL = """
+_PAIRS_CTE = """
 WITH s AS (
   SELECT lane, step, launch_start, done,
          done - greatest(coalesce(worker_launch_start, launch_start), LAG(done) OVER w) AS busy_ns,
@@ -64,6 +64,9 @@ WITH s AS (
            AND next_sched_end > next_sched_start AS is_pair
   FROM s
 )
+"""
+"""Per step pair (step n, step n+1 of one lane): overlap, forward gap, device busy and host time."""
+_PAIRS_SQL = _PAIRS_CTE + """
 SELECT count(*) FILTER (WHERE is_pair),
        sum(overlap_ns) FILTER (WHERE is_pair),
        sum(sched_ns) FILTER (WHERE is_pair),
@@ -163,6 +166,13 @@ def exposed_ns(comm: list[tuple[int, int]], compute: list[tuple[int, int]]) -> i
             exposed -= min(e, ce) - max(s, cs)
         total += max(0, exposed)
     return total
+
+
+def step_gaps_ms(con: duckdb.DuckDBPyConnection, run: str) -> list[tuple[str, int, float]]:
+    """``(lane, step n, forward gap after step n in ms)`` of every step with one: the values whose
+    quantiles are the metrics' ``gap_p50_ms`` / ``gap_p95_ms``."""
+    return con.execute(_PAIRS_CTE + "SELECT lane, step, gap_ns / 1e6 FROM p WHERE gap_ns IS NOT NULL ORDER BY lane, step",
+                       {"run": run}).fetchall()
 
 
 def compute_metrics(con: duckdb.DuckDBPyConnection, run: str) -> AsyncMetrics:

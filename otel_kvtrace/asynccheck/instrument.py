@@ -156,13 +156,17 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
-def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Callable[[LoopState], Wrapper]:
-    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end)."""
+def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int],
+                      poke: bool = False) -> Callable[[LoopState], Wrapper]:
+    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end);
+    ``poke``: the call may have created an async output, query its event once more as it returns
+    (``ReadyWatcher.poke``)."""
 
     def make(state: LoopState) -> Wrapper:
         buffer = state.buffer
         clock = buffer.clock
         code = int(kind)
+        watcher = state.watcher
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             start = clock()
@@ -170,6 +174,8 @@ def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Calla
                 return wrapped(*args, **kwargs)
             finally:
                 if state.enabled:
+                    if poke:
+                        watcher.poke()
                     buffer.put(code, start, clock(), tag(state))
 
         return wrapper
@@ -184,7 +190,7 @@ the last scheduled step."""
 
 def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
     """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
-    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call)
+    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call, poke=True)
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:

@@ -68,6 +68,8 @@ def wait_until(t: float) -> None:
 
 
 DEVICE = FakeDevice()
+COPY_S = 0.000005
+"""One device-to-host copy of an async output (a few token ids: a few µs of link latency)."""
 
 
 class FakeEvent:
@@ -94,7 +96,12 @@ class FakeTensor:
         self.shape = shape
         self.fill = fill
 
-    def to(self, *args: Any, **kwargs: Any) -> FakeTensor:
+    def to(self, *args: Any, non_blocking: bool = False, **kwargs: Any) -> FakeTensor:
+        if non_blocking and args and args[0] == "cpu":
+            # the async output's ``__init__`` launches its device-to-host copies (gpu_model_runner.py
+            # ``AsyncGPUModelRunnerOutput.__init__``, gpu/async_utils.py ``async_copy_to_np``) before it
+            # records the copy-ready event: device work of the step, so the output is ready only after it
+            DEVICE.launch(COPY_S, same_step=True)
         return self
 
     def numpy(self) -> Any:
@@ -204,7 +211,7 @@ class FakeWorker:
         pooling = self.output_kind in ("pool", "mrv2-pool")
         self.forward_pending = not pooling
         if self.timing.blocking_launch:
-            DEVICE.synchronize(step_end=pooling)
+            DEVICE.synchronize(step_end=False)  # the step ends later: its sampler, its output's copy
         if pooling:  # pooling runners return the output here, no sampling
             out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, pooler_output=None)
             if not self.async_output:
@@ -227,7 +234,9 @@ class FakeWorker:
             self.forward_pending = False
             DEVICE.launch(self.timing.sample_s, same_step=True)
         if not self.async_output or self.timing.blocking_sample or self.timing.blocking_launch:
-            DEVICE.synchronize()  # sync: GPUModelRunner's .tolist() on the sampled ids; blocking: every launch
+            # sync: GPUModelRunner's .tolist() on the sampled ids, the step's end; blocking: every launch,
+            # and the async output's copy (launched after this returns) ends the step
+            DEVICE.synchronize(step_end=not self.async_output)
         if not self.async_output:
             out.sampled_token_ids = [[7]]
             return out
