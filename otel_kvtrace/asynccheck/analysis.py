@@ -258,6 +258,7 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
         ]
     else:
         verdict_ = NOT_EFFECTIVE
+        waited_note = ""
         share = "" if mt.overlap_ratio >= EFFECTIVE_OVERLAP else "only "
         reasons.append(f"schedule(n+1) overlaps execute(n) for {share}{pct} of its time over {mt.pairs} step pairs")
         if not has_markers:
@@ -270,6 +271,9 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
                 f"ready in {blocking:.0%} of steps{where}: a blocking synchronize in the launch path (synchronising "
                 "profiler hooks, ASCEND_LAUNCH_BLOCKING=1, grammar bitmask .to('cpu'), need_timing)"
             )
+            waited_note = ("the gap is a lower bound: the device also idles inside each step while the host "
+                           "works between the blocking call's return and the output's copy, which no host "
+                           "stamp sees (docs/async_check.md, Output-ready time)")
         elif host_bound:
             reasons.append(
                 f"async path is on ({marker_text}) but the host is the bottleneck: schedule + launch + update take "
@@ -283,6 +287,8 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
             )
         if gap_text:
             reasons.append(f"{gap_text}: device idles between steps")
+            if waited_note:
+                reasons.append(waited_note)
         if bounded:
             reasons.append(f"output time bounded by the engine's own poll in {mt.done_upper_bound_share:.0%} of "
                            "steps: the overlap shown is an upper bound, so 'not effective' stands")

@@ -157,6 +157,7 @@ def test_serialised_launch_is_not_effective_launch_waited(vllm: Any, tmp_path: P
                                    output_kind=output_kind)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
+    assert any(r.startswith("the gap is a lower bound") for r in result.reasons), result.reasons  # says what it misses
     assert_gap(result, gaps)
 
 
