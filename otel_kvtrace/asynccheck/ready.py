@@ -7,7 +7,9 @@ an event on the output-copy stream in ``__init__``; ``get_output()`` synchronize
 ready time. The engine thread only appends ``(event, now)`` to a deque (lock-free under the GIL); this
 daemon thread polls the oldest pending event with ``query()`` (never ``synchronize()``: that could
 reorder nothing but would pin the driver lock) and stamps ``READY`` with the bracket
-``[last query false, first query true]``. The bracket is the precision: with host threads holding the
+``[last query false, first query true]``; the worker call that created the output queries once more as
+it returns (``poke``), which narrows the bracket of an event that completes just after ``__init__``
+without waiting for the watcher's wake-up. The bracket is the precision: with host threads holding the
 GIL it widens up to ``sys.getswitchinterval()``, and the exporter carries its width on the span.
 """
 
@@ -90,12 +92,15 @@ class ReadyWatcher:
             event = self.pending[0][0]
         except IndexError:  # nothing pending, or the watcher took it meanwhile
             return
+        clock = self.buffer.clock
+        before = clock()
         try:
             done = event.query()
         except Exception:  # noqa: BLE001 - a broken event disables the watcher, never the host
             self.failed = True
+            logger.exception("otel-kvtrace: output-ready watcher disabled")
             return
-        self.seen = (event, self.buffer.clock(), done)
+        self.seen = (event, clock() if done else before, done)  # true by then / still false then
 
     def start(self) -> None:
         if self._thread is None or not self._thread.is_alive():

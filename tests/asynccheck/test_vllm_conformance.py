@@ -98,9 +98,11 @@ STEP_GAPS: list[tuple[int, float]] = []
 """The last scenario's forward gaps as the check measured them: ``(step n, gap after step n in ms)``."""
 
 
-def assert_gap(result: analysis.CheckResult, true_gaps: list[float]) -> None:
+def assert_gap(result: analysis.CheckResult, true_gaps: list[float],
+               step_gaps: list[tuple[int, float]] | None = None) -> None:
     """The check's gap within ``GAP_TOLERANCE`` of the true device idle, step by step: the median over steps
     of (measured - true) at most 10 % of the true p50; a true gap of ~0 reads below 0.1 ms (p50).
+    ``step_gaps``: the check's ``(step, gap ms)`` (default: the last scenario's).
 
     Paired by step (the engine's step n is the device's n-th forward): on a loaded machine the gaps spread
     over 3-45 ms, and comparing two p50s there moves by a whole rank when one step's error reorders it."""
@@ -110,12 +112,20 @@ def assert_gap(result: analysis.CheckResult, true_gaps: list[float]) -> None:
     if truth < 0.05:
         assert measured < 0.1, (measured, truth)
         return
-    paired = [(gap, true_gaps[step]) for step, gap in STEP_GAPS if step < len(true_gaps)]
+    paired = [(gap, true_gaps[step]) for step, gap in (STEP_GAPS if step_gaps is None else step_gaps)
+              if step < len(true_gaps)]
     assert len(paired) >= 0.9 * len(true_gaps), (len(paired), len(true_gaps))
     error = statistics.median(gap - true for gap, true in paired)
     assert abs(error) <= GAP_TOLERANCE * truth, (
         f"gap error p50 {error:+.3f} ms against a true gap p50 of {truth:.3f} ms (check's p50 {measured:.3f} ms, "
         f"stated precision {LAST.get('bound_ms', 0.0):.3f} ms)")
+
+
+def measured_step_gaps(paths: list[Path], run: str) -> list[tuple[int, float]]:
+    """The check's ``(step, gap ms)`` of run (or engine process) ``run`` under ``paths``."""
+    con = analysis.connect()
+    load_run(con, paths, run)
+    return [(step, gap) for _, step, gap in analysis.step_gaps_ms(con, run)]
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded", "multiproc"])
