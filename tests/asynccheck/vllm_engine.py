@@ -7,7 +7,8 @@ and MRV2 ``AsyncOutput`` (their ``__init__`` records the copy-ready event, ``get
 it). Stand-ins: the scheduler (host work of known length), the worker (launches the forward onto the
 fake device and returns ``None`` from ``execute_model``; launches the sampler behind it and returns the
 async output from ``sample_tokens``, like ``GPUModelRunner``), the message queues between engine and worker process (multiprocessing queues),
-and torch (``FakeDevice``: one in-order stream; an event completes when the stream reaches it).
+and torch (``FakeDevice``: one in-order stream; an event completes when the stream reaches it; an
+async output's ``.to("cpu", non_blocking=True)`` copies are device work of its step, as in vLLM).
 
 Host work is ``time.sleep`` (a host thread that releases the GIL, like C++ launch paths); see
 docs/async_check.md for what GIL-holding host work does to the watcher's precision.
@@ -404,9 +405,10 @@ class Truth:
 
 
 def true_gaps_ms(device: list[tuple[float, float]], wake_lags: list[float]) -> list[float]:
-    """Device idle between consecutive forwards (ms), less how late the OS woke a synchronizing host
-    thread (blocking synchronizes: one per step, the last ones for the last steps): host latency the
-    engine could not see, ms on a loaded machine."""
+    """Device idle between consecutive steps (ms): from step n's last device work (its output's copy, when
+    it has an async output) to step n+1's first. In the sync loop, less how late the OS woke the
+    synchronizing host thread (one step-end synchronize per step, the last ones for the last steps): host
+    latency the engine could not see, ms on a loaded machine."""
     gaps = Truth(device).gaps_ms()
     if len(wake_lags) >= len(gaps) + 1:
         gaps = [g - lag * 1e3 for g, lag in zip(gaps, wake_lags[-len(gaps) - 1:])]
