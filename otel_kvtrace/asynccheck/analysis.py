@@ -45,7 +45,7 @@ UNREADABLE_WARNINGS = frozenset({"unsupported_file", "unsupported_db", "unsuppor
 LOWER_BOUND_WARNINGS = frozenset({m.WARN_FORWARD_KIND_UNKNOWN, m.WARN_KERNELS_BY_TIME, m.WARN_NPU_SYNC_HOOKS})
 """Capture warnings under which the measured overlap is only a lower bound: a low value proves nothing."""
 
-_PAIRS_SQL = """
+_PAIRS_CTE = """
 WITH s AS (
   SELECT lane, step, launch_start, done,
          done - greatest(coalesce(worker_launch_start, launch_start), LAG(done) OVER w) AS busy_ns,
@@ -64,6 +64,9 @@ WITH s AS (
            AND next_sched_end > next_sched_start AS is_pair
   FROM s
 )
+"""
+"""Per step pair (step n, step n+1 of one lane): overlap, forward gap, device busy and host time."""
+_PAIRS_SQL = _PAIRS_CTE + """
 SELECT count(*) FILTER (WHERE is_pair),
        sum(overlap_ns) FILTER (WHERE is_pair),
        sum(sched_ns) FILTER (WHERE is_pair),
@@ -165,6 +168,13 @@ def exposed_ns(comm: list[tuple[int, int]], compute: list[tuple[int, int]]) -> i
     return total
 
 
+def step_gaps_ms(con: duckdb.DuckDBPyConnection, run: str) -> list[tuple[str, int, float]]:
+    """``(lane, step n, forward gap after step n in ms)`` of every step with one: the values whose
+    quantiles are the metrics' ``gap_p50_ms`` / ``gap_p95_ms``."""
+    return con.execute(_PAIRS_CTE + "SELECT lane, step, gap_ns / 1e6 FROM p WHERE gap_ns IS NOT NULL ORDER BY lane, step",
+                       {"run": run}).fetchall()
+
+
 def compute_metrics(con: duckdb.DuckDBPyConnection, run: str) -> AsyncMetrics:
     """All metrics of one run from the loaded tables."""
     mt = AsyncMetrics()
@@ -248,6 +258,7 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
         ]
     else:
         verdict_ = NOT_EFFECTIVE
+        waited_note = ""
         share = "" if mt.overlap_ratio >= EFFECTIVE_OVERLAP else "only "
         reasons.append(f"schedule(n+1) overlaps execute(n) for {share}{pct} of its time over {mt.pairs} step pairs")
         if not has_markers:
@@ -260,6 +271,9 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
                 f"ready in {blocking:.0%} of steps{where}: a blocking synchronize in the launch path (synchronising "
                 "profiler hooks, ASCEND_LAUNCH_BLOCKING=1, grammar bitmask .to('cpu'), need_timing)"
             )
+            waited_note = ("the gap is a lower bound: the device also idles inside each step while the host "
+                           "works between the blocking call's return and the output's copy, which no host "
+                           "stamp sees (docs/async_check.md, Output-ready time)")
         elif host_bound:
             reasons.append(
                 f"async path is on ({marker_text}) but the host is the bottleneck: schedule + launch + update take "
@@ -273,6 +287,8 @@ def verdict(mt: AsyncMetrics, markers: Mapping[str, int], warning_kinds: set[str
             )
         if gap_text:
             reasons.append(f"{gap_text}: device idles between steps")
+            if waited_note:
+                reasons.append(waited_note)
         if bounded:
             reasons.append(f"output time bounded by the engine's own poll in {mt.done_upper_bound_share:.0%} of "
                            "steps: the overlap shown is an upper bound, so 'not effective' stands")

@@ -82,6 +82,8 @@ def import_otlp_json(path: Path, run: str) -> m.ImportResult:
                             continue
                         step = attrs.get(m.ATTR_STEP)
                         step = step if isinstance(step, int) else None
+                        if step is not None and "vllm.dp_rank" in res:
+                            attrs["dp_rank"] = res["vllm.dp_rank"]  # the engine's DP rank (runs.split_processes)
                         if name in m.WORKER_SPANS and "process.parent_pid" in res:
                             attrs["ppid"] = res["process.parent_pid"]  # its engine process (runs.split_processes)
                         result.spans.append(m.SpanRow(run, str(path), lane, step, name, name, start, end, attrs))

@@ -156,13 +156,17 @@ def _phase_wrapper(flag: str, begin: StampKind, end: StampKind) -> Callable[[Loo
     return make
 
 
-def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Callable[[LoopState], Wrapper]:
-    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end)."""
+def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int],
+                      poke: bool = False) -> Callable[[LoopState], Wrapper]:
+    """One ``kind`` interval per call (``t`` = start, ``a`` = end, ``b`` = ``tag(state)`` at the end);
+    ``poke``: the call may have created an async output, query its event once more as it returns
+    (``ReadyWatcher.poke``)."""
 
     def make(state: LoopState) -> Wrapper:
         buffer = state.buffer
         clock = buffer.clock
         code = int(kind)
+        watcher = state.watcher
 
         def wrapper(wrapped: Any, instance: Any, args: tuple, kwargs: dict) -> Any:
             start = clock()
@@ -170,6 +174,8 @@ def _interval_wrapper(kind: StampKind, tag: Callable[[LoopState], int]) -> Calla
                 return wrapped(*args, **kwargs)
             finally:
                 if state.enabled:
+                    if poke:
+                        watcher.poke()
                     buffer.put(code, start, clock(), tag(state))
 
         return wrapper
@@ -184,7 +190,7 @@ the last scheduled step."""
 
 def _worker_call_wrapper(call: int) -> Callable[[LoopState], Wrapper]:
     """A worker's ``execute_model`` (0) / ``sample_tokens`` (1): one interval, for the worker-side launch."""
-    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call)
+    return _interval_wrapper(StampKind.WORKER_CALL, lambda state: call, poke=True)
 
 
 def _done_wrapper(state: LoopState) -> Wrapper:
@@ -276,6 +282,28 @@ def _resolve(spec: OwnerSpec) -> type | None:
     return obj if isinstance(obj, type) else None
 
 
+ATTR_DP_RANK = "vllm.dp_rank"
+"""Resource attribute: the engine-core process's data-parallel rank (``runs.split_processes`` labels by it)."""
+
+
+def dp_rank(engine: Any) -> int | None:
+    """The DP rank of an engine-core process, or None where vLLM gives none.
+
+    ``ParallelConfig.data_parallel_index``: ``run_engine_core`` sets it to the process's ``dp_rank`` in
+    0.23 and 0.33, also for dense models, whose ``data_parallel_rank`` it resets to 0
+    (``vllm/v1/engine/core.py``); then ``DPEngineCoreProc.dp_rank``; then ``VLLM_DP_RANK`` when set
+    (offline DP launches, ``vllm/envs.py``)."""
+    config = getattr(getattr(engine, "vllm_config", None), "parallel_config", None)
+    for value in (getattr(config, "data_parallel_index", None), getattr(engine, "dp_rank", None),
+                  os.environ.get("VLLM_DP_RANK")):
+        try:
+            if value is not None and not isinstance(value, bool) and int(value) >= 0:
+                return int(value)
+        except (TypeError, ValueError):
+            continue
+    return None
+
+
 class EngineLoopInstrumentation:
     """Installs and removes every ``PATCH_POINTS`` wrapper on the classes of an owner table, through the
     package's one patch helper (``instrument.patches.patch_attr`` / ``uninstall``)."""
@@ -285,6 +313,8 @@ class EngineLoopInstrumentation:
         self.state.adopt = self._adopt
         self.owners = owners
         self._patches: list[InstalledPatch] = []
+        self.on_engine: Callable[[dict[str, Any]], None] | None = None
+        """Receives the engine's resource attributes (its DP rank) at the first step: the trace resource."""
 
     def install(self) -> list[str]:
         """Wrap every patch point whose class defines the attribute; return ``Class.attr`` names."""
@@ -306,7 +336,8 @@ class EngineLoopInstrumentation:
             self._patches.append(patch)
 
     def _adopt(self, engine: Any) -> None:
-        """Patch the classes (and bases) of the scheduler and executor an engine actually uses."""
+        """Patch the classes (and bases) of the scheduler and executor an engine actually uses; hand its DP
+        rank, when known, to ``on_engine`` (once, on the first step)."""
         for owner, obj in (("scheduler", getattr(engine, "scheduler", None)),
                            ("executor", getattr(engine, "model_executor", None))):
             if obj is None:
@@ -317,6 +348,9 @@ class EngineLoopInstrumentation:
                 for point in PATCH_POINTS:
                     if point.role == owner:
                         self._wrap(cls, point)
+        rank = dp_rank(engine)
+        if rank is not None and self.on_engine is not None:
+            self.on_engine({ATTR_DP_RANK: rank})
 
     def uninstall(self) -> None:
         """Restore every wrapped attribute (the class's own: a staticmethod stays one). Idempotent."""
@@ -383,6 +417,8 @@ def install_from_env(out_dir: Path | None = None) -> EngineLoopInstrumentation |
         tracer = AsyncTracer(path=async_trace_path(directory, run_id, os.getpid()), resource=resource,
                              path_for_pid=lambda pid: async_trace_path(directory, run_id, pid), sink=sink)
         inst = EngineLoopInstrumentation(tracer.buffer)
+        update = getattr(tracer.sink, "update_resource", None)
+        inst.on_engine = update  # the DP rank on the trace resource (lines written after the first step)
         names = inst.install()
         if not names:
             logger.info("otel-kvtrace: engine-loop tracing off: no vLLM engine-loop class found to patch")

@@ -87,7 +87,8 @@ Notes = dict[str, list[tuple[str, str]]]
 
 
 def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]], Notes]:
-    """One run's spans per engine process (DP rank), when it has several: ``{"<run> pid<N>": spans}``.
+    """One run's spans per engine process (DP rank), when it has several: ``{"<run> DP<rank>": spans}``
+    where every engine's trace names its DP rank, else ``{"<run> pid<N>": spans}``.
 
     Engine processes are those with steps (our traces: lanes with ``async.step``) or with schedule spans
     (a capture: ``BatchSchedule``). A ``MultiprocExecutor`` worker's spans go to the engine that is its
@@ -103,12 +104,13 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
         engines = sorted({_lane_pid(s.lane) for s in ours if s.step is not None})
         if len(engines) < 2:
             return {}, {}
-        out: dict[str, list[m.SpanRow]] = {f"{base} pid{e}": [] for e in engines}
+        label = _engine_labels(base, engines, ours)
+        out: dict[str, list[m.SpanRow]] = {label[e]: [] for e in engines}
         orphans: dict[str, int] = {}
         for s in ours:
             pid = _lane_pid(s.lane) if s.step is not None else str(s.attrs.get("ppid", ""))
             if pid in engines:
-                out[f"{base} pid{pid}"].append(s)
+                out[label[pid]].append(s)
             else:  # no known parent: joining it to any engine would mix DP ranks
                 orphans[_lane_pid(s.lane)] = orphans.get(_lane_pid(s.lane), 0) + 1
         note = [(m.WARN_PROCESS_LEFT_OUT, f"pid {pid}: {n} worker span(s) left out of every engine's verdict: "
@@ -133,6 +135,19 @@ def split_processes(spans: list[m.SpanRow]) -> tuple[dict[str, list[m.SpanRow]],
             f"pid {pid} (no schedule spans) joined engine pid {engine}: its spans follow that engine's "
             "schedules most closely")))
     return out, notes
+
+
+def _engine_labels(base: str, engines: list[str], spans: list[m.SpanRow]) -> dict[str, str]:
+    """``engine pid -> "<run> DP<rank>"`` when every engine process names its own DP rank (vLLM's
+    ``data_parallel_index``, traced as ``vllm.dp_rank``), else ``"<run> pid<pid>"`` for every one."""
+    ranks: dict[str, set[object]] = {e: set() for e in engines}
+    for s in spans:
+        if s.step is not None and "dp_rank" in s.attrs:
+            ranks[_lane_pid(s.lane)].add(s.attrs["dp_rank"])
+    known = [next(iter(r)) for r in ranks.values() if len(r) == 1]
+    if len(known) == len(engines) and len(set(known)) == len(known):
+        return {e: f"{base} DP{next(iter(ranks[e]))}" for e in engines}
+    return {e: f"{base} pid{e}" for e in engines}
 
 
 def _lane_pid(lane: str) -> str:

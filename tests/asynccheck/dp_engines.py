@@ -39,6 +39,7 @@ def engine_core(rank: int, out: str) -> None:
     pc = MODS.parallel.ParallelConfig
     config = pc.__new__(pc)
     config.cpu_distributed_timeout_seconds = None  # 0.33's sync_dp_state reads it
+    config.data_parallel_index = rank  # what vLLM's run_engine_core sets in each engine-core process
     engine.vllm_config.parallel_config = config
     engine.step_counter, engine.pending_pause, engine.ignore_start_dp_wave = 0, False, False
     engine.dp_group = SimpleNamespace(size=lambda: 1)

@@ -16,9 +16,10 @@ import pytest
 
 from otel_kvtrace.asynccheck import analysis
 
+from . import vllm_engine as ve
 from .engine_process import STEPS
 from .test_dp_runs import _true_gap_ms
-from .test_vllm_conformance import GAP_TOLERANCE
+from .test_vllm_conformance import assert_gap, measured_step_gaps
 from .vllm_src import vllm_source
 
 REPO = Path(__file__).resolve().parents[2]
@@ -55,7 +56,8 @@ def test_engine_core_child_writes_its_trace(tmp_path: Path, method: str, blockin
     else:
         assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
         assert any("launch returns only after the device output is ready" in r for r in result.reasons)
-        assert abs(gap - true_gap) <= GAP_TOLERANCE * true_gap, (gap, true_gap)
+        truth = json.loads((out / "truth.json").read_text())
+        assert_gap(result, ve.true_gaps_ms(truth["device"], truth["wake_lags"]), measured_step_gaps(files, "r"))
 
 
 PLAIN_VLLM = """

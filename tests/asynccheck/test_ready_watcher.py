@@ -99,3 +99,45 @@ def test_an_output_behind_a_pending_one_waits_for_the_watcher_in_order() -> None
         assert buffer.drain(0) == []
     finally:
         watcher.stop()
+
+
+def test_the_creating_call_brackets_an_output_that_completes_just_after_registration(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The short copy behind a launch that waited for the device completes just after ``register()``'s
+    query. The worker call that created the output queries once more as it returns (``poke``), so the
+    ready time is bracketed there, not at the watcher's next wake-up (50 ms late here, like a watcher
+    thread the OS wakes late on a loaded machine)."""
+    from otel_kvtrace.asynccheck.instrument import EngineLoopInstrumentation
+
+    monkeypatch.setattr(ready, "_sleep", lambda seconds: time.sleep(0.05))
+
+    class Output(_Output):
+        def __init__(self, event: _CopyEvent) -> None:  # its own __init__: the patch point
+            super().__init__(event)
+
+    class Worker:
+        def sample_tokens(self, grammar_output: object) -> Output:
+            return Output(_CopyEvent(after=1))  # register()'s query: not yet; every later one: done
+
+    buffer = StampBuffer()
+    inst = EngineLoopInstrumentation(buffer, {"worker": (Worker,), "output": (Output,)})
+    inst.install()
+    stamps: list = []
+
+    def call_and_wait_ready() -> None:
+        Worker().sample_tokens(None)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and not any(s.kind == StampKind.READY for s in stamps):
+            time.sleep(0.001)
+            stamps.extend(buffer.drain(0))
+
+    try:
+        call_and_wait_ready()  # starts the watcher, which then sleeps
+        stamps.clear()
+        call_and_wait_ready()
+    finally:
+        inst.uninstall()
+    (call,) = [s for s in stamps if s.kind == StampKind.WORKER_CALL]
+    (ready_stamp,) = [s for s in stamps if s.kind == StampKind.READY]
+    # [last query false, first query true] lies inside the call: registered, then the call's own query
+    assert call.t <= ready_stamp.a <= ready_stamp.t <= call.a, (call, ready_stamp)

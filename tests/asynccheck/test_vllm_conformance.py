@@ -29,9 +29,6 @@ from .vllm_src import VERSIONS, VllmUnavailable, vllm_modules
 
 STEPS = 50
 GAP_TOLERANCE = 0.10
-SERIALISED_TOLERANCE = 0.15
-"""Serialised launches: most runs read -1 to -2 %, but about one run in ten reads about 0.4 ms (-11 %)
-short on this 2-core machine, cause not found (docs/async_check.md); the 10 % target stays open there."""
 HOST_BOUND = ve.Timing(schedule_s=0.004, forward_s=0.003, update_s=0.002)
 SERIALISED = ve.Timing(blocking_launch=True)
 SERIALISED_IN_SAMPLE = ve.Timing(blocking_sample=True)
@@ -90,24 +87,45 @@ def run_scenario(mods: Any, tmp_path: Path, *, executor: str, async_loop: bool, 
         "SELECT coalesce(CAST(attrs->>'async.done_bound_ns' AS BIGINT), 0) FROM async_spans "
         "WHERE run = 'r' AND name = 'execute_done'").fetchall()]
     LAST["bound_ms"] = statistics.median(bounds) / 1e6 if bounds else 0.0
+    STEP_GAPS[:] = [(step, gap) for _, step, gap in analysis.step_gaps_ms(con, "r")]
     gaps = ve.true_gaps_ms(truth.device, ex.lags())  # a Multiproc worker's own (forked) DEVICE
     return result, gaps, precisions
 
 
 LAST: dict[str, float] = {}
 """The last scenario's median ready-time bracket (``async.done_bound_ns``): the stated precision."""
+STEP_GAPS: list[tuple[int, float]] = []
+"""The last scenario's forward gaps as the check measured them: ``(step n, gap after step n in ms)``."""
 
 
-def assert_gap(result: analysis.CheckResult, true_gaps: list[float], tolerance: float = GAP_TOLERANCE) -> None:
-    """Gap p50 within ``tolerance`` of the true device idle (p50); a true gap of ~0 reads below 0.1 ms."""
+def assert_gap(result: analysis.CheckResult, true_gaps: list[float],
+               step_gaps: list[tuple[int, float]] | None = None) -> None:
+    """The check's gap within ``GAP_TOLERANCE`` of the true device idle, step by step: the median over steps
+    of (measured - true) at most 10 % of the true p50; a true gap of ~0 reads below 0.1 ms (p50).
+    ``step_gaps``: the check's ``(step, gap ms)`` (default: the last scenario's).
+
+    Paired by step (the engine's step n is the device's n-th forward): on a loaded machine the gaps spread
+    over 3-45 ms, and comparing two p50s there moves by a whole rank when one step's error reorders it."""
     truth = statistics.median(true_gaps)
     measured = result.metrics.gap_p50_ms
     assert measured is not None
     if truth < 0.05:
         assert measured < 0.1, (measured, truth)
-    else:
-        assert abs(measured - truth) <= tolerance * truth, \
-            f"gap p50 {measured:.3f} ms vs true {truth:.3f} ms (stated precision {LAST.get('bound_ms', 0.0):.3f} ms)"
+        return
+    paired = [(gap, true_gaps[step]) for step, gap in (STEP_GAPS if step_gaps is None else step_gaps)
+              if step < len(true_gaps)]
+    assert len(paired) >= 0.9 * len(true_gaps), (len(paired), len(true_gaps))
+    error = statistics.median(gap - true for gap, true in paired)
+    assert abs(error) <= GAP_TOLERANCE * truth, (
+        f"gap error p50 {error:+.3f} ms against a true gap p50 of {truth:.3f} ms (check's p50 {measured:.3f} ms, "
+        f"stated precision {LAST.get('bound_ms', 0.0):.3f} ms)")
+
+
+def measured_step_gaps(paths: list[Path], run: str) -> list[tuple[int, float]]:
+    """The check's ``(step, gap ms)`` of run (or engine process) ``run`` under ``paths``."""
+    con = analysis.connect()
+    load_run(con, paths, run)
+    return [(step, gap) for _, step, gap in analysis.step_gaps_ms(con, run)]
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded", "multiproc"])
@@ -149,7 +167,8 @@ def test_serialised_launch_is_not_effective_launch_waited(vllm: Any, tmp_path: P
                                    output_kind=output_kind)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
-    assert_gap(result, gaps, SERIALISED_TOLERANCE)
+    assert any(r.startswith("the gap is a lower bound") for r in result.reasons), result.reasons  # says what it misses
+    assert_gap(result, gaps)
 
 
 def test_blocking_in_sample_tokens_is_a_launch_that_waited(vllm: Any, tmp_path: Path) -> None:
@@ -157,7 +176,7 @@ def test_blocking_in_sample_tokens_is_a_launch_that_waited(vllm: Any, tmp_path: 
     result, gaps, _ = run_scenario(vllm, tmp_path, executor="uniproc", async_loop=True, timing=SERIALISED_IN_SAMPLE)
     assert result.verdict == analysis.NOT_EFFECTIVE, result.reasons
     assert any("launch returns only after the device output is ready" in r for r in result.reasons), result.reasons
-    assert_gap(result, gaps, SERIALISED_TOLERANCE)
+    assert_gap(result, gaps)
 
 
 @pytest.mark.parametrize("executor", ["uniproc", "threaded"])
@@ -202,10 +221,8 @@ def test_multiproc_blocking_launch_in_the_worker_is_not_effective_launch_waited(
     assert any("launch returns only after the device output is ready" in r and "in the worker process" in r
                for r in result.reasons), result.reasons
     # the device idles only while the worker takes the next message (the engine is ahead): a true gap of
-    # 0.15-0.5 ms, which the worker's launch spans read 0.06-0.11 ms short (20-35 %, docs/async_check.md):
-    # a known miss of the 10 % target, pinned here so it cannot grow unseen
-    truth, measured = statistics.median(gaps), result.metrics.gap_p50_ms
-    assert measured is not None and 0 < measured <= truth * 1.1 and truth - measured <= 0.15, (measured, truth)
+    # 0.15-0.4 ms, measured from the worker's output-ready and launch times
+    assert_gap(result, gaps)
 
 
 def test_multiproc_async_without_the_worker_trace_says_cannot_tell(vllm: Any, tmp_path: Path) -> None:

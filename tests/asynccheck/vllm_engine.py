@@ -7,7 +7,8 @@ and MRV2 ``AsyncOutput`` (their ``__init__`` records the copy-ready event, ``get
 it). Stand-ins: the scheduler (host work of known length), the worker (launches the forward onto the
 fake device and returns ``None`` from ``execute_model``; launches the sampler behind it and returns the
 async output from ``sample_tokens``, like ``GPUModelRunner``), the message queues between engine and worker process (multiprocessing queues),
-and torch (``FakeDevice``: one in-order stream; an event completes when the stream reaches it).
+and torch (``FakeDevice``: one in-order stream; an event completes when the stream reaches it; an
+async output's ``.to("cpu", non_blocking=True)`` copies are device work of its step, as in vLLM).
 
 Host work is ``time.sleep`` (a host thread that releases the GIL, like C++ launch paths); see
 docs/async_check.md for what GIL-holding host work does to the watcher's precision.
@@ -68,6 +69,8 @@ def wait_until(t: float) -> None:
 
 
 DEVICE = FakeDevice()
+COPY_S = 0.000005
+"""One device-to-host copy of an async output (a few token ids: a few µs of link latency)."""
 
 
 class FakeEvent:
@@ -94,7 +97,12 @@ class FakeTensor:
         self.shape = shape
         self.fill = fill
 
-    def to(self, *args: Any, **kwargs: Any) -> FakeTensor:
+    def to(self, *args: Any, non_blocking: bool = False, **kwargs: Any) -> FakeTensor:
+        if non_blocking and args and args[0] == "cpu":
+            # the async output's ``__init__`` launches its device-to-host copies (gpu_model_runner.py
+            # ``AsyncGPUModelRunnerOutput.__init__``, gpu/async_utils.py ``async_copy_to_np``) before it
+            # records the copy-ready event: device work of the step, so the output is ready only after it
+            DEVICE.launch(COPY_S, same_step=True)
         return self
 
     def numpy(self) -> Any:
@@ -204,7 +212,7 @@ class FakeWorker:
         pooling = self.output_kind in ("pool", "mrv2-pool")
         self.forward_pending = not pooling
         if self.timing.blocking_launch:
-            DEVICE.synchronize(step_end=pooling)
+            DEVICE.synchronize(step_end=False)  # the step ends later: its sampler, its output's copy
         if pooling:  # pooling runners return the output here, no sampling
             out = SimpleNamespace(req_ids=["r"], req_id_to_index={"r": 0}, pooler_output=None)
             if not self.async_output:
@@ -227,7 +235,9 @@ class FakeWorker:
             self.forward_pending = False
             DEVICE.launch(self.timing.sample_s, same_step=True)
         if not self.async_output or self.timing.blocking_sample or self.timing.blocking_launch:
-            DEVICE.synchronize()  # sync: GPUModelRunner's .tolist() on the sampled ids; blocking: every launch
+            # sync: GPUModelRunner's .tolist() on the sampled ids, the step's end; blocking: every launch,
+            # and the async output's copy (launched after this returns) ends the step
+            DEVICE.synchronize(step_end=not self.async_output)
         if not self.async_output:
             out.sampled_token_ids = [[7]]
             return out
@@ -395,9 +405,10 @@ class Truth:
 
 
 def true_gaps_ms(device: list[tuple[float, float]], wake_lags: list[float]) -> list[float]:
-    """Device idle between consecutive forwards (ms), less how late the OS woke a synchronizing host
-    thread (blocking synchronizes: one per step, the last ones for the last steps): host latency the
-    engine could not see, ms on a loaded machine."""
+    """Device idle between consecutive steps (ms): from step n's last device work (its output's copy, when
+    it has an async output) to step n+1's first. In the sync loop, less how late the OS woke the
+    synchronizing host thread (one step-end synchronize per step, the last ones for the last steps): host
+    latency the engine could not see, ms on a loaded machine."""
     gaps = Truth(device).gaps_ms()
     if len(wake_lags) >= len(gaps) + 1:
         gaps = [g - lag * 1e3 for g, lag in zip(gaps, wake_lags[-len(gaps) - 1:])]
