@@ -7,13 +7,16 @@ and, where the replica can make the merged backend call, ``gate_group``; and ``u
 0.23.0.post1 recv/send threads under a forward driver, ``ready_queue`` only (upstream cannot merge).
 Per seed, one traced run per policy, FIFO first on odd seeds and last on even ones (ABBA: a drift over
 the bench does not always favour one policy), after one untimed warm-up run per policy (the first runs
-of a process are slower: imports, caches). Then ``whatif(FIFO runs, measured=[policy runs])``.
+of a process are slower: imports, caches); each timed run with the cyclic GC collected, frozen and off
+(collected again after it, untimed: ``no_gc_pause``). Then ``whatif(FIFO runs, measured=[policy runs])``.
 
 gain error = |predicted - measured| mean TTFT gain in % of max(|measured gain|, noise), noise = the larger
 run-to-run stdev of the two policies' measured mean TTFT. Printed per cell next to it: the standard
 error of the measured gain (stdev of the per-seed paired gains / sqrt(seeds)) and the error that this
 sampling alone gives (``floor %`` = 100 * SE / max(|measured gain|, noise)): an error below a few floors
-is what the measurement can resolve, not a model error. ``cal`` columns: the prediction replayed again
+is what the measurement can resolve, not a model error (a perfect model's error is 0.8 x floor on
+average, E|N(0,1)|, and below 2 x floor 95 % of the time). ``corr``: correlation of the paired runs'
+mean TTFT (near 0 here: pairing by seed does not remove run-to-run noise). ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
 gives the worst error without that cost.
@@ -22,6 +25,7 @@ Usage::
 
     .venv/bin/python bench/whatif_fidelity.py                 # every cell, 8 seeds x 50 steps (~2 min)
     .venv/bin/python bench/whatif_fidelity.py --seeds 8 --steps 120 --cells hol upstream
+    .venv/bin/python bench/whatif_fidelity.py --cells upstream --keep /tmp/fid   # traces kept for analysis
 """
 
 from __future__ import annotations
@@ -204,21 +208,32 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
     print(f"# {seeds} seeds x {steps} steps per policy; gains and noise in ms; cal = with the policy's cost per "
           "dequeue from the measured runs")
     print(f"{'config':10} {'policy':11} {'FIFO':>7} {'pred':>7} {'cal':>7} {'cost us':>7} {'meas':>7} {'SE':>6} "
-          f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'CPU ms/step':>12}  verdict predicted / measured")
+          f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'corr':>5} {'CPU ms/step':>12}  verdict predicted / measured")
     worst = worst_plain = 0.0
     for cell, c, cpu in rows:
         policy = c["policy"]
         per_run = c["measured_verdict"]["gains"][policy]["ttft_gain_ms"]["per_run"]
         se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
         floor = 100 * se / max(abs(c["measured_gain_ms"]), c["noise_ms"]) if c["noise_ms"] or c["measured_gain_ms"] else 0
+        corr = _pair_correlation(c["fifo_measured"]["ttft_ms_mean"]["stdev"], c["measured"]["ttft_ms_mean"]["stdev"],
+                                 statistics.stdev(per_run) if len(per_run) > 1 else float("nan"))
         worst, worst_plain = max(worst, c["calibrated_gain_error_pct"]), max(worst_plain, c["gain_error_pct"])
         cpu_text = f"{statistics.median(cpu['fifo']):.2f}/{statistics.median(cpu[policy]):.2f}"
         print(f"{cell:10} {policy:11} {c['fifo_measured']['ttft_ms_mean']['mean']:7.3f} {c['predicted_gain_ms']:7.3f} "
               f"{c['calibrated_gain_ms']:7.3f} {c['dispatch_cost_us']:7.1f} {c['measured_gain_ms']:7.3f} {se:6.3f} "
-              f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} "
+              f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} {corr:5.2f} "
               f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict']}")
     print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
+
+
+def _pair_correlation(sd_fifo: float, sd_policy: float, sd_paired: float) -> float:
+    """Correlation of the paired runs' mean TTFT (same seed, FIFO vs policy), from
+    ``sd_paired^2 = sd_fifo^2 + sd_policy^2 - 2 r sd_fifo sd_policy``: near 0, pairing by seed removes
+    nothing of the run-to-run noise (the SE is then about sqrt(2) x noise / sqrt(seeds))."""
+    if not sd_fifo or not sd_policy:
+        return float("nan")
+    return (sd_fifo ** 2 + sd_policy ** 2 - sd_paired ** 2) / (2 * sd_fifo * sd_policy)
 
 
 if __name__ == "__main__":
