@@ -16,7 +16,8 @@ error of the measured gain (stdev of the per-seed paired gains / sqrt(seeds)) an
 sampling alone gives (``floor %`` = 100 * SE / max(|measured gain|, noise)): an error below a few floors
 is what the measurement can resolve, not a model error (a perfect model's error is 0.8 x floor on
 average, E|N(0,1)|, and below 2 x floor 95 % of the time). ``corr``: correlation of the paired runs'
-mean TTFT (near 0 here: pairing by seed does not remove run-to-run noise). ``cal`` columns: the prediction replayed again
+mean TTFT (it varies, -0.7 to 0.8 here: pairing by seed removes little of the run-to-run noise, and
+not reliably). ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
 gives the worst error without that cost.
