@@ -13,7 +13,7 @@ upstream's own. What changes is only which queued task comes out:
   now. A passed task's waits then return at once: its NPU events are known complete before any
   ``synchronize()``.
 
-Per ``get()``: the head is probed under the lock (a ready head goes at once); then, still under the lock
+Per ``get()``: the head is probed with the lock released (a ready head goes at once); then, under the lock
 and without probing, the rules are applied to the queued tasks with per-step counts kept by
 ``put``/``get`` (request ids read only for a task of a later step); when they let no task pass, the head
 goes (it blocks in upstream's own wait), as does a head alone in the queue, unprobed; only the tasks
@@ -204,7 +204,7 @@ class SchedulingQueue(queue.Queue):
             while True:
                 if self.queue:
                     pick, wait_s, seen = self._decide()
-                    if pick < 0 and not block:
+                    if pick < 0 and not block and self.queue:
                         pick = 0  # queue.Queue hands out what is queued: the head
                     if pick >= 0:
                         return self._pop(pick)
@@ -266,8 +266,8 @@ class SchedulingQueue(queue.Queue):
         return entry.item
 
     def _decide(self) -> tuple[int, float | None, int]:
-        """Called with the lock held. Under the lock: the head's probe (a ready head goes) and the rule
-        pass over the queue (no probe, no allocation but the short candidate list); when no queued task
+        """Called with the lock held. The head's probe with the lock released (a ready head goes), then under
+        the lock the rule pass over the queue (no probe, no allocation but the short candidate list); when no queued task
         could pass the head by the rules, the head goes at once. Otherwise the candidates are probed
         with the lock released (producers' ``put`` and save ``set()`` never wait on a probe) and the pick
         is re-checked under the lock. ``(index, wait, signals seen)``."""
@@ -280,11 +280,20 @@ class SchedulingQueue(queue.Queue):
             return 0, None, seen
         if len(self.queue) == 1:
             return 0, None, seen  # alone, the head goes whatever its state: no probe
-        try:  # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass
-            if probe(self.thread, head.item, time.perf_counter_ns())[0] in (READY, UNKNOWN):
-                return 0, None, seen
+        # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass. Probed with
+        # the lock released (an NPU ``query()`` is a driver call): a producer's put or save set never
+        # waits on it. Handing out the head is always allowed, so a stale answer can only cost a pass.
+        self.mutex.release()
+        try:
+            state = probe(self.thread, head.item, time.perf_counter_ns())[0]
         except Exception:
-            pass  # the full decision reports it (and falls back to fifo)
+            state = -1  # the full decision reports it (and falls back to fifo)
+        finally:
+            self.mutex.acquire()
+        if not self.queue or self.queue[0] is not head:
+            return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again
+        if state in (READY, UNKNOWN) or self.policy != "ready_queue":
+            return 0, None, seen
         try:
             cands = self._passable()
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread

@@ -146,6 +146,12 @@ class QueueState:
             t = max(t, r)
         return t
 
+    def waits_on_gate(self, i: int, now: int) -> bool:
+        """Task ``i``'s save is met at ``now`` and its gate is not: it waits on device progress only (the
+        live queue then hands the head out to block in its own wait)."""
+        self._effective(i)
+        return self.eff_rs[i] <= now < self.eff_rg[i]
+
     def determinable(self, i: int) -> bool:
         """Every load the forward must pass before ``i``'s save/gate dependency has completed."""
         q = self.q
@@ -272,7 +278,8 @@ class QueueState:
         """Run task ``i`` from where it stopped until it completes or reaches a wait point; at a wait
         whose dependency is not met, or (unless ``i`` is the head) after having run work, it is set aside
         with its progress kept and re-indexed by when it can continue.
-        Returns the time the thread is free again. Used by cooperative policies (``ready_queue``)."""
+        Returns the time the thread is free again. The API for a cooperative policy (none is built in: the live recv thread hands out whole
+        tasks, ``policies/ready_queue.py``)."""
         q = self.q
         if self.served[i]:
             raise ReplayStalled(f"task seq={q.tasks[i].seq} advanced after completion")

@@ -47,3 +47,34 @@ def test_a_head_alone_goes_without_a_probe() -> None:
     q.put(Task(6, wait_for_save_layer=1))
     assert q.try_get().layer_id == 6
     assert th.sync_save_events[1].queries == 0  # nothing could go instead: FIFO's cost
+
+
+class _LockCheckingEvent:
+    """An NPU event that records whether the queue's lock was held when it was queried."""
+
+    def __init__(self, q: SchedulingQueue, done: bool) -> None:
+        self.q, self.done, self.under_lock = q, done, []
+
+    def query(self) -> bool:
+        self.under_lock.append(self.q.mutex.locked())
+        return self.done
+
+    def synchronize(self) -> None:
+        raise AssertionError("never synchronized by the scheduler")
+
+
+def test_no_npu_query_runs_under_the_queue_lock() -> None:
+    """A driver call under the lock would make every producer's put and save set wait on it: the head's
+    fast-path probe (ready and not ready) and the candidates' probes all run with the lock released."""
+    for head_done in (True, False):
+        q, th = make()
+        for layer in (1, 2):
+            th.layer_save_finished_events[layer].set()
+        head_event, cand_event = _LockCheckingEvent(q, head_done), _LockCheckingEvent(q, True)
+        th.sync_save_events[1], th.sync_save_events[2] = head_event, cand_event  # type: ignore[call-overload]
+        q.put(Task(5, wait_for_save_layer=1))
+        q.put(Task(6, wait_for_save_layer=2))
+        q.put(Task(7))
+        assert q.try_get().layer_id == (5 if head_done else 6)
+        assert head_event.under_lock and not any(head_event.under_lock), head_done
+        assert not any(cand_event.under_lock)

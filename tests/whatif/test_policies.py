@@ -61,7 +61,10 @@ def test_hol_counts_only_tasks_of_the_head_s_own_step() -> None:
     assert [(h.seq, h.duration_ns, h.evidence_seq) for h in hol] == [(0, 60, 1)]
 
 
-def test_ready_queue_runs_work_before_a_wait_early_and_sets_the_task_aside() -> None:
+def test_ready_queue_hands_out_whole_tasks_as_the_live_queue() -> None:
+    """The live ``get()`` hands out a task whole: the head's work before its wait is never run early and
+    set aside (the replay's earlier cooperative model did: busy (0, 30), (30, 50), (100, 110), which
+    under-predicted the live gain on the real 0.23 recv thread)."""
     # task 0: 30 of metadata work, then a gate at 100, then 10 of copy; task 1: 20 of work, no deps
     tasks = [
         ReplayTask("q", 0, 0, 1, 0, (30, 0, 0, 10), ready_gate_ns=100, gate_id=0),
@@ -70,9 +73,9 @@ def test_ready_queue_runs_work_before_a_wait_early_and_sets_the_task_aside() -> 
     fifo = run(tasks, "fifo")
     assert fifo.complete == [110, 130]
     rep = run(tasks, "ready_queue")
-    # 0 builds 0-30 and stops at its gate; 1 runs 30-50; 0 resumes at 100 and copies 100-110
-    assert rep.busy == [(0, 30), (30, 50), (100, 110)]
-    assert rep.complete == [110, 50]
+    # 1 is ready and goes whole 0-20; 0 then builds 20-50, blocks in its gate wait, copies 100-110
+    assert rep.busy == [(0, 20), (20, 110)]
+    assert rep.complete == [110, 20]
 
 
 def test_ready_queue_lets_the_ready_task_go_first() -> None:
@@ -91,16 +94,29 @@ def test_ready_queue_keeps_the_final_layer_task_last_even_when_it_is_ready_first
 
 
 def test_ready_queue_picks_lowest_seq_among_ready_and_sleeps_until_first_readiness() -> None:
+    # saves (host signals): nothing ready until 30; then 1 (lowest ready seq) 30-40; at 40 0 is ready
+    tasks = [
+        task(0, 1, ready_save_ns=40, wait_for_save_layer=0),
+        task(1, 2, ready_save_ns=30, wait_for_save_layer=0),
+        task(2, 3, ready_save_ns=30, wait_for_save_layer=0),
+    ]
+    rep = run(tasks, "ready_queue")
+    assert order(rep) == [1, 0, 2]
+    assert rep.passed == [40, 30, 50]
+    assert rep.complete == [50, 40, 60]
+
+
+def test_ready_queue_hands_out_a_head_waiting_on_its_gate_when_nothing_is_ready() -> None:
+    """A gate (device progress) has no host signal: with no other task ready the live queue hands the
+    head out to block in its own wait; a task ready later waits behind it, as under FIFO."""
     tasks = [
         task(0, 1, ready_gate_ns=40, gate_id=0),
         task(1, 2, ready_gate_ns=30, gate_id=0),
         task(2, 3, ready_gate_ns=30, gate_id=0),
     ]
     rep = run(tasks, "ready_queue")
-    # nothing ready until 30; then 1 (lowest ready seq) 30-40; at 40 both 0 and 2 ready -> 0 first
-    assert order(rep) == [1, 0, 2]
-    assert rep.passed == [40, 30, 50]
-    assert rep.complete == [50, 40, 60]
+    assert order(rep) == [0, 1, 2]
+    assert rep.complete == [50, 60, 70]
 
 
 def test_ready_queue_never_lets_a_slot_chain_successor_pass_its_predecessor() -> None:

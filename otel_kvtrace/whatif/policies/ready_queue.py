@@ -1,40 +1,52 @@
-"""``ready_queue``: dependency-aware and cooperative. At a dependency wait whose time has not come, the
-recv thread sets the task aside (keeping its progress) and runs the lowest-seq task that can make
-progress now; a bypass-ready task may therefore go before a waiting head.
+"""``ready_queue``: dependency-aware, whole tasks: the decision of the live scheduler's ``get()``
+(``otel_kvtrace.schedule.queue``), replayed. Per dequeue:
 
-Hard constraints kept: a task passes its save (H1), gate (attention boundary) and external slot (H2)
-waits only once they are met, with save and gate times the engine moves behind the forward's replayed
+- the head goes when its waits are met now, when it is alone, or when the rules let no queued task pass
+  it (it then blocks in its own waits, as FIFO);
+- else the lowest-seq queued task that the rules let pass (:func:`rules.final_must_wait`, the buffer chain
+  through the forward's progress) and whose waits are all met now goes, whole;
+- else, when the head waits on its gate (device progress, no host signal), the head goes and blocks in
+  its wait, as the live queue does; otherwise the thread sleeps until the first of those tasks' waits is
+  met or a task arrives (the live queue is woken by the producer's signal or sleeps to a known time).
+
+A served task runs to completion (``serve``): unlike the cooperative ``advance`` API of the engine, the
+live recv thread never runs part of a task and sets it aside. Found by comparing the replay with the
+live scheduler on the real 0.23 recv thread (docs/whatif.md, "The remaining misses, measured").
+
+Hard constraints kept: a passing task's save (H1), gate (attention boundary) and external slot (H2)
+times are met when it starts, with save and gate times the engine moves behind the forward's replayed
 progress, so slot-chain successors never pass their predecessor; the step's final-layer task (lease
-release, H3) does not start until it is the last unserved task of its step. Only work before a wait
-(metadata build, stagger) runs early; the copy always comes after every wait. When nothing can make
-progress the thread sleeps until the first dependency or arrival (online: it polls the events, it does
-not predict them).
+release, H3) does not pass until it is the last unserved task of its step; the head may always go (its
+waits block it, as upstream's).
 """
 
 from __future__ import annotations
 
-import heapq
-
 from otel_kvtrace.schedule import rules
 from otel_kvtrace.whatif.engine import QueueState
-from otel_kvtrace.whatif.policy import Policy
+from otel_kvtrace.whatif.policy import INF, Policy
 
 
 class ReadyQueue(Policy):
     name = "ready_queue"
-    uses_ready_index = True
 
-    def select(self, state: QueueState, now: int) -> tuple[int] | int:
-        state.refresh(now)
-        ready = state.ready
-        served = state.served
+    def select(self, state: QueueState, now: int) -> list[int] | int:
         q = state.q
-        while ready:
-            i = heapq.heappop(ready)
-            if served[i]:
+        head = state.head()
+        if head >= state.n_arrived:
+            return INF  # idle until the next arrival
+        if state.ready_at(head) <= now:
+            return [head]
+        waits: list[int] = []
+        served = state.served
+        step_left = state.step_left
+        for j in range(head + 1, state.n_arrived):
+            if served[j] or rules.final_must_wait(q.final[j], step_left[q.step[j]]) or not state.determinable(j):
                 continue
-            if state.phase[i] == 0 and rules.final_must_wait(q.final[i], state.step_left[q.step[i]]):
-                state.hold_final(i)
-                continue
-            return (i,)
-        return state.next_ready_time()
+            r = state.ready_at(j)
+            if r <= now:
+                return [j]
+            waits.append(r)
+        if not waits or state.waits_on_gate(head, now):
+            return [head]  # nothing may pass, or the head waits on the device: it blocks in its own wait
+        return min(state.ready_at(head), *waits)
