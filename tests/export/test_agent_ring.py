@@ -135,12 +135,12 @@ def test_a_torn_slot_is_never_decoded_and_counts_as_lost(make_record) -> None:
     writer, reader = _ring()
     rec = make_record()
     summary = summarize_transfer_tasks(rec.transfer_tasks)
-    writer.write_task(rec, False, summary)  # queue def, 3 request ids, task: slots 0..4
-    writer.write_task(rec, False, summary)  # slot 5
-    torn = R.HEADER_BYTES + 4 * R.SLOT_SIZE + R.SLOT_HEAD.size + 20
+    writer.write_task(rec, False, summary)  # queue def, 3 request ids, summary, task: slots 0..5
+    writer.write_task(rec, False, summary)  # slot 6
+    torn = R.HEADER_BYTES + 5 * R.SLOT_SIZE + R.SLOT_HEAD.size + 20
     writer._mem[torn] ^= 0xFF  # a write cut short / seen out of order
     msgs = reader.poll(100)
-    assert [m.kind for m in msgs] == [R.MSG_QUEUE, R.MSG_REQ, R.MSG_REQ, R.MSG_REQ]
+    assert [m.kind for m in msgs] == [R.MSG_QUEUE, R.MSG_REQ, R.MSG_REQ, R.MSG_REQ, R.MSG_SUMMARY]
     after, lost = reader.skip_to_head()  # the producer died
     assert lost == 1 and [m.kind for m in after] == [R.MSG_TASK]
 
