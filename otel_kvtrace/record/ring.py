@@ -73,7 +73,21 @@ DEFAULT_SLOTS = 8192  # 8 MiB per serving process
 CLAIM_MARGIN = 64
 
 (H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE, H_HEAD, H_READ, H_DROPPED, H_PRODUCER_PID, H_AGENT_PID,
- H_EXPORTED, H_AGENT_LOST, H_SINK_STATS, H_SINK_DELIVERED, H_SINK_SPOOLED, H_SINK_DROPPED) = range(15)
+ H_EXPORTED, H_AGENT_LOST, H_SINK_STATS, H_SINK_DELIVERED, H_SINK_SPOOLED, H_SINK_DROPPED, H_COMMIT_MODE) = range(16)
+
+COMMIT_CRC = 0
+"""Commit mode for CPUs that may make stores visible out of order (aarch64, the Kunpeng hosts of Ascend
+NPUs): the slot head carries a crc32 of the body seeded with the slot's sequence number."""
+COMMIT_STORE_ORDER = 1
+"""Commit mode for x86-64 (total store order): stores become visible to the agent in program order, so
+the commit word written after the body publishes a complete body; no crc is computed or checked."""
+
+
+def default_commit_mode() -> int:
+    """``COMMIT_STORE_ORDER`` on x86-64, else ``COMMIT_CRC`` (no memory barrier is reachable from Python)."""
+    import platform
+
+    return COMMIT_STORE_ORDER if platform.machine().lower() in ("x86_64", "amd64") else COMMIT_CRC
 
 MSG_VOID, MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE, MSG_SUMMARY = range(9)
 
@@ -117,8 +131,9 @@ def ring_bytes(nslots: int) -> int:
     return HEADER_BYTES + nslots * SLOT_SIZE
 
 
-def create_memfd(nslots: int) -> tuple[int, mmap.mmap]:
-    """A fresh ring in an anonymous memfd: ``(fd, mapping)``; the fd is what the agent maps."""
+def create_memfd(nslots: int, commit_mode: int | None = None) -> tuple[int, mmap.mmap]:
+    """A fresh ring in an anonymous memfd: ``(fd, mapping)``; the fd is what the agent maps.
+    ``commit_mode``: ``COMMIT_CRC`` or ``COMMIT_STORE_ORDER`` (default: ``default_commit_mode()``)."""
     fd = os.memfd_create("kvtrace-ring", 0)  # type: ignore[attr-defined]  # Linux only; callers check
     os.ftruncate(fd, ring_bytes(nslots))
     # Pre-faulted: otherwise the first write into each 4 KiB page takes a page fault on a recording thread.
@@ -127,6 +142,7 @@ def create_memfd(nslots: int) -> tuple[int, mmap.mmap]:
     hdr = memoryview(mem)[:HEADER_BYTES].cast("q")
     hdr[H_MAGIC], hdr[H_VERSION], hdr[H_NSLOTS], hdr[H_SLOT_SIZE] = MAGIC, VERSION, nslots, SLOT_SIZE
     hdr[H_PRODUCER_PID] = os.getpid()
+    hdr[H_COMMIT_MODE] = default_commit_mode() if commit_mode is None else commit_mode
     hdr.release()
     return fd, mem
 
@@ -146,6 +162,7 @@ class RingWriter:
         self._buf = memoryview(mem)
         self.hdr = self._buf[:HEADER_BYTES].cast("q")
         self.nslots = self.hdr[H_NSLOTS]
+        self._crc = self.hdr[H_COMMIT_MODE] == COMMIT_CRC
         self._limit = self.nslots - CLAIM_MARGIN
         self._claims = itertools.count()
         self._head = 0
@@ -180,7 +197,8 @@ class RingWriter:
     def _commit(self, k: int, kind: int, length: int) -> None:
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         body = off + SLOT_HEAD.size
-        crc = zlib.crc32(self._buf[body : body + length], k & 0xFFFFFFFF)  # seeded: a previous lap never matches
+        # seeded: a previous lap never matches
+        crc = zlib.crc32(self._buf[body : body + length], k & 0xFFFFFFFF) if self._crc else 0
         SLOT_HEAD.pack_into(self._mem, off, k + 1, crc, kind, length)  # after the body: publishes the slot
 
     def _write(self, kind: int, payload: bytes) -> bool:
@@ -331,8 +349,9 @@ class RingWriter:
                 rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
                 sidx, n_stages, *stages,
             )
-            n = layout.size  # _commit(), inlined
-            SLOT_HEAD.pack_into(mem, off, k + 1, zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF), MSG_TASK, n)
+            n = layout.size  # _commit(), inlined: the head after the body publishes the slot
+            SLOT_HEAD.pack_into(mem, off, k + 1, zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
+                                if self._crc else 0, MSG_TASK, n)
         except BaseException:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
@@ -456,6 +475,7 @@ class RingReader:
         if self.hdr[H_MAGIC] != MAGIC or self.hdr[H_VERSION] != VERSION:
             raise ValueError("not a kvtrace ring (magic/version mismatch)")
         self.nslots = self.hdr[H_NSLOTS]
+        self._crc = self.hdr[H_COMMIT_MODE] == COMMIT_CRC
         self.next = self.hdr[H_READ]
 
     def poll(self, limit: int) -> list[Message]:
@@ -475,7 +495,7 @@ class RingReader:
         if commit != k + 1 or length > BODY_BYTES:
             return None
         body = bytes(self._buf[off + SLOT_HEAD.size : off + SLOT_HEAD.size + length])
-        if zlib.crc32(body, k & 0xFFFFFFFF) != crc:  # seeded with k: a previous lap's body and crc never pass
+        if self._crc and zlib.crc32(body, k & 0xFFFFFFFF) != crc:  # seeded with k: no previous lap passes
             return None  # still being written (or torn): read again later
         return Message(k, kind, body)
 
