@@ -194,7 +194,9 @@ def test_the_documented_layout_is_the_code_layout() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
     assert f"`{R.TASK_FIXED.format}`" in doc
     assert f"{R.DEFAULT_SLOTS} slots of {R.SLOT_SIZE} bytes" in doc
-    assert f"up to {R.MAX_STAGE_INTS // 3} stage triples (int64), {R.MAX_GROUPS} group ids (int64), {R.MAX_REQS}" in doc
+    assert f"then up to {R.MAX_STAGE_INTS // 3} stage triples (int64)" in doc
+    assert f"`{R.SUMMARY_FIXED.format}`" in doc
+    assert f"up to {R.MAX_GROUPS} group ids (int64) and {R.MAX_REQS} request-id indices" in doc
     assert f"{R.HEADER_BYTES} bytes" in doc and f"{R.CLAIM_MARGIN} slots are kept spare" in doc
 
 
