@@ -145,7 +145,7 @@ class Decoder:
         summary = self.summaries.get(sidx)
         if queue is None or summary is None:  # a definition it needs was lost (ring overflow): cannot be named
             return None, False
-        stages = list(R._INTS[n_st].unpack_from(body, R.TASK_FIXED.size))
+        stages = list(R._INTS[n_st].unpack_from(body, R.TASK_STAGES_AT))
         rec = _QueuedRecord(
             queue=queue, kind=kind, seq=seq, step=step, layer_id=layer, final_layer=bool(final),
             wait_for_save_layer=src if flags & R.F_SRC else None, gate_id=gate if flags & R.F_GATE else None,
