@@ -429,7 +429,8 @@ def _run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
 
     code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             f"import recv_breakdown; recv_breakdown.main({[*argv, '--json']!r})")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    # cwd = the tree: the agent (``python -m``) imports the package from its working directory first
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -455,6 +456,72 @@ def compare(against: Path, rounds: int, argv: list[str]) -> None:
           f"{med('this', 'totals', '')}")
 
 
+def ship_loop(n: int, what: str) -> None:
+    """``n`` ships (``what="ship"``) or only their set-up (``"base"``) of one recv task shaped like the
+    real ones (export_records' stages and dependencies, one transfer task with shared data, save and gate
+    stream marks over a 16-event step log) into a private ring: the body ``--instructions`` counts."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "export"))
+    from export_records import FakeLayerTransferTask, FakeShared, fill_record
+
+    from otel_kvtrace.instrument.runtime import Runtime
+    from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+    from otel_kvtrace.record import ring as R
+    from otel_kvtrace.record.model import Dep, TaskRecord
+    from otel_kvtrace.record.recorder import Recorder
+
+    gc.disable()
+    fd, mem = R.create_memfd(R.DEFAULT_SLOTS)
+    os.close(fd)
+    writer = R.RingWriter(mem)
+    rec = fill_record(TaskRecord(), consumer_wait=False)
+    shared = FakeShared(["reqA", "reqB"], list(range(16)), [True, True], [])
+    rec.transfer_tasks = FakeLayerTransferTask(group_id=0, layer_idx_in_group=5, shared_block_data=shared)
+    log = StreamLog()
+    for _ in range(16):
+        log.append()
+    for q in range(11):
+        log.observe(q, 1000 + q)
+    marks = [(int(Dep.SAVE_NPU), StreamPosition(log, 9)), (int(Dep.GATE_NPU), StreamPosition(log, 10))]
+    recorder = Recorder(capacity=16)
+    recorder.npu_resolver = Runtime(recorder=recorder, run_id="ir").resolve
+    recorder.attach_ring(writer)
+
+    def restore() -> None:
+        rec.npu_marks[:] = marks
+        writer.hdr[R.H_READ] = writer._head
+
+    def ship() -> None:
+        restore()
+        recorder._ship(True, rec)  # awaiting form: not recycled, so the same record ships again
+
+    fn = ship if what == "ship" else restore
+    for _ in range(50 + n):
+        fn()
+
+
+def instructions(against: Path | None) -> None:
+    """Instructions per ship under ``valgrind --tool=callgrind`` (repeatable on a loaded machine):
+    (ships of 3000 - ships of 1000) minus the same for the set-up alone, over 2000; per tree."""
+    import re
+    import subprocess
+
+    def ir(tree: Path, what: str, n: int) -> int:
+        code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import recv_breakdown; recv_breakdown.ship_loop({n}, {what!r})")
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                               "-c", code], capture_output=True, text=True, check=True, cwd=tree)
+        return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
+
+    trees = [("this", Path(__file__).resolve().parents[1])]
+    if against is not None:
+        trees.insert(0, ("other", against.resolve()))
+    for name, tree in trees:
+        per = ((ir(tree, "ship", 3000) - ir(tree, "ship", 1000)) - (ir(tree, "base", 3000) - ir(tree, "base", 1000))) / 2000
+        print(f"{name:6} {str(tree):40} instructions per ship (Recorder._ship, awaiting form): {per:8.0f}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--loops", type=int, default=5000, help="calls per measurement (default 5000)")
@@ -465,8 +532,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", type=Path, default=None,
                         help="another checkout (git archive REV | tar -x -C DIR): both trees alternate, one repeat "
                              "per tree per round, --repeats rounds, printed side by side")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only the ship's instruction count under valgrind's callgrind (with --against: both trees)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.instructions:
+        instructions(args.against)
+        return
     if args.against is not None:
         if not (args.against / "otel_kvtrace").is_dir():
             parser.error(f"{args.against}: no otel_kvtrace package there")

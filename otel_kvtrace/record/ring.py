@@ -5,7 +5,7 @@ only stamps and copies one fixed-size binary message per task into a bounded rin
 (``otel_kvtrace.export.agent``) decodes, builds spans and ships them. The memory is a ``memfd`` (no
 name in ``/dev/shm``, nothing to leak when either side is killed) passed to the agent by file descriptor.
 
-Layout (little-endian; ``docs/export.md`` has the same table)::
+Layout (little-endian but for the native ``MSG_TASK`` and int64 tails; ``docs/export.md`` has the same table)::
 
     header  HEADER_BYTES = 128: 16 signed 64-bit words, index H_*
             H_MAGIC, H_VERSION, H_NSLOTS, H_SLOT_SIZE,
@@ -17,12 +17,14 @@ Layout (little-endian; ``docs/export.md`` has the same table)::
             H_AGENT_LOST (tasks the agent lost: sink failure, torn slot of a killed producer),
             H_SINK_STATS (1 once the agent's sink reports where its tasks are), H_SINK_DELIVERED,
             H_SINK_SPOOLED, H_SINK_DROPPED (the delivering sink's counts, so the serving process's
-            ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``)
+            ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``),
+            H_COMMIT_MODE (COMMIT_CRC or COMMIT_STORE_ORDER, chosen by the producer's CPU)
     slot i  at HEADER_BYTES + (i % nslots) * slot_size:
             commit  q   i + 1 once the slot's message is complete (the head is written after the body)
-            crc     I   zlib.crc32 of the body seeded with i (a torn or reordered write, a head seen before
-                        its body, or a previous lap's body or crc seen with this lap's commit word, is
-                        never decoded: the crc, not the store order, is what makes a slot complete)
+            crc     I   COMMIT_CRC: zlib.crc32 of the body seeded with i (a torn or reordered write, a head
+                        seen before its body, or a previous lap's body or crc seen with this lap's commit
+                        word, is never decoded: the crc, not the store order, makes a slot complete);
+                        COMMIT_STORE_ORDER (x86-64): 0, the commit word written last publishes the body
             kind    H   MSG_*
             length  H   body bytes
             body        kind-specific, below
@@ -33,8 +35,11 @@ Messages (body ``struct`` formats):
   lengths of run_id, path, thread_name. Sent once per queue, before its first task.
 - ``MSG_REQ``    ``<IH`` + utf-8: one request id string and its index (the side table of variable ids:
   a task carries only ``u32`` indices). Sent once per distinct id.
-- ``MSG_TASK``   ``TASK_FIXED`` then ``n_stage_ints`` ``q``, ``n_groups`` ``q``, ``n_reqs`` ``I``: one task.
-- ``MSG_CWAIT``  ``<IqBH`` + ``q``s: the forward's consumer wait of a task sent earlier with
+- ``MSG_SUMMARY`` ``SUMMARY_FIXED`` + group ids ``n`` + request-id indices ``I``: one transfer-task summary
+  (block count, groups, requests), sent once per distinct summary, after the request ids it names.
+- ``MSG_TASK``   ``TASK_FIXED`` (native) then at ``TASK_STAGES_AT`` ``n_stage_ints`` ``n``: one task; its
+  transfer tasks are one summary index (``NO_SUMMARY``: none). One ``pack_into`` (``TASK_LAYOUTS``).
+- ``MSG_CWAIT``  ``<IqBH`` + ``n``s: the forward's consumer wait of a task sent earlier with
   ``F_AWAITING`` (or why it is absent: ``REASON_*``).
 - ``MSG_ERROR``  ``<IqHHH`` + 3 utf-8 strings: the exception of a failed task (sent just before it).
 - ``MSG_RESOURCE`` ``marshal`` of one ``(key, value)`` resource attribute.
