@@ -53,22 +53,37 @@ def _nothing() -> None:
 
 
 def _capture_record(session: Any) -> dict[str, Any]:
-    """A copy of the next record the recorder ships, taken when its NPU marks are resolved (first thing
-    in the ship; ``capture_done`` puts the resolver back)."""
+    """A copy of the next record the recorder ships, taken before anything of the ship touched it (the
+    ring's ``write_task`` in this tree, the NPU resolver before it; ``restore`` puts both back)."""
     recorder = session.recorder
     captured: dict[str, Any] = {}
     original = recorder.npu_resolver
+    writer = recorder.ring
+    write = writer.write_task
 
-    def resolver(record: Any) -> None:
+    def capture(record: Any) -> None:
         if "rec" not in captured:
             tasks = record.transfer_tasks
             captured["rec"] = dataclasses.replace(
                 record, stages=list(record.stages), deps=list(record.deps), npu_marks=list(record.npu_marks),
                 holds=[], transfer_tasks=list(tasks) if isinstance(tasks, list) else tasks)
+
+    def resolver(record: Any) -> None:
+        capture(record)
         original(record)
 
+    def write_task(record: Any, *args: Any) -> Any:
+        capture(record)
+        return write(record, *args)
+
     recorder.npu_resolver = resolver
-    captured["restore"] = lambda: setattr(recorder, "npu_resolver", original)
+    writer.write_task = write_task
+
+    def restore() -> None:
+        recorder.npu_resolver = original
+        del writer.write_task
+
+    captured["restore"] = restore
     return captured
 
 
@@ -76,8 +91,7 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
     """name -> zero-argument callable returning the added ns of one call (one measurement)."""
     from otel_kvtrace.instrument.attach import STATE_ATTR
     from otel_kvtrace.record.model import TaskRecord
-    from otel_kvtrace.record.ring import _TASK_LAYOUTS, RingWriter, create_memfd, H_HEAD, H_READ
-    import zlib
+    from otel_kvtrace.record.ring import H_HEAD
 
     thread = env.thread
     st = thread.__dict__[STATE_ATTR]
@@ -165,35 +179,67 @@ def components(up: Any, h: Any, env: Any, session: Any, loops: int, layers: int,
         plain_of(lambda: (load_ev._inner.set(), load_ev._inner.clear())), loops)
 
     # the ship of one task, on the captured record, into a private ring nobody drains
-    recorder = session.recorder
-    _fd, mem = create_memfd(64 + 256)
-    writer = RingWriter(mem)
-    rec = rec_shipped
-    marks = list(rec.npu_marks)
-    resolver = recorder.npu_resolver
-    cache = getattr(recorder, "_summaries", None)  # SummaryCache (after #12's cut) or the plain function
-    summarize = cache.get if cache is not None else recorder._summarize
-
-    def resolve() -> None:
-        rec.npu_marks[:] = marks
-        resolver(rec)
-
-    def write() -> None:
-        writer.hdr[H_READ] = writer._head  # keep the private ring empty
-        writer.write_task(rec, False, summary)
-
-    summary = summarize(rec.transfer_tasks)
-    writer.write_task(rec, False, summary)
-    layout = _TASK_LAYOUTS.get((len(rec.stages), len(summary.group_ids), len(summary.request_ids)))
-    out["npu resolver (Runtime.resolve)"] = lambda: _pair(resolve, lambda: marks.copy(), loops)
-    out["summarize_transfer_tasks"] = lambda: _pair(lambda: summarize(rec.transfer_tasks), None, loops)
-    out["RingWriter.write_task (whole)"] = lambda: _pair(write, lambda: writer.hdr.__setitem__(H_READ, writer._head), loops)
-    body = memoryview(mem)[200:1000]
-    out["  crc32 of one task body"] = lambda: _pair(lambda: zlib.crc32(body[:layout.size if layout else 400], 7), None, loops)
-    if layout is not None:
-        values = layout.unpack_from(mem, 128 + 16)
-        out["  struct pack_into of one task"] = lambda: _pair(lambda: layout.pack_into(mem, 128 + 16, *values), None, loops)
+    out.update(_ship_components(session.recorder, rec_shipped, loops))
     del H_HEAD
+    return out
+
+
+def _ship_components(recorder: Any, rec: Any, loops: int) -> dict[str, Callable]:
+    """The ship rows, for this tree's ring format or the one before it (``--against`` runs both):
+    the whole ``Recorder._ship`` of the captured record, ``write_task`` and its parts."""
+    import zlib
+
+    from otel_kvtrace.record import ring as R
+
+    _fd, mem = R.create_memfd(64 + 256)
+    writer = R.RingWriter(mem)
+    marks = list(rec.npu_marks)
+    stages = list(rec.stages)
+    old_format = hasattr(recorder, "_summaries")  # fabdfbd: resolver + SummaryCache + write_task(summary)
+    out: dict[str, Callable] = {}
+    ship_recorder = type(recorder)(capacity=16)
+    ship_recorder.npu_resolver = recorder.npu_resolver
+    ship_recorder.attach_ring(writer)
+
+    def empty() -> None:
+        writer.hdr[R.H_READ] = writer._head  # keep the private ring empty
+
+    def restore() -> None:
+        rec.npu_marks[:] = marks
+        empty()
+
+    def ship() -> None:  # awaiting: the record is not recycled, so it can be shipped again
+        restore()
+        ship_recorder._ship(True, rec)
+
+    out["ship: Recorder._ship, whole (awaiting form)"] = lambda: _pair(ship, restore, loops)
+    if old_format:
+        resolver = recorder.npu_resolver
+        summarize = recorder._summaries.get
+        summary = summarize(rec.transfer_tasks)
+        out["  npu resolver (Runtime.resolve)"] = lambda: _pair(lambda: (restore(), resolver(rec)), restore, loops)
+        out["  summarize_transfer_tasks (SummaryCache.get)"] = lambda: _pair(lambda: summarize(rec.transfer_tasks),
+                                                                             None, loops)
+        out["  RingWriter.write_task"] = lambda: _pair(lambda: (restore(), writer.write_task(rec, False, summary)),
+                                                       restore, loops)
+        writer.write_task(rec, False, summary)
+        layout = R._TASK_LAYOUTS.get((len(stages), len(summary.group_ids), len(summary.request_ids)))
+    else:
+        from otel_kvtrace.instrument.stream_order import tighten_bounds
+
+        out["  npu bounds (tighten_bounds, inside write_task)"] = lambda: _pair(
+            lambda: (restore(), tighten_bounds(rec)), restore, loops)
+        out["  RingWriter.write_task (bounds, summary index, pack, crc)"] = lambda: _pair(
+            lambda: (restore(), writer.write_task(rec, False)), restore, loops)
+        writer.write_task(rec, False)
+        layout = R.TASK_LAYOUTS[len(stages)]
+    body = memoryview(mem)[200:1000]
+    size = layout.size if layout is not None else 400
+    out["    crc32 of one task body"] = lambda: _pair(lambda: zlib.crc32(body[:size], 7), None, loops)
+    if layout is not None:
+        values = layout.unpack_from(mem, R.HEADER_BYTES + R.SLOT_HEAD.size)
+        out["    struct pack_into of one task"] = lambda: _pair(
+            lambda: layout.pack_into(mem, R.HEADER_BYTES + R.SLOT_HEAD.size, *values), None, loops)
     return out
 
 
@@ -240,8 +286,27 @@ def _without(env: Any, session: Any, point: str) -> Iterator[None]:
     elif point == "stagger wrapper (where wrapped)":
         if "_stagger_h2d_submit" not in thread.__dict__:  # else already upstream's own (a no-op stagger)
             shadow("_stagger_h2d_submit")
+    elif point == "ship: whole (write_task a no-op)":
+        if hasattr(recorder, "_summaries"):  # fabdfbd: resolver, summary and write are three steps
+            set_attr(recorder, "npu_resolver", None)
+            fixed = recorder._summaries.get(env.sample_tasks)
+            set_attr(recorder, "_summaries", type("Fixed", (), {"get": lambda self, t, k=0: fixed})())
+        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary=None: True)
+    elif point == "agent paused (SIGSTOP; ring not drained)":
+        import os
+        import signal
+
+        from otel_kvtrace.record.ring import H_AGENT_PID
+
+        pid = int(recorder.ring.hdr[H_AGENT_PID])
+        os.kill(pid, signal.SIGSTOP)
+        undo.append(lambda: os.kill(pid, signal.SIGCONT))
+    elif point == "ship: npu bounds (marks dropped before write_task)":
+        write = recorder.ring.write_task
+        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary=None: (rec.npu_marks.clear(),
+                                                                                     write(rec, awaiting))[1])
     elif point == "ship: write_task":
-        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary: True)
+        set_attr(recorder.ring, "write_task", lambda rec, awaiting, summary=None: True)
     elif point == "ship: summary":
         cache = getattr(recorder, "_summaries", None)  # the same summary every time, computed once here
         if cache is not None:
@@ -261,8 +326,13 @@ def _without(env: Any, session: Any, point: str) -> Iterator[None]:
 
 _MISSING = object()
 ALTERNATIONS = 7  # with / without pairs per point per repeat (the machine is shared: pairs, then medians)
-IN_CONTEXT = ("build_addrs proxy", "save event proxy", "gate wait wrapper", "stagger wrapper (where wrapped)",
-              "batch_copy wrapper", "load event proxy", "ship: npu resolver", "ship: summary", "ship: write_task")
+INTERCEPTION = ("build_addrs proxy", "save event proxy", "gate wait wrapper", "stagger wrapper (where wrapped)",
+                "batch_copy wrapper", "load event proxy")
+SHIP_BEFORE = ("ship: npu resolver", "ship: summary", "ship: write_task")  # fabdfbd: three steps
+SHIP_NOW = ("ship: npu bounds (marks dropped before write_task)",)  # inside the one write_task
+SHIP_POINTS = ("ship: whole (write_task a no-op)", "agent paused (SIGSTOP; ring not drained)")
+"""Measured too, not parts of the total: the whole ship (the three ship rows above together, in this tree one step) and
+the agent process's effect on the recv thread's CPU while it drains (its own work runs in its process)."""
 
 
 def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
@@ -286,7 +356,8 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
             _cpu_per_call(up, env, 50, layers, blocks)
             full = _cpu_per_call(up, env, tasks, layers, blocks)[1]
             totals.append(full - base)
-            for point in IN_CONTEXT:  # each against the full set, alternating, the ring drained before each
+            ship = SHIP_BEFORE if hasattr(session.recorder, "_summaries") else SHIP_NOW
+            for point in (*INTERCEPTION, SHIP_POINTS[0], *ship, SHIP_POINTS[1]):  # each against the full set, alternating, the ring drained before each
                 for _ in range(ALTERNATIONS):
                     session.flush(30.0)  # a full ring would drop (cheaper) instead of writing
                     full = _cpu_per_call(up, env, tasks // 8, layers, blocks)[1]
@@ -325,12 +396,17 @@ def report(results: dict[str, list[float]], totals: list[float], per_task: dict[
     in_sum = 0.0
     for name, values in in_context.items():
         ns = statistics.median(values)
-        in_sum += ns
+        part_of_ship = name in SHIP_BEFORE or name in SHIP_NOW
+        if name in INTERCEPTION or name == SHIP_POINTS[0]:
+            in_sum += ns
         quart = statistics.quantiles(values, n=4) if len(values) > 1 else [ns, ns, ns]
-        print(f"{name:52} {ns:8.0f}   (quartiles {quart[0]:.0f}..{quart[2]:.0f} over {len(values)} pairs)")
-    print(f"{'sum of the points above':52} {in_sum:8.0f}")
+        label = f"  {name}" if part_of_ship else name
+        print(f"{label:52} {ns:8.0f}   (quartiles {quart[0]:.0f}..{quart[2]:.0f} over {len(values)} pairs)")
+    print(f"{'sum: interception points + whole ship':52} {in_sum:8.0f}")
     print(f"{'rest: _handle_request wrapper, release, _ship, reset':52} {total - in_sum:8.0f}")
     print(f"{'total added per _handle_request (traced - untraced)':52} {total:8.0f}")
+    print("(indented ship rows are parts of the whole ship; 'agent paused' is the agent process's effect on")
+    print(" this thread's CPU while it drains, not a part of the total's interception)")
 
 
 # How often each measured component runs per recv task of this bench (one transfer task, gate, save
@@ -342,10 +418,108 @@ PER_TASK = {
     "_stagger_h2d_submit wrapper": 1,
     "_batch_copy_with_limits wrapper (+ total_bytes)": 1,
     "TracedLoadEvent.set (completion)": 1,
-    "npu resolver (Runtime.resolve)": 1,
-    "summarize_transfer_tasks": 1,
-    "RingWriter.write_task (whole)": 1,
+    "ship: Recorder._ship, whole (awaiting form)": 1,
 }
+
+
+def _run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
+    """One repeat of this bench in a fresh process with ``tree``'s ``otel_kvtrace`` first on the path."""
+    import json
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+            f"import recv_breakdown; recv_breakdown.main({[*argv, '--json']!r})")
+    # cwd = the tree: the agent (``python -m``) imports the package from its working directory first
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compare(against: Path, rounds: int, argv: list[str]) -> None:
+    """Both trees alternating, one repeat each per round; every row's median side by side."""
+    runs: dict[str, list[dict[str, Any]]] = {"other": [], "this": []}
+    for i in range(rounds):
+        for name, tree in (("other", against.resolve()), ("this", Path(__file__).resolve().parents[1])):
+            runs[name].append(_run_tree(tree, argv))
+        print(f"  round {i + 1}/{rounds} done", file=sys.stderr)
+
+    def med(name: str, section: str, row: str) -> str:
+        values = [v for r in runs[name] for v in r[section].get(row, [])]
+        return f"{statistics.median(values):9.0f}" if values else f"{'-':>9}"
+
+    print(f"{'ns per task (median over rounds x pairs)':56} {'other':>9} {'this':>9}")
+    for section, title in (("results", "isolated"), ("in_context", "in context")):
+        print(f"-- {title}")
+        rows = dict.fromkeys(k for r in runs["other"] + runs["this"] for k in r[section])
+        for row in rows:
+            print(f"{row:56} {med('other', section, row)} {med('this', section, row)}")
+    print(f"{'total added per _handle_request (traced - untraced)':56} {med('other', 'totals', '')} "
+          f"{med('this', 'totals', '')}")
+
+
+def ship_loop(n: int, what: str) -> None:
+    """``n`` ships (``what="ship"``) or only their set-up (``"base"``) of one recv task shaped like the
+    real ones (export_records' stages and dependencies, one transfer task with shared data, save and gate
+    stream marks over a 16-event step log) into a private ring: the body ``--instructions`` counts."""
+    import os
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "export"))
+    from export_records import FakeLayerTransferTask, FakeShared, fill_record
+
+    from otel_kvtrace.instrument.runtime import Runtime
+    from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+    from otel_kvtrace.record import ring as R
+    from otel_kvtrace.record.model import Dep, TaskRecord
+    from otel_kvtrace.record.recorder import Recorder
+
+    gc.disable()
+    fd, mem = R.create_memfd(R.DEFAULT_SLOTS)
+    os.close(fd)
+    writer = R.RingWriter(mem)
+    rec = fill_record(TaskRecord(), consumer_wait=False)
+    shared = FakeShared(["reqA", "reqB"], list(range(16)), [True, True], [])
+    rec.transfer_tasks = FakeLayerTransferTask(group_id=0, layer_idx_in_group=5, shared_block_data=shared)
+    log = StreamLog()
+    for _ in range(16):
+        log.append()
+    for q in range(11):
+        log.observe(q, 1000 + q)
+    marks = [(int(Dep.SAVE_NPU), StreamPosition(log, 9)), (int(Dep.GATE_NPU), StreamPosition(log, 10))]
+    recorder = Recorder(capacity=16)
+    recorder.npu_resolver = Runtime(recorder=recorder, run_id="ir").resolve
+    recorder.attach_ring(writer)
+
+    def restore() -> None:
+        rec.npu_marks[:] = marks
+        writer.hdr[R.H_READ] = writer._head
+
+    def ship() -> None:
+        restore()
+        recorder._ship(True, rec)  # awaiting form: not recycled, so the same record ships again
+
+    fn = ship if what == "ship" else restore
+    for _ in range(50 + n):
+        fn()
+
+
+def instructions(against: Path | None) -> None:
+    """Instructions per ship under ``valgrind --tool=callgrind`` (repeatable on a loaded machine):
+    (ships of 3000 - ships of 1000) minus the same for the set-up alone, over 2000; per tree."""
+    import re
+    import subprocess
+
+    def ir(tree: Path, what: str, n: int) -> int:
+        code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
+                f"import recv_breakdown; recv_breakdown.ship_loop({n}, {what!r})")
+        done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
+                               "-c", code], capture_output=True, text=True, check=True, cwd=tree)
+        return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
+
+    trees = [("this", Path(__file__).resolve().parents[1])]
+    if against is not None:
+        trees.insert(0, ("other", against.resolve()))
+    for name, tree in trees:
+        per = ((ir(tree, "ship", 3000) - ir(tree, "ship", 1000)) - (ir(tree, "base", 3000) - ir(tree, "base", 1000))) / 2000
+        print(f"{name:6} {str(tree):40} instructions per ship (Recorder._ship, awaiting form): {per:8.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -355,8 +529,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--tasks", type=int, default=2000, help="tasks for the total (default 2000)")
+    parser.add_argument("--against", type=Path, default=None,
+                        help="another checkout (git archive REV | tar -x -C DIR): both trees alternate, one repeat "
+                             "per tree per round, --repeats rounds, printed side by side")
+    parser.add_argument("--instructions", action="store_true",
+                        help="only the ship's instruction count under valgrind's callgrind (with --against: both trees)")
+    parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.instructions:
+        instructions(args.against)
+        return
+    if args.against is not None:
+        if not (args.against / "otel_kvtrace").is_dir():
+            parser.error(f"{args.against}: no otel_kvtrace package there")
+        compare(args.against, args.repeats, ["--loops", str(args.loops), "--repeats", "1", "--layers",
+                                             str(args.layers), "--blocks", str(args.blocks), "--tasks", str(args.tasks)])
+        return
     results, totals, in_context = run(args.loops, args.repeats, args.layers, args.blocks, args.tasks)
+    if args.json:
+        import json
+
+        print(json.dumps({"results": results, "totals": {"": totals}, "in_context": in_context}))
+        return
     report(results, totals, PER_TASK, in_context)
 
 

@@ -41,11 +41,15 @@ MAX_ERRORS = 1024
 
 
 class Decoder:
-    """Turns ring messages into finished ``TaskRecord``s; keeps the side tables (queues, request ids)."""
+    """Turns ring messages into finished ``TaskRecord``s; keeps the side tables (queues, request ids,
+    transfer-task summaries)."""
 
     def __init__(self) -> None:
         self.queues: dict[int, QueueInfo] = {}
         self.req_ids: dict[int, str] = {}
+        # Summary index -> what the span builder reads of the task's transfer tasks (shared by the tasks
+        # of a step); ``None`` when a request id it names never arrived.
+        self.summaries: dict[int, TransferSummary | None] = {R.NO_SUMMARY: TransferSummary([], [], 0)}
         self.errors: dict[tuple[int, int], ShippedError] = {}
         self.awaiting: OrderedDict[tuple[int, int], TaskRecord] = OrderedDict()
         self.resource_updates: dict[str, Any] = {}
@@ -76,6 +80,8 @@ class Decoder:
                 rec.stages.extend(R._INTS[n].unpack_from(body, R.CWAIT_FIXED.size))
                 rec.consumer_release = reason
                 out.append(rec)
+        elif kind == R.MSG_SUMMARY:
+            self._summary(body)
         elif kind == R.MSG_QUEUE:
             self._queue(body)
         elif kind == R.MSG_REQ:
@@ -111,34 +117,41 @@ class Decoder:
         run_id, path, thread = _strings(body, R.QUEUE_FIXED.size, lens)
         self.queues[idx] = QueueInfo(run_id, path, thread, pid, dp, pp, tp, pcp, dcp, layers)
 
+    def _summary(self, body: bytes) -> None:
+        sidx, num_blocks, n_groups, n_reqs, _flags = R.SUMMARY_FIXED.unpack_from(body)
+        off = R.SUMMARY_FIXED.size
+        groups = list(R._INTS[n_groups].unpack_from(body, off))
+        known = self.req_ids
+        reqs: list[str] | None = []
+        for i in R._U32S[n_reqs].unpack_from(body, off + 8 * n_groups):
+            name = known.get(i)
+            if name is None:  # its definition never arrived: not exported under a made-up name
+                reqs = None
+                break
+            reqs.append(name)
+        summaries = self.summaries
+        if len(summaries) > 2 * R.SUMMARY_GENERATION:  # bounded: the writer re-defines what it still uses
+            for old in list(summaries)[1 : R.SUMMARY_GENERATION + 1]:
+                del summaries[old]
+        summaries[sidx] = None if reqs is None else TransferSummary(groups, reqs, num_blocks)
+
     def _task(self, body: bytes) -> tuple[TaskRecord | None, bool]:
         v = R.TASK_FIXED.unpack_from(body)
         (qidx, kind, final, outcome, flags, seq, step, layer, src, gate, qdepth, inflight, t_enq, t_deq,
          t_ret, t_done, nbytes, bres, has_dep) = v[:19]
         deps = list(v[19 : 19 + 2 * NUM_DEPS])
-        n_st, n_gr, n_rq, num_blocks = v[19 + 2 * NUM_DEPS :]
+        sidx, n_st = v[19 + 2 * NUM_DEPS :]
         queue = self.queues.get(qidx)
-        if queue is None:  # its queue definition was lost (ring overflow): cannot be named
+        summary = self.summaries.get(sidx)
+        if queue is None or summary is None:  # a definition it needs was lost (ring overflow): cannot be named
             return None, False
-        off = R.TASK_FIXED.size
-        stages = list(R._INTS[n_st].unpack_from(body, off))
-        off += 8 * n_st
-        groups = list(R._INTS[n_gr].unpack_from(body, off))
-        off += 8 * n_gr
-        known = self.req_ids
-        reqs = []
-        for i in R._U32S[n_rq].unpack_from(body, off):
-            name = known.get(i)
-            if name is None:  # its definition never arrived: not exported under a made-up name
-                return None, False
-            reqs.append(name)
+        stages = list(R._INTS[n_st].unpack_from(body, R.TASK_STAGES_AT))
         rec = _QueuedRecord(
             queue=queue, kind=kind, seq=seq, step=step, layer_id=layer, final_layer=bool(final),
             wait_for_save_layer=src if flags & R.F_SRC else None, gate_id=gate if flags & R.F_GATE else None,
             queue_depth_at_enqueue=qdepth, inflight_at_enqueue=inflight, t_enqueue=t_enq, t_dequeue=t_deq,
             t_backend_return=t_ret, t_complete=t_done, stages=stages, deps=deps, has_dep=has_dep,
-            outcome=outcome, nbytes=nbytes, backend_result=bres,
-            transfer_tasks=TransferSummary(groups, reqs, num_blocks),
+            outcome=outcome, nbytes=nbytes, backend_result=bres, transfer_tasks=summary,
         )
         rec.queue_index = qidx
         rec.error = self.errors.pop((qidx, seq), None)

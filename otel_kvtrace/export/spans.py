@@ -202,49 +202,6 @@ def summarize_transfer_tasks(transfer_tasks: Any, max_reqs: int | None = None) -
     return TransferSummary(group_ids, list(request_ids), num_blocks)
 
 
-class SummaryCache:
-    """``summarize_transfer_tasks`` for the recording thread, reused across the layers of a step.
-
-    Upstream hands every layer's transfer task of one step and group the same ``SharedBlockData``
-    object (``pool_worker._build_shared_load_data`` / ``_build_shared_save_data``), and a task with
-    shared data is summarised from that data alone. So for the common one-task list the summary is
-    looked up by the identity of the shared data, of its ``req_ids`` list and ``block_ids_arr`` and by
-    ``len(req_ids)`` and the group id, all compared on every call: a new step (new shared data), a
-    replaced or grown id list, a new block array or another group computes afresh. The cache holds
-    its key objects (an id is never reused while they live); it keeps one entry per task kind (recv
-    and send threads ship concurrently), each an immutable tuple swapped in one store, so a racing
-    thread reads a consistent entry (a list grown in place is caught by its length). Not detected: an id
-    list edited in place at the same length
-    (upstream never does that; it builds a new ``SharedBlockData`` per step).
-    """
-
-    __slots__ = ("_entries", "_max_reqs")
-
-    def __init__(self, max_reqs: int | None = None) -> None:
-        self._entries: list[tuple[Any, ...] | None] = [None, None]
-        self._max_reqs = max_reqs
-
-    def get(self, tasks: Any, kind: int = 0) -> TransferSummary:
-        """The summary of ``tasks`` (a list, or one task as the recorder stores a one-task list)."""
-        task = tasks[0] if type(tasks) is list and len(tasks) == 1 else tasks
-        try:
-            shared = task.shared_block_data
-            group_id = task.group_id
-            req_ids = shared.req_ids
-            blocks = shared.block_ids_arr
-        except AttributeError:  # no shared data (key path, older layouts) or not one task
-            return summarize_transfer_tasks(tasks, self._max_reqs)
-        slot = kind & 1
-        entry = self._entries[slot]
-        if (entry is not None and entry[0] is shared and entry[1] is req_ids and entry[2] is blocks
-                and entry[3] == len(req_ids) and entry[4] == group_id and entry[6] == len(blocks)):
-            return entry[5]
-        summary = summarize_transfer_tasks(tasks, self._max_reqs)
-        if req_ids is not None and hasattr(req_ids, "__len__") and hasattr(blocks, "__len__"):
-            self._entries[slot] = (shared, req_ids, blocks, len(req_ids), group_id, summary, len(blocks))
-        return summary
-
-
 def _as_int(value: Any) -> int | None:
     """``value`` as an int when it is an integer (including numpy integers), else ``None``."""
     if type(value) is int:
@@ -278,7 +235,7 @@ def _summarize_one(task: Any, group_ids: list[int], request_ids: dict[str, None]
         if req_ids is not None and shared_blocks is not None:
             # The shared data names the task's requests and blocks (upstream builds it from the same
             # requests as every layer's block ranges: kv_transfer.py LayerBatchBuilder.build_shared), so
-            # the summary depends on it alone and ``SummaryCache`` can reuse it across the step's layers.
+            # the summary depends on it alone and ``RingWriter.write_task`` can reuse it across the step's layers.
             return shared_blocks
     range_blocks = 0
     block_ranges = getattr(task, "block_ranges", None)

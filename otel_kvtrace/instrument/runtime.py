@@ -9,7 +9,7 @@ from typing import Any
 
 from otel_kvtrace import config
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import MAX_SCAN, StreamLog, StreamPosition
+from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition, tighten_bounds
 from otel_kvtrace.record.model import TaskRecord
 from otel_kvtrace.record.recorder import Recorder
 
@@ -44,33 +44,12 @@ class Runtime:
     def resolve(self, record: TaskRecord) -> None:
         """Tighten a record's NPU dependencies off the hot path (``Recorder.npu_resolver``).
 
-        First the stream-order upper bounds (always), then exact device times (``OTEL_KVTRACE_NPU_TIMING``),
-        which are clamped into the bounds.
+        First the stream-order upper bounds (always: ``stream_order.tighten_bounds``), then exact device
+        times (``OTEL_KVTRACE_NPU_TIMING``), which are clamped into the bounds.
         """
-        timing_marks = None  # allocated only when exact device times are on (this runs on a recv thread)
-        deps = record.deps
         marks = record.npu_marks
-        for dep, mark in marks:
-            if type(mark) is StreamPosition:  # inlined StreamLog.upper_bound
-                p = mark.position
-                log = mark.log
-                last = log.observed
-                if p >= last:  # nothing recorded after it was seen complete yet: no scan
-                    if p > last:
-                        continue  # not even itself (a lost race): the wait's own bound stands
-                    bound = log.done_by[p]
-                else:  # entries after ``last`` are all unobserved: the window ends there (at most MAX_SCAN)
-                    bound = min(log.done_by[p : last + 1 if last < p + MAX_SCAN else p + MAX_SCAN])
-                lo = deps[2 * dep]
-                if bound < deps[2 * dep + 1]:
-                    record.has_dep |= 1 << dep
-                    deps[2 * dep + 1] = bound if bound > lo else lo
-            elif timing_marks is None:
-                timing_marks = [(dep, mark)]
-            else:
-                timing_marks.append((dep, mark))
-        if timing_marks is not None and self.npu_timing is not None:
-            marks[:] = timing_marks
+        if tighten_bounds(record) and self.npu_timing is not None:
+            marks[:] = [m for m in marks if type(m[1]) is not StreamPosition]
             self.npu_timing.resolve(record)
         marks.clear()
 

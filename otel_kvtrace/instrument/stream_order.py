@@ -78,3 +78,34 @@ class StreamPosition:
 
     def upper_bound(self) -> int:
         return self.log.upper_bound(self.position)
+
+
+def tighten_bounds(record: Any) -> bool:
+    """Lower each NPU dependency's upper bound of ``record`` to its ``StreamPosition`` marks' stream-order
+    bound (``StreamLog.upper_bound``, inlined: this runs once per shipped task on the recording thread).
+
+    The one home of the rule, for the ring writer (at ship) and ``Runtime.resolve`` (in-process export).
+    Only numbers are read (the live step log), nothing is allocated but the scanned slice. Returns True
+    when other marks (device-timing events, ``npu_timing.py``) remain for the caller; marks are not removed.
+    """
+    others = False
+    deps = record.deps
+    for dep, mark in record.npu_marks:
+        if type(mark) is not StreamPosition:
+            others = True
+            continue
+        p = mark.position
+        log = mark.log
+        last = log.observed
+        if p >= last:  # nothing recorded after it was seen complete yet: no scan
+            if p > last:
+                continue  # not even itself (a lost race): the wait's own bound stands
+            bound = log.done_by[p]
+        else:  # entries after ``last`` are all unobserved: the window ends there (at most MAX_SCAN)
+            bound = min(log.done_by[p : last + 1 if last < p + MAX_SCAN else p + MAX_SCAN])
+        hi = 2 * dep + 1
+        if bound < deps[hi]:
+            record.has_dep |= 1 << dep
+            lo = deps[hi - 1]
+            deps[hi] = bound if bound > lo else lo
+    return others

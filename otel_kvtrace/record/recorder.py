@@ -72,7 +72,6 @@ class Recorder:
         # Set by ``attach_ring``: records leave the process through a shared-memory ring to the
         # exporter agent instead of the in-process hand-off.
         self.ring: Any = None
-        self._summaries: Any = None  # export.spans.SummaryCache while a ring is attached
 
     def attach_ring(self, writer: Any) -> None:
         """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process.
@@ -81,16 +80,12 @@ class Recorder:
         instance: the recording thread enters one Python frame per shipped task, not two."""
         import functools
 
-        from otel_kvtrace.export.spans import SummaryCache
-        from otel_kvtrace.record.ring import MAX_REQS
-
-        # Bounded on the recording thread: one id past what the ring carries, so the cut is still flagged.
-        self._summaries = SummaryCache(max_reqs=MAX_REQS + 1)
         self.ring = writer
         if writer is None:
             self.__dict__.pop("submit", None)
             self.__dict__.pop("submit_first", None)
         else:
+            writer.resolver = self._resolve_timing
             self.submit = functools.partial(self._ship, False)  # type: ignore[method-assign]
             self.submit_first = functools.partial(self._ship, True)  # type: ignore[method-assign]
 
@@ -153,11 +148,7 @@ class Recorder:
                 Recorder.submit(self, record)
             return
         try:
-            if record.npu_marks:
-                resolver = self.npu_resolver
-                if resolver is not None:
-                    resolver(record)  # what the producer knows now: stream-order bounds, device marks
-            ok = ring.write_task(record, awaiting, self._summaries.get(record.transfer_tasks, record.kind))
+            ok = ring.write_task(record, awaiting)  # bounds, summary index, one pack_into, commit
         except Exception as exc:  # noqa: BLE001 - never into the host thread
             self.disable(f"ring write failed: {exc!r}")
             ok = False
@@ -168,6 +159,12 @@ class Recorder:
         if not awaiting and len(self._pool) < self.capacity:  # _recycle_one, inlined
             record.reset()
             self._pool.append(record)
+
+    def _resolve_timing(self, record: TaskRecord) -> None:
+        """Device-timing marks of a task about to be written (``OTEL_KVTRACE_NPU_TIMING`` only)."""
+        resolver = self.npu_resolver
+        if resolver is not None:
+            resolver(record)
 
     def _ring_drop(self, ring: Any) -> None:
         next(self._drops)

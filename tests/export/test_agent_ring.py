@@ -19,8 +19,8 @@ from otel_kvtrace.record import ring as R
 from otel_kvtrace.record.model import Outcome, QueueInfo, Stage, TaskKind, TaskRecord
 
 
-def _ring(nslots: int = 256) -> tuple[R.RingWriter, R.RingReader]:
-    fd, mem = R.create_memfd(nslots)
+def _ring(nslots: int = 256, mode: int | None = None) -> tuple[R.RingWriter, R.RingReader]:
+    fd, mem = R.create_memfd(nslots, mode)
     import os
 
     os.close(fd)
@@ -132,17 +132,47 @@ def test_full_ring_drops_and_counts_without_blocking(make_record) -> None:
 
 
 def test_a_torn_slot_is_never_decoded_and_counts_as_lost(make_record) -> None:
-    writer, reader = _ring()
+    """crc mode (aarch64): a body byte that changed after the commit (a write seen out of order)."""
+    writer, reader = _ring(mode=R.COMMIT_CRC)
     rec = make_record()
     summary = summarize_transfer_tasks(rec.transfer_tasks)
-    writer.write_task(rec, False, summary)  # queue def, 3 request ids, task: slots 0..4
-    writer.write_task(rec, False, summary)  # slot 5
-    torn = R.HEADER_BYTES + 4 * R.SLOT_SIZE + R.SLOT_HEAD.size + 20
+    writer.write_task(rec, False, summary)  # queue def, 3 request ids, summary, task: slots 0..5
+    writer.write_task(rec, False, summary)  # slot 6
+    torn = R.HEADER_BYTES + 5 * R.SLOT_SIZE + R.SLOT_HEAD.size + 20
     writer._mem[torn] ^= 0xFF  # a write cut short / seen out of order
     msgs = reader.poll(100)
-    assert [m.kind for m in msgs] == [R.MSG_QUEUE, R.MSG_REQ, R.MSG_REQ, R.MSG_REQ]
+    assert [m.kind for m in msgs] == [R.MSG_QUEUE, R.MSG_REQ, R.MSG_REQ, R.MSG_REQ, R.MSG_SUMMARY]
     after, lost = reader.skip_to_head()  # the producer died
     assert lost == 1 and [m.kind for m in after] == [R.MSG_TASK]
+
+
+@pytest.mark.parametrize("mode", [R.COMMIT_CRC, R.COMMIT_STORE_ORDER])
+def test_a_partial_slot_of_a_writer_killed_mid_write_is_rejected_and_counted(make_record, mode: int) -> None:
+    """The claim and part of the body landed, the commit word never did (the serving process died)."""
+    writer, reader = _ring(mode=mode)
+    rec = make_record()
+    writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))  # slots 0..5
+    k = writer._claim()  # slot 6: claimed ...
+    body = R.HEADER_BYTES + (k % writer.nslots) * R.SLOT_SIZE + R.SLOT_HEAD.size
+    R.TASK_LAYOUTS[0].pack_into(writer._mem, body, *R.TASK_LAYOUTS[0].unpack_from(reader.poll(6)[-1].body))
+    reader.next = 0
+    msgs = reader.poll(100)  # ... half written, never committed: the reader stops there
+    assert len(msgs) == 6 and reader.next == k
+    after, lost = reader.skip_to_head()
+    assert after == [] and lost == 1
+
+
+def test_store_order_mode_publishes_with_the_commit_word_alone(make_record) -> None:
+    """x86-64: no crc is written or checked; the commit word (written after the body) is what counts."""
+    writer, reader = _ring(mode=R.COMMIT_STORE_ORDER)
+    rec = make_record()
+    assert writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))
+    assert R.SLOT_HEAD.unpack_from(writer._mem, R.HEADER_BYTES + 5 * R.SLOT_SIZE)[1] == 0  # no crc
+    (decoded,) = _decode(reader)
+    assert SpanBuilder(ANCHOR).build(decoded) == SpanBuilder(ANCHOR).build(rec)
+    k = 6 + writer.nslots  # a later lap's slot whose commit word did not land yet is never read
+    assert reader._read(k) is None
+    assert R.default_commit_mode() in (R.COMMIT_CRC, R.COMMIT_STORE_ORDER)
 
 
 def test_more_stages_than_a_slot_holds_are_folded_like_the_builder(make_record) -> None:
@@ -164,7 +194,9 @@ def test_the_documented_layout_is_the_code_layout() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "export.md").read_text()
     assert f"`{R.TASK_FIXED.format}`" in doc
     assert f"{R.DEFAULT_SLOTS} slots of {R.SLOT_SIZE} bytes" in doc
-    assert f"up to {R.MAX_STAGE_INTS // 3} stage triples (int64), {R.MAX_GROUPS} group ids (int64), {R.MAX_REQS}" in doc
+    assert f"then up to {R.MAX_STAGE_INTS // 3} stage triples (int64)" in doc
+    assert f"`{R.SUMMARY_FIXED.format}`" in doc
+    assert f"up to {R.MAX_GROUPS} group ids (int64) and {R.MAX_REQS} request-id indices" in doc
     assert f"{R.HEADER_BYTES} bytes" in doc and f"{R.CLAIM_MARGIN} slots are kept spare" in doc
 
 
@@ -225,7 +257,7 @@ def test_shipping_through_the_ring_leaves_no_garbage_for_the_cyclic_gc(make_reco
 
 def test_a_previous_laps_body_seen_with_this_laps_commit_is_never_decoded(make_record) -> None:
     """aarch64 may show the new commit word before the new body and crc: the old lap must not pass."""
-    writer, reader = _ring(nslots=R.CLAIM_MARGIN + 8)
+    writer, reader = _ring(nslots=R.CLAIM_MARGIN + 8, mode=R.COMMIT_CRC)
     rec = make_record()
     writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))  # slots 0..4
     k = 4 + writer.nslots  # the same slot, one lap later

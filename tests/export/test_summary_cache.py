@@ -1,11 +1,17 @@
-"""``SummaryCache``: the recording thread reuses a transfer-task summary across the layers of a step
-(the same ``SharedBlockData`` object) and never returns a stale one when the shared data changes."""
+"""The ring writer names a step's transfer-task summary once (one ``MSG_SUMMARY``) and reuses its index
+across the layers of the step (the same ``SharedBlockData`` object), and never ships a stale one when
+the shared data changes; the agent decodes the same summary ``summarize_transfer_tasks`` computes."""
 
 from __future__ import annotations
 
-from export_records import FakeBlockRange, FakeLayerTransferTask, FakeReq, FakeShared
+import os
 
-from otel_kvtrace.export.spans import SummaryCache, summarize_transfer_tasks
+from export_records import FakeBlockRange, FakeLayerTransferTask, FakeReq, FakeShared, fill_record
+
+from otel_kvtrace.export.agent import Decoder
+from otel_kvtrace.export.spans import summarize_transfer_tasks
+from otel_kvtrace.record import ring as R
+from otel_kvtrace.record.model import TaskKind, TaskRecord
 
 
 class CountingId:
@@ -30,63 +36,100 @@ def _task(shared: FakeShared | None, layer: int, group: int = 0) -> FakeLayerTra
     return FakeLayerTransferTask(group_id=group, layer_idx_in_group=layer, shared_block_data=shared)
 
 
-def _view(summary) -> tuple[list[int], list[str], int]:
-    return summary.group_ids, summary.request_ids, summary.num_blocks
+class Shipper:
+    """Writes records whose ``transfer_tasks`` are given through one ring; decodes what the agent sees."""
+
+    def __init__(self) -> None:
+        fd, mem = R.create_memfd(1024)
+        os.close(fd)
+        self.writer, self.reader = R.RingWriter(mem), R.RingReader(mem)
+        self.decoder = Decoder()
+        self.seq = 0
+
+    def ship(self, tasks: object, kind: int = TaskKind.RECV) -> tuple[list[int], list[str], int]:
+        rec = fill_record(TaskRecord(), seq=self.seq, kind=kind)
+        self.seq += 1
+        rec.transfer_tasks = tasks
+        assert self.writer.write_task(rec, False)
+        (got,) = self.decode()
+        s = got.transfer_tasks
+        return s.group_ids, s.request_ids, s.num_blocks
+
+    def decode(self) -> list[TaskRecord]:
+        out: list[TaskRecord] = []
+        for msg in self.reader.poll(10_000):
+            self.summaries += msg.kind == R.MSG_SUMMARY
+            self.decoder.feed(msg, out)
+        self.reader.consumed()
+        return out
+
+    summaries = 0
 
 
 def test_the_layers_of_one_step_share_one_summary() -> None:
-    cache = SummaryCache()
+    ship = Shipper()
     shared = _shared("a", "b")
-    first = cache.get(_task(shared, 0))
+    first = ship.ship(_task(shared, 0))
     calls = CountingId.calls
     for layer in range(1, 8):  # every layer's task of the step carries the same shared data
-        assert cache.get(_task(shared, layer)) is first
-        assert cache.get([_task(shared, layer)]) is first  # the list form the wrappers may store too
+        assert ship.ship(_task(shared, layer)) == first
+        assert ship.ship([_task(shared, layer)]) == first  # the list form the wrappers may store too
     assert CountingId.calls == calls, "the cached summary was recomputed"
-    assert _view(first) == ([0], ["a", "b"], 4)
+    assert ship.summaries == 1, "the summary was sent again"
+    assert first == ([0], ["a", "b"], 4)
 
 
 def test_a_changed_shared_data_is_summarised_afresh() -> None:
-    cache = SummaryCache()
+    ship = Shipper()
     shared = _shared("a")
-    assert _view(cache.get(_task(shared, 0))) == ([0], ["a"], 4)
+    assert ship.ship(_task(shared, 0)) == ([0], ["a"], 4)
     # the next step: new shared data (upstream builds one per step)
-    assert _view(cache.get(_task(_shared("b", "c", blocks=2), 0))) == ([0], ["b", "c"], 2)
+    assert ship.ship(_task(_shared("b", "c", blocks=2), 0)) == ([0], ["b", "c"], 2)
     # the same object, its id list replaced
     shared = _shared("a")
-    cache.get(_task(shared, 0))
+    ship.ship(_task(shared, 0))
     shared.req_ids = [CountingId("z")]
-    assert _view(cache.get(_task(shared, 1))) == ([0], ["z"], 4)
+    assert ship.ship(_task(shared, 1)) == ([0], ["z"], 4)
     # the same list, grown in place
     shared.req_ids.append(CountingId("y"))
-    assert _view(cache.get(_task(shared, 2))) == ([0], ["z", "y"], 4)
+    assert ship.ship(_task(shared, 2)) == ([0], ["z", "y"], 4)
     # a new block array
     shared.block_ids_arr = [1]
-    assert _view(cache.get(_task(shared, 3))) == ([0], ["z", "y"], 1)
+    assert ship.ship(_task(shared, 3)) == ([0], ["z", "y"], 1)
     # the same block list, grown in place
     shared.block_ids_arr.append(2)
-    assert _view(cache.get(_task(shared, 3))) == ([0], ["z", "y"], 2)
+    assert ship.ship(_task(shared, 3)) == ([0], ["z", "y"], 2)
     # another group, same shared data
-    assert _view(cache.get(_task(shared, 3, group=2))) == ([2], ["z", "y"], 2)
+    assert ship.ship(_task(shared, 3, group=2)) == ([2], ["z", "y"], 2)
+
+
+def test_equal_summaries_of_new_shared_data_reuse_the_definition() -> None:
+    ship = Shipper()
+    for _ in range(3):  # a new SharedBlockData object with the same content: summarised, not re-sent
+        assert ship.ship(_task(_shared("a"), 0)) == ([0], ["a"], 4)
+    assert ship.summaries == 1
 
 
 def test_whatever_is_not_one_task_with_shared_data_is_summarised_exactly() -> None:
-    cache = SummaryCache()
+    ship = Shipper()
     shared = _shared("a")
     two = [_task(shared, 0), _task(_shared("b"), 0, group=1)]
-    assert _view(cache.get(two)) == _view(summarize_transfer_tasks(two)) == ([0, 1], ["a", "b"], 8)
+    expected = summarize_transfer_tasks(two)
+    assert ship.ship(two) == (expected.group_ids, expected.request_ids, expected.num_blocks) == ([0, 1], ["a", "b"], 8)
     ranged = FakeLayerTransferTask(group_id=3, layer_idx_in_group=0,
                                    block_ranges=[FakeBlockRange(FakeReq("k"), 2, 5)])
-    assert _view(cache.get(ranged)) == ([3], ["k"], 3)  # key path: no shared data
+    assert ship.ship(ranged) == ([3], ["k"], 3)  # key path: no shared data
     ranged.block_ranges[0].end_block = 9
-    assert _view(cache.get(ranged)) == ([3], ["k"], 7)
-    assert _view(cache.get(None)) == ([], [], 0)
+    assert ship.ship(ranged) == ([3], ["k"], 7)
+    assert ship.ship(None) == ([], [], 0)
 
 
 def test_recv_and_send_tasks_keep_their_own_entry() -> None:
-    cache = SummaryCache()
+    ship = Shipper()
     load, save = _shared("load"), _shared("save")
-    loaded = cache.get(_task(load, 0), 0)
-    saved = cache.get(_task(save, 0), 1)
-    assert cache.get(_task(load, 1), 0) is loaded and cache.get(_task(save, 1), 1) is saved
-    assert _view(loaded)[1] == ["load"] and _view(saved)[1] == ["save"]
+    loaded = ship.ship(_task(load, 0), TaskKind.RECV)
+    saved = ship.ship(_task(save, 0), TaskKind.SEND)
+    sent = ship.summaries
+    assert ship.ship(_task(load, 1), TaskKind.RECV) == loaded and ship.ship(_task(save, 1), TaskKind.SEND) == saved
+    assert ship.summaries == sent
+    assert loaded[1] == ["load"] and saved[1] == ["save"]
