@@ -170,6 +170,11 @@ def _switch_class(lst: Any, base: type, direct: type) -> None:
 
 def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) -> None:
     state.compiled = not state.is_send and has_compiled_probes(thread)
+    if not state.compiled and not state.is_send:
+        for point_id in list(rt.deferred):  # a wrapper-path recv thread: it needs the points the probes skipped
+            install = rt.deferred.pop(point_id, None)
+            if install is not None:
+                install()
     save_proxy = DirectWaitSaveEvent if state.compiled else TracedSaveEvent
     save_events = getattr(thread, "layer_save_finished_events", None)
     _replace_items(save_events, lambda i, ev: save_proxy(ev, rt, state), state)

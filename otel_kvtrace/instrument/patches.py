@@ -69,7 +69,10 @@ def install(targets: Targets, rt: Runtime | None,
             if must and strict and not owners:
                 raise LookupError(f"{point.id}: no class for required role {point.role!r}")
             for owner in owners:
-                if point.probed and _probed(owner, targets):
+                covered = _probed(owner, targets) if point.probed else "none"
+                if covered == "some" and rt is not None:  # wrapped once a wrapper-path recv thread attaches
+                    rt.deferred[point.id] = _deferred(owner, point, rt, installed)
+                if covered != "none":
                     continue  # the compiled probes stamp this point inline
                 if inspect.getattr_static(owner, point.member, None) is None:
                     if must:
@@ -85,11 +88,25 @@ def install(targets: Targets, rt: Runtime | None,
     return installed
 
 
-def _probed(owner: type, targets: Targets) -> bool:
-    """True when the compiled probes cover ``owner``'s point: its own ``_handle_request`` got them, or (a
-    collaborator class such as the gate) every recv class of ``targets`` did."""
+def _probed(owner: type, targets: Targets) -> str:
+    """How far the compiled probes cover ``owner``'s point: ``all`` (its own ``_handle_request`` got them,
+    or, for a collaborator class such as the gate, every recv class did), ``some`` (a collaborator of
+    compiled and wrapper-path recv classes: wrapped when a wrapper-path thread attaches) or ``none``."""
     recv = targets.recv_thread_classes if owner not in targets.recv_thread_classes else (owner,)
-    return all(rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None)) for c in recv)
+    compiled = [rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None)) for c in recv]
+    return "all" if all(compiled) else "some" if any(compiled) else "none"
+
+
+def _deferred(owner: type, point: PatchPoint, rt: Runtime, installed: list[InstalledPatch]) -> Callable[[], None]:
+    """Wrap ``point`` on ``owner`` later (into the session's own ``installed`` list, so uninstall undoes it)."""
+    make = _wrapper(point)
+
+    def install_now() -> None:
+        patch = patch_attr(owner, point.member, lambda current: make(current, rt))
+        if patch is not None:
+            installed.append(patch)
+
+    return install_now
 
 
 def probe_paths(targets: Targets) -> dict[str, str]:
