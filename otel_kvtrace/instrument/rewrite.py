@@ -27,6 +27,7 @@ import ast
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -533,12 +534,20 @@ def _closure(original: Callable, rt: Runtime) -> dict[str, Any]:
     }
 
 
-def build(original: Callable, rt: Runtime) -> Callable:
-    """The compiled ``_handle_request`` for ``original``; raises ``NotRewritable``."""
+_COMPILED: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary()
+"""Per upstream function: the proved and compiled factory code (a session start re-runs only the exec)."""
+
+
+def _factory_code(original: Callable) -> Any:
+    code = _COMPILED.get(original)
+    if code is None:
+        code = _COMPILED[original] = _compile_factory(original)
+    return code
+
+
+def _compile_factory(original: Callable) -> Any:
+    """``def __kvtrace_factory(<names>): <rewritten function>; return it``, compiled under upstream's file."""
     node, filename, _found = rewrite_tree(original)
-    module = sys.modules.get(original.__module__)
-    if module is None:
-        raise NotRewritable(f"module {original.__module__} not loaded")
     factory = ast.FunctionDef(
         name=f"{PREFIX}factory",
         args=ast.arguments(posonlyargs=[], args=[ast.arg(PREFIX + n) for n in _NAMES], kwonlyargs=[],
@@ -546,7 +555,15 @@ def build(original: Callable, rt: Runtime) -> Callable:
         body=[node, ast.Return(ast.Name(node.name, ast.Load()))], decorator_list=[], returns=None, type_params=[])
     ast.copy_location(factory, node)
     ast.fix_missing_locations(factory)
-    code = compile(ast.Module([factory], type_ignores=[]), filename, "exec")
+    return compile(ast.Module([factory], type_ignores=[]), filename, "exec")
+
+
+def build(original: Callable, rt: Runtime) -> Callable:
+    """The compiled ``_handle_request`` for ``original``; raises ``NotRewritable``."""
+    module = sys.modules.get(original.__module__)
+    if module is None:
+        raise NotRewritable(f"module {original.__module__} not loaded")
+    code = _factory_code(original)
     ns: dict[str, Any] = {}
     exec(code, module.__dict__, ns)  # noqa: S102 - upstream's own source, rewritten and proved above
     values = _closure(original, rt)
