@@ -120,9 +120,16 @@ except Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
-_SAVE_BEFORE = f"{_T}w0 = {_T}clock()"
-_SAVE_TIMED_OUT = f"{_T}stages.extend(({_S['SAVE_CPU_WAIT']}, {_T}w0, {_T}clock()))"
-_SAVE_RESTART = f"{_T}w0 = {_T}clock()"
+
+
+def _wait_loop(start: str, stage: str) -> tuple[str, str, str]:
+    """Stamps of a ``while not <wait>(timeout=10): ...`` loop: before it, at the top of its body (the wait
+    timed out: one stage per call, as the wrappers record it) and at the end of its body (the next call)."""
+    return (f"{_T}{start} = {_T}clock()", f"{_T}stages.extend(({_S[stage]}, {_T}{start}, {_T}clock()))",
+            f"{_T}{start} = {_T}clock()")
+
+
+_SAVE_BEFORE, _SAVE_TIMED_OUT, _SAVE_RESTART = _wait_loop("w0", "SAVE_CPU_WAIT")
 _SAVE_AFTER = f"""
 {_T}w1 = {_T}clock()
 try:
@@ -139,9 +146,7 @@ except Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
-_GATE_BEFORE = f"{_T}g0 = {_T}clock()"
-_GATE_TIMED_OUT = f"{_T}stages.extend(({_S['GATE_COND_WAIT']}, {_T}g0, {_T}clock()))"
-_GATE_RESTART = f"{_T}g0 = {_T}clock()"
+_GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT")
 _GATE_AFTER = f"""
 {_T}g1 = {_T}clock()
 try:
