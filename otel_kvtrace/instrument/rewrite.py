@@ -23,6 +23,7 @@ upstream's statements, untouched. A stamp that fails turns tracing off (``rt.fai
 
 from __future__ import annotations
 
+import __future__
 import ast
 import inspect
 import logging
@@ -560,7 +561,11 @@ def _compile_factory(original: Callable) -> Any:
         body=[node, ast.Return(ast.Name(node.name, ast.Load()))], decorator_list=[], returns=None, type_params=[])
     ast.copy_location(factory, node)
     ast.fix_missing_locations(factory)
-    return compile(ast.Module([factory], type_ignores=[]), filename, "exec")
+    # upstream's own future flags (``from __future__ import annotations`` keeps annotations unevaluated)
+    module = sys.modules.get(original.__module__)
+    flags = __future__.annotations.compiler_flag \
+        if getattr(module, "annotations", None) is __future__.annotations else 0
+    return compile(ast.Module([factory], type_ignores=[]), filename, "exec", flags=flags, dont_inherit=True)
 
 
 def build(original: Callable, rt: Runtime) -> Callable:
@@ -601,9 +606,10 @@ def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
         if not inspect.isfunction(original):
             raise NotRewritable("not a plain function")
         fn = build(original, rt)
-    except NotRewritable as exc:
+    except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrappers instead
+        reason = str(exc) if isinstance(exc, NotRewritable) else f"{type(exc).__name__}: {exc}"
         logger.info("otel-kvtrace: %s uses the wrapper path (compiled probes off): %s",
-                       original.__qualname__, exc)
+                    getattr(original, "__qualname__", original), reason)
         return wrappers.wrap_handle_request(original, rt)
     return fn
 

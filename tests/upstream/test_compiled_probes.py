@@ -42,6 +42,9 @@ def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
     try:
         paths = patches.probe_paths(targets)
         assert paths[upstream.binding.classes["recv_gva"].__qualname__] == "compiled", paths
+        compiled = upstream.binding.classes["recv_gva"].__dict__["_handle_request"]
+        # compiled under upstream's future flags: the annotations stay unevaluated strings, as upstream's
+        assert compiled.__annotations__ == compiled.__kvtrace_wrapped__.__annotations__
         env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
         env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
         item = env.thread.request_queue.get()
