@@ -148,10 +148,38 @@ except Exception as {_T}e:
 """
 
 _GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT")
+_GR, _GN = 2 * _D["GATE_RECORD"], 2 * _D["GATE_NPU"]
+_GATE_BITS = (1 << _D["GATE_RECORD"]) | (1 << _D["GATE_NPU"])
+# After the last (successful) gate ``wait()``: ``wrappers.wrap_gate_wait``'s stamps for ``ok``, inlined.
 _GATE_AFTER = f"""
 {_T}g1 = {_T}clock()
 try:
-    {_T}gate_done({_T}rec, ARG, {_T}g0, {_T}g1)
+    {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
+    {_T}deps = {_T}rec.deps
+    {_T}rec.has_dep |= {_GATE_BITS}
+    if {_T}gstamp is None:
+        {_T}stages.extend(({_S['GATE_NPU_SYNC']}, {_T}g0, {_T}g1))
+        {_T}deps[{_GR}] = {_T}deps[{_GN}] = {_T}rec.t_enqueue
+        {_T}deps[{_GR + 1}] = {_T}g0
+        {_T}deps[{_GN + 1}] = {_T}g1
+    else:
+        {_T}grec, {_T}gpos, {_T}gmark = {_T}gstamp
+        {_T}gcond = max({_T}g0, min({_T}grec, {_T}g1))
+        if {_T}gcond > {_T}g0:
+            {_T}stages.extend(({_S['GATE_COND_WAIT']}, {_T}g0, {_T}gcond, {_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
+        else:
+            {_T}stages.extend(({_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
+        {_T}glog = {_T}gpos.log
+        {_T}gp = {_T}gpos.position
+        if {_T}g1 < {_T}glog.done_by[{_T}gp]:
+            {_T}glog.done_by[{_T}gp] = {_T}g1
+        if {_T}gp > {_T}glog.observed:
+            {_T}glog.observed = {_T}gp
+        {_T}deps[{_GR}] = {_T}deps[{_GR + 1}] = {_T}deps[{_GN}] = {_T}grec
+        {_T}deps[{_GN + 1}] = {_T}g1
+        {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gpos))
+        if {_T}gmark is not None:
+            {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gmark))
 except Exception as {_T}e:
     {_T}fail({_T}e)
 """
@@ -203,42 +231,6 @@ except Exception as {_T}e:
 
 
 # ---- stamps too long to inline (run once per task, only on their own path) ---------------------------------
-
-_GATE_BITS = (1 << _D["GATE_RECORD"]) | (1 << _D["GATE_NPU"])
-_GR, _GN = 2 * _D["GATE_RECORD"], 2 * _D["GATE_NPU"]
-
-
-def _gate_done(rec: Any, gate: Any, t0: int, t1: int) -> None:
-    """The last (successful) gate ``wait()``: ``wrappers.wrap_gate_wait``'s stamps for ``ok``."""
-    stamp = gate.__dict__.get(wrappers.GATE_STAMP_ATTR)
-    stages = rec.stages
-    deps = rec.deps
-    if stamp is None:  # recorded before tracing started: only our own wait bounds it
-        stages.extend((_S["GATE_NPU_SYNC"], t0, t1))
-        rec.has_dep |= _GATE_BITS
-        deps[_GR] = deps[_GN] = rec.t_enqueue
-        deps[_GR + 1] = t0
-        deps[_GN + 1] = t1
-        return
-    recorded, position, mark = stamp
-    cond_end = max(t0, min(recorded, t1))
-    if cond_end > t0:
-        stages.extend((_S["GATE_COND_WAIT"], t0, cond_end, _S["GATE_NPU_SYNC"], cond_end, t1))
-    else:
-        stages.extend((_S["GATE_NPU_SYNC"], cond_end, t1))
-    log = position.log
-    p = position.position
-    if t1 < log.done_by[p]:
-        log.done_by[p] = t1
-    if p > log.observed:
-        log.observed = p
-    rec.has_dep |= _GATE_BITS
-    deps[_GR] = deps[_GR + 1] = deps[_GN] = recorded
-    deps[_GN + 1] = t1
-    rec.npu_marks.append((_D["GATE_NPU"], position))
-    if mark is not None:
-        rec.npu_marks.append((_D["GATE_NPU"], mark))
-
 
 _SN = 2 * _D["SAVE_NPU"]
 
@@ -525,7 +517,7 @@ def _copy(node: ast.AST) -> ast.AST:
 
 
 _NAMES = ("clock", "recorder", "rt", "fail", "original", "queue_state", "STATE", "release_recv", "total_bytes",
-          "BackendResultError", "gate_done", "npu_done", "slot_done")
+          "BackendResultError", "npu_done", "slot_done")
 
 
 def _closure(original: Callable, rt: Runtime) -> dict[str, Any]:
@@ -535,7 +527,7 @@ def _closure(original: Callable, rt: Runtime) -> dict[str, Any]:
     return {
         "clock": clock, "recorder": recorder, "rt": rt, "fail": rt.fail, "original": original,
         "queue_state": attach.queue_state, "STATE": attach.STATE_ATTR, "release_recv": wrappers.release_recv,
-        "total_bytes": total_bytes, "BackendResultError": BackendResultError, "gate_done": _gate_done,
+        "total_bytes": total_bytes, "BackendResultError": BackendResultError,
         "npu_done": _npu_done, "slot_done": _slot_done,
     }
 
