@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import __future__
 import ast
+import copy
 import inspect
 import logging
 import sys
@@ -503,17 +504,10 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
         ast.copy_location(new, node.body[-1].body[0] if new is wrap else node)
     ast.copy_location(wrap, body[0])
     ast.fix_missing_locations(node)
-    stripped = _strip(_copy(node))
+    stripped = _strip(copy.deepcopy(node))  # deepcopy keeps the marks (instance attributes)
     if ast.dump(stripped, include_attributes=False) != ast.dump(original, include_attributes=False):
         raise NotRewritable("proof failed: the rewritten body minus the stamps differs from upstream's")
     return node, filename, rw.found
-
-
-def _copy(node: ast.AST) -> ast.AST:
-    import copy
-
-    clone = copy.deepcopy(node)  # keeps the marks (instance attributes)
-    return clone
 
 
 _NAMES = ("clock", "recorder", "rt", "fail", "original", "queue_state", "STATE", "release_recv", "total_bytes",
