@@ -8,7 +8,8 @@ layer's load event, as ``wait_for_layer_load`` does. The real recv thread (same 
 serves the tasks. The measured quantity is the forward's step time.
 
 Modes, alternating in rounds: ``off`` (untraced), ``agent`` (default export: shared-memory ring +
-exporter agent process), ``thread`` (the in-process exporter thread). The slowdown of a mode in a round
+exporter agent process), ``thread`` (the in-process exporter thread), ``wrappers`` (``agent`` with
+``OTEL_KVTRACE_PROBES=wrappers``: one wrapper/proxy per recv stage instead of the compiled probes). The slowdown of a mode in a round
 is its mean step time over the ``off`` mean of the same round (each over ``--seconds``, several export
 intervals, so the in-process exporter's bursts are inside the window); the table shows the median over
 rounds. ``--compete`` adds a run under one competing CPU-bound process.
@@ -36,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream_overhead import _load_harness  # noqa: E402  (one loader of the upstream harness)
 
-MODES = ("off", "agent", "thread")
+MODES = ("off", "agent", "thread", "wrappers")
 
 
 def _burn(us: int) -> None:
@@ -90,7 +91,7 @@ def run(work_us: int, rounds: int, steps: int, layers: int, seconds: float) -> d
     The mean, not the median: the in-process exporter works in bursts (every export interval), and
     the slowdown that matters is the forward's throughput, bursts included. The window must span
     several export intervals, or the in-process exporter would do its work between windows."""
-    from otel_kvtrace.api import start_tracing
+    from upstream_overhead import _start
 
     h = _load_harness()
     medians: dict[str, list[float]] = {m: [] for m in MODES}
@@ -98,7 +99,8 @@ def run(work_us: int, rounds: int, steps: int, layers: int, seconds: float) -> d
         targets = up.binding.to_targets()
         for _ in range(rounds):
             for mode in MODES:
-                session = None if mode == "off" else start_tracing(targets, out_dir=tmp, run_id="oe", exporter=mode)
+                session = _start(targets, {"off": "untraced", "agent": "traced+agent", "thread": "traced+thread",
+                                           "wrappers": "wrappers+agent"}[mode], tmp, "oe")
                 env = up.gva_thread(layers, h.FakeBackend())
                 warm: list[int] = []
                 _steps(up, env, 2, work_us, warm)
@@ -134,7 +136,7 @@ def main() -> None:
     loads = ["idle", "compete"] if args.compete else ["idle"]
     headline = None
     print(f"{'load':8} {'work/layer':>10} {'step off ms':>12} {'agent %':>8} {'agent range':>16} {'thread %':>9} "
-          f"{'thread range':>16}")
+          f"{'thread range':>16} {'wrappers %':>10} {'wrappers range':>16}")
     for load in loads:
         hog = None
         if load == "compete":
@@ -143,9 +145,11 @@ def main() -> None:
             for work in args.work_us:
                 med = run(work, args.rounds, args.steps, args.layers, args.seconds)
                 agent, thread = _slowdowns(med, "agent"), _slowdowns(med, "thread")
+                wrapped = _slowdowns(med, "wrappers")
                 print(f"{load:8} {work:>8}us {statistics.median(med['off']) / 1e6:12.2f} "
                       f"{statistics.median(agent):8.2f} {min(agent):7.2f}..{max(agent):<7.2f} "
-                      f"{statistics.median(thread):9.2f} {min(thread):7.2f}..{max(thread):<7.2f}", flush=True)
+                      f"{statistics.median(thread):9.2f} {min(thread):7.2f}..{max(thread):<7.2f} "
+                      f"{statistics.median(wrapped):10.2f} {min(wrapped):7.2f}..{max(wrapped):<7.2f}", flush=True)
                 if load == "idle" and work == min(args.work_us):
                     headline = statistics.median(agent)
         finally:

@@ -14,6 +14,11 @@ alternating repeats, against its untraced counterpart where it has one:
 - ``total``: the added CPU per ``_handle_request`` (traced minus untraced, driven synchronously), so
   the parts can be compared with the whole; ``rest`` = total minus the listed parts (the
   ``_handle_request`` wrapper itself, release/submit, pool recycling).
+
+The per-wrapper rows exist on the wrapper path only (``OTEL_KVTRACE_PROBES=wrappers``), which this
+breakdown installs for them; the compiled probes (the default, ``instrument/rewrite.py``) have no
+interception point to take out: their stamps are statements of ``_handle_request``. Their total is
+printed next to the wrappers' (same repeats, alternating), and the ship rows apply to both.
 """
 
 from __future__ import annotations
@@ -339,9 +344,12 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
         ) -> tuple[dict[str, list[float]], list[float], dict[str, list[float]]]:
     from otel_kvtrace.api import start_tracing
 
+    import os
+
     h = _load_harness()
     results: dict[str, list[float]] = {}
     totals: list[float] = []
+    compiled_totals = COMPILED_TOTALS
     in_context: dict[str, list[float]] = {}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bd-") as tmp:
         targets = up.binding.to_targets()
@@ -349,7 +357,16 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
             env0 = up.gva_thread(layers, h.FakeBackend(), start=False)
             _cpu_per_call(up, env0, 50, layers, blocks)
             base = _cpu_per_call(up, env0, tasks, layers, blocks)[1]
-            session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
+            session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")  # compiled
+            envc = up.gva_thread(layers, h.FakeBackend(), start=False)
+            _cpu_per_call(up, envc, 50, layers, blocks)
+            compiled_totals.append(_cpu_per_call(up, envc, tasks, layers, blocks)[1] - base)
+            session.shutdown()
+            os.environ["OTEL_KVTRACE_PROBES"] = "wrappers"
+            try:
+                session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
+            finally:
+                os.environ.pop("OTEL_KVTRACE_PROBES", None)
             env = up.gva_thread(layers, h.FakeBackend(), start=False)
             env.gate_class = up.gate_class
             env.sample_tasks = list(_ready_task(up, env, up.request("r-bench", blocks), 1, layers)[0].transfer_tasks)
@@ -404,9 +421,15 @@ def report(results: dict[str, list[float]], totals: list[float], per_task: dict[
         print(f"{label:52} {ns:8.0f}   (quartiles {quart[0]:.0f}..{quart[2]:.0f} over {len(values)} pairs)")
     print(f"{'sum: interception points + whole ship':52} {in_sum:8.0f}")
     print(f"{'rest: _handle_request wrapper, release, _ship, reset':52} {total - in_sum:8.0f}")
-    print(f"{'total added per _handle_request (traced - untraced)':52} {total:8.0f}")
+    print(f"{'total added per _handle_request, wrappers':52} {total:8.0f}")
+    if COMPILED_TOTALS:
+        print(f"{'same, compiled probes (the default)':52} {statistics.median(COMPILED_TOTALS):8.0f}")
     print("(indented ship rows are parts of the whole ship; 'agent paused' is the agent process's effect on")
     print(" this thread's CPU while it drains, not a part of the total's interception)")
+
+
+COMPILED_TOTALS: list[float] = []
+"""Added CPU per ``_handle_request`` with the compiled probes, per repeat (next to the wrappers' total)."""
 
 
 # How often each measured component runs per recv task of this bench (one transfer task, gate, save

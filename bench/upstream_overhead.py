@@ -33,8 +33,26 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-MODES = ("untraced", "traced", "traced+agent", "traced+thread")
-CPU_MODES = ("untraced", "traced", "traced+agent")
+MODES = ("untraced", "traced", "traced+agent", "traced+thread", "wrappers+agent")
+CPU_MODES = ("untraced", "traced", "traced+agent", "wrappers", "wrappers+agent")
+"""``wrappers*``: the same with ``OTEL_KVTRACE_PROBES=wrappers`` (one wrapper/proxy per stage) instead of
+the compiled probes (the default), side by side in the same rounds."""
+
+
+def _start(targets: Any, mode: str, out: str, run_id: str) -> Any:
+    """The session of ``mode`` (None for untraced); ``wrappers*`` modes install the wrapper path."""
+    import os
+
+    from otel_kvtrace.api import start_tracing
+
+    if mode == "untraced":
+        return None
+    os.environ["OTEL_KVTRACE_PROBES"] = "wrappers" if mode.startswith("wrappers") else "compiled"
+    try:
+        exporter = mode.split("+")[1] if "+" in mode else None
+        return start_tracing(targets, exporter=exporter, out_dir=out, run_id=run_id)
+    finally:
+        os.environ.pop("OTEL_KVTRACE_PROBES", None)
 
 
 def _load_harness() -> Any:
@@ -87,7 +105,6 @@ per task, from the first enqueue until the round's tasks were exported (``sessio
 
 def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[list[int]]]:
     """Per mode, one list of per-task latencies (ns) per round (process CPU per task into ``PROCESS_CPU``)."""
-    from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
     root = h.upstream_source_dir()
@@ -98,15 +115,11 @@ def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> 
         targets = up.binding.to_targets()
         for round_no in range(rounds):
             for mode in MODES:
-                session = None
-                if mode == "traced":
-                    session = start_tracing(targets, exporter=None, run_id="bench")
-                elif mode in ("traced+agent", "traced+thread"):
-                    session = start_tracing(targets, out_dir=out, run_id="bench", exporter=mode.split("+")[1])
+                session = _start(targets, mode, out, "bench")
                 env = up.gva_thread(num_layers, h.FakeBackend())
                 _run_tasks(h, up, env, 50, num_layers, blocks)  # warm-up: attach, pools, caches
                 if session is not None:
-                    session.recorder.drain(1 << 20) if mode == "traced" else session.flush()
+                    session.recorder.drain(1 << 20) if session.exporter is None else session.flush()
                 cpu0 = time.process_time_ns()
                 results[mode].append(_run_tasks(h, up, env, tasks_per_round, num_layers, blocks))
                 if session is not None and session.exporter is not None:
@@ -149,11 +162,11 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     return enqueue_ns / count, handle_ns / count
 
 
-def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | None = None) -> tuple[float, float]:
+def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | None = None,
+                    probes: str = "compiled") -> tuple[float, float]:
     """Python frames of otel_kvtrace entered per task (deterministic): (add_request side, _handle_request side).
 
     ``exporter=None`` counts the recording alone; ``"agent"`` includes shipping each task into the ring."""
-    from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
     counts = [0, 0]
@@ -164,7 +177,8 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | No
             counts[phase[0]] += 1
 
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-f-") as tmp:
-        session = start_tracing(up.binding.to_targets(), exporter=exporter, out_dir=tmp, run_id="bench-frames")
+        mode = ("wrappers" if probes == "wrappers" else "traced") + (f"+{exporter}" if exporter else "")
+        session = _start(up.binding.to_targets(), mode, tmp, "bench-frames")
         env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
         _cpu_per_call(up, env, 20, num_layers, blocks)  # warm-up: attach
         request = up.request("r-bench", blocks)
@@ -189,7 +203,6 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | No
 
 def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[tuple[float, float]]]:
     """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
-    from otel_kvtrace.api import start_tracing
 
     h = _load_harness()
     out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in CPU_MODES}
@@ -197,19 +210,32 @@ def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[s
         targets = up.binding.to_targets()
         for _ in range(rounds):
             for mode in out:
-                session = None
-                if mode == "traced":
-                    session = start_tracing(targets, exporter=None, run_id="bench-cpu")
-                elif mode == "traced+agent":
-                    session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-cpu")
+                session = _start(targets, mode, tmp, "bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
                 _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
-                out[mode].append(_cpu_per_call(up, env, tasks, num_layers, blocks))
+                chunks = []
+                for _ in range(max(1, tasks // CHUNK)):
+                    _settle(session)
+                    chunks.append(_cpu_per_call(up, env, CHUNK, num_layers, blocks))
+                out[mode].append((statistics.fmean(c[0] for c in chunks), statistics.fmean(c[1] for c in chunks)))
                 if session is not None:
-                    if session.exporter is None:
-                        session.recorder.drain(1 << 20)
                     session.shutdown()
     return out
+
+
+CHUNK = 100
+"""Tasks per measured chunk: between chunks (not measured) the records are shipped and recycled, as in a
+serving process, so every chunk runs in the steady state (no pool exhaustion, no full ring)."""
+
+
+def _settle(session: Any) -> None:
+    """Ship what was recorded (agent: flushed to the agent; in-process: drained and recycled)."""
+    if session is None:
+        return
+    if session.exporter is None:
+        session.recorder.recycle(session.recorder.drain(1 << 20))
+    else:
+        session.flush(30.0)
 
 
 def _pct(values: list[int], q: float) -> float:
@@ -255,9 +281,10 @@ def main() -> None:
     for mode in MODES[1:]:
         added_cpu = statistics.median(m - b for m, b in zip(PROCESS_CPU[mode], base_cpu, strict=True))
         print(f"  {mode:15} +{added_cpu / 1e3:.1f} us on {statistics.median(base_cpu) / 1e3:.1f} us")
-    cpu = measure_cpu(max(args.tasks, 1000), max(3, args.rounds // 3), args.layers, args.blocks)
+    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks)
     base_handle = statistics.median(u[1] for u in cpu["untraced"])
-    print("\nCPU per task on the calling thread (synchronous, GC off), median over rounds of the added CPU:")
+    print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK} with the records shipped "
+          "between them), median over rounds of the added CPU:")
     added: dict[str, tuple[float, float]] = {}
     for mode in CPU_MODES[1:]:
         enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
@@ -266,10 +293,12 @@ def main() -> None:
         print(f"  {mode:13} add_request +{enq / 1e3:.1f} us (forward), _handle_request +{handle / 1e3:.1f} us "
               f"on {base_handle / 1e3:.1f} us (recv)")
     added_enqueue, added_handle = added["traced+agent"]
-    for exporter in (None, "agent"):
-        enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks, exporter)
-        print(f"otel_kvtrace Python frames per task ({'recording only' if exporter is None else 'with the ring write'}):"
-              f" add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
+    for probes in ("compiled", "wrappers"):
+        for exporter in (None, "agent"):
+            enq_frames, handle_frames = frames_per_task(200, args.layers, args.blocks, exporter, probes)
+            print(f"otel_kvtrace Python frames per task, {probes} probes "
+                  f"({'recording only' if exporter is None else 'with the ring write'}):"
+                  f" add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
     latency_added = statistics.median(
         m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "

@@ -91,6 +91,12 @@ OTEL_KVTRACE_AGENT_NICE = "OTEL_KVTRACE_AGENT_NICE"
 the serving process's threads. ``0`` gives it equal priority (delivery first when CPUs are scarce).
 Default: 10."""
 
+OTEL_KVTRACE_PROBES = "OTEL_KVTRACE_PROBES"
+"""How the GVA recv thread's ``_handle_request`` is instrumented: ``compiled`` (upstream's own source
+recompiled with the stamps inline, proved equal to upstream's minus the stamps; falls back to the wrappers
+with one log line when the source differs) or ``wrappers`` (one wrapper or proxy per stage). Default:
+``compiled`` (docs/instrumentation.md, "Compiled probes")."""
+
 DEFAULT_AGENT_NICE = 10
 EXPORTER_AGENT = "agent"
 EXPORTER_THREAD = "thread"
@@ -224,6 +230,17 @@ def spool_dir(environ: Mapping[str, str] | None = None) -> str:
     """``OTEL_KVTRACE_SPOOL_DIR`` or ``{data_dir}/spool``: the root of every process's delivery spool."""
     env = os.environ if environ is None else environ
     return env.get(OTEL_KVTRACE_SPOOL_DIR, "").strip() or os.path.join(data_dir(env), DEFAULT_SPOOL_SUBDIR)
+
+
+def probes_mode(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_KVTRACE_PROBES``: ``compiled`` (default) or ``wrappers``; anything else warns, ``compiled``."""
+    env = os.environ if environ is None else environ
+    value = env.get(OTEL_KVTRACE_PROBES, "").strip().lower() or "compiled"
+    if value not in ("compiled", "wrappers"):
+        logger.warning("otel-kvtrace: %s=%r is not supported (use compiled or wrappers); using compiled",
+                       OTEL_KVTRACE_PROBES, value)
+        return "compiled"
+    return value
 
 
 def exporter_mode() -> str:

@@ -34,6 +34,7 @@ class DoctorReport:
 
     binding: UpstreamBinding
     exit_code: int
+    probes: str = ""  # how the GVA recv _handle_request would be instrumented: compiled, or wrappers (why)
 
     def as_dict(self) -> dict[str, object]:
         b = self.binding
@@ -45,6 +46,7 @@ class DoctorReport:
             "modules": b.modules,
             "flags": b.flags,
             "import_errors": b.errors,
+            "recv_probes": self.probes,
             "points": [
                 {
                     "id": p.point.id,
@@ -67,10 +69,26 @@ def doctor(source: str | Path | None = None) -> DoctorReport:
     """
     if source is None:
         binding = resolve_installed()
+        probes = probe_path(binding)
     else:
         with source_tree(source) as binding:
-            pass  # the binding keeps the report; the stubbed modules are removed on exit
-    return DoctorReport(binding, EXIT_OK if binding.ok else EXIT_MISSING_REQUIRED)
+            probes = probe_path(binding)  # the binding keeps the report; the stubbed modules are removed on exit
+    return DoctorReport(binding, EXIT_OK if binding.ok else EXIT_MISSING_REQUIRED, probes)
+
+
+def probe_path(binding: UpstreamBinding) -> str:
+    """``compiled`` when the GVA recv thread's ``_handle_request`` takes the compiled probes
+    (``instrument/rewrite.py``), else ``wrappers: <reason>``."""
+    from otel_kvtrace import config
+    from otel_kvtrace.instrument import rewrite
+
+    cls = binding.classes.get("recv_gva")
+    if cls is None:
+        return "wrappers: no GVA recv class"
+    if config.probes_mode() == "wrappers":
+        return f"wrappers: {config.OTEL_KVTRACE_PROBES}=wrappers"
+    reason = rewrite.check(cls)
+    return "compiled" if reason is None else f"wrappers: {reason}"
 
 
 def _print_report(report: DoctorReport) -> None:
@@ -92,6 +110,8 @@ def _print_report(report: DoctorReport) -> None:
         console.print(f"  {p.point.id:5} [{colour}]{p.status:17}[/] {kind:8} {member}{escape(extra)}  "
                       f"[dim]{p.point.what}[/]")
     console.print("feature flags: " + ", ".join(f"{k}={v}" for k, v in b.flags.items()))
+    colour = "green" if report.probes == "compiled" else "yellow"
+    console.print(f"recv probes (GVA _handle_request): [{colour}]{escape(report.probes)}[/]")
     if b.ok:
         console.print("[green]all required patch points found: tracing can bind[/]")
     else:

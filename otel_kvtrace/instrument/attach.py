@@ -16,6 +16,8 @@ from typing import Any
 from otel_kvtrace.instrument.npu_timing import NpuTiming
 from otel_kvtrace.instrument.points import class_path
 from otel_kvtrace.instrument.proxies import (
+    DirectSetLoadEvent,
+    DirectWaitSaveEvent,
     TracedBuilder,
     TracedKeyStore,
     TracedLoadEvent,
@@ -31,6 +33,7 @@ from otel_kvtrace.record.model import QueueInfo
 STATE_ATTR = "_kvtrace_state"
 GATE_ID_ATTR = "_kvtrace_gate_id"  # on an attention gate: the forward layer that created it
 WORKER_ATTR = "_kvtrace_worker"
+COMPILED_ATTR = "__kvtrace_compiled__"  # on a _handle_request built by instrument/rewrite.py
 
 
 def thread_path(thread: Any) -> str:
@@ -152,12 +155,29 @@ def _replace_items(lst: Any, make: Any, state: QueueState) -> None:
         state.undo.append((lst, index, item))
 
 
+def has_compiled_probes(thread: Any) -> bool:
+    """True when the thread's class runs the compiled ``_handle_request`` (``instrument/rewrite.py``)."""
+    return getattr(getattr(type(thread), "_handle_request", None), COMPILED_ATTR, False) is True
+
+
+def _switch_class(lst: Any, base: type, direct: type) -> None:
+    """Proxies of ``base`` in ``lst`` become ``direct`` (same slots; made before by another thread)."""
+    if isinstance(lst, list):
+        for item in lst:
+            if type(item) is base:
+                object.__setattr__(item, "__class__", direct)
+
+
 def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) -> None:
-    _replace_items(
-        getattr(thread, "layer_save_finished_events", None),
-        lambda i, ev: TracedSaveEvent(ev, rt, state),
-        state,
-    )
+    state.compiled = not state.is_send and has_compiled_probes(thread)
+    if not state.compiled and not state.is_send:
+        for point_id in list(rt.deferred):  # a wrapper-path recv thread: it needs the points the probes skipped
+            install = rt.deferred.pop(point_id, None)
+            if install is not None:
+                install()
+    save_proxy = DirectWaitSaveEvent if state.compiled else TracedSaveEvent
+    save_events = getattr(thread, "layer_save_finished_events", None)
+    _replace_items(save_events, lambda i, ev: save_proxy(ev, rt, state), state)
     sync_events = getattr(thread, "sync_save_events", None)
     if rt.npu_timing_wanted:  # calibrate now, before the gate's first record needs a mark
         first_event = sync_events[0] if isinstance(sync_events, list) and sync_events else None
@@ -170,6 +190,11 @@ def _attach_thread_collaborators(thread: Any, state: QueueState, rt: Runtime) ->
             thread.m_store = TracedKeyStore(store, rt, state)
             state.undo.append((thread, "m_store", store))
     if state.is_send:
+        return
+    if state.compiled:  # the probes time waits, builds, stagger, slot release and copy inline
+        _switch_class(save_events, TracedSaveEvent, DirectWaitSaveEvent)
+        _replace_items(getattr(thread, "layer_load_finished_events", None),
+                       lambda i, ev: DirectSetLoadEvent(ev, rt, state, i), state)
         return
     _replace_items(
         getattr(thread, "layer_load_finished_events", None),

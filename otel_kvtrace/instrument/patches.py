@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from otel_kvtrace.instrument import wrappers
+from otel_kvtrace.instrument import rewrite, wrappers
 from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, class_path, wrapped_points
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.targets import Targets
@@ -40,7 +40,9 @@ def classes_for(role: str, targets: Targets) -> tuple[type, ...]:
 def _wrapper(point: PatchPoint) -> Callable[[Callable, Runtime], Callable]:
     """The factory a row names: a ``wrappers.*`` name (the tracing table) or a callable (another table
     going through the same mechanism, e.g. the live scheduler's ``schedule/install.py:POINTS``)."""
-    return point.wrapper if callable(point.wrapper) else getattr(wrappers, point.wrapper)
+    if callable(point.wrapper):
+        return point.wrapper
+    return getattr(wrappers, point.wrapper, None) or getattr(rewrite, point.wrapper)
 
 
 @dataclass(slots=True)
@@ -67,6 +69,11 @@ def install(targets: Targets, rt: Runtime | None,
             if must and strict and not owners:
                 raise LookupError(f"{point.id}: no class for required role {point.role!r}")
             for owner in owners:
+                covered = _probed(owner, targets) if point.probed else "none"
+                if covered == "some" and rt is not None:  # wrapped once a wrapper-path recv thread attaches
+                    rt.deferred[point.id] = _deferred(owner, point, rt, installed)
+                if covered != "none":
+                    continue  # the compiled probes stamp this point inline
                 if inspect.getattr_static(owner, point.member, None) is None:
                     if must:
                         raise LookupError(f"{point.id}: {owner.__qualname__}.{point.member} not found")
@@ -79,6 +86,33 @@ def install(targets: Targets, rt: Runtime | None,
         uninstall(installed)
         raise
     return installed
+
+
+def _probed(owner: type, targets: Targets) -> str:
+    """How far the compiled probes cover ``owner``'s point: ``all`` (its own ``_handle_request`` got them,
+    or, for a collaborator class such as the gate, every recv class did), ``some`` (a collaborator of
+    compiled and wrapper-path recv classes: wrapped when a wrapper-path thread attaches) or ``none``."""
+    recv = targets.recv_thread_classes if owner not in targets.recv_thread_classes else (owner,)
+    compiled = [rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None)) for c in recv]
+    return "all" if all(compiled) else "some" if any(compiled) else "none"
+
+
+def _deferred(owner: type, point: PatchPoint, rt: Runtime, installed: list[InstalledPatch]) -> Callable[[], None]:
+    """Wrap ``point`` on ``owner`` later (into the session's own ``installed`` list, so uninstall undoes it)."""
+    make = _wrapper(point)
+
+    def install_now() -> None:
+        patch = patch_attr(owner, point.member, lambda current: make(current, rt))
+        if patch is not None:
+            installed.append(patch)
+
+    return install_now
+
+
+def probe_paths(targets: Targets) -> dict[str, str]:
+    """Per recv class: ``compiled`` or ``wrappers`` (what an install did; for doctor and the tests)."""
+    return {c.__qualname__: "compiled" if rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None))
+            else "wrappers" for c in targets.recv_thread_classes}
 
 
 def is_wrapped(obj: object) -> bool:

@@ -40,6 +40,9 @@ class PatchPoint:
     what: str
     wrapper: str | Callable[..., Callable] = ""
     core: bool = False
+    # Covered by the compiled probes (instrument/rewrite.py) when the recv class's _handle_request got them:
+    # not wrapped on that class then (the gate's wait: not wrapped when every recv class got them).
+    probed: bool = False
 
 
 #: The research note's P1-P13 (docs/compatibility.md lists what each version has).
@@ -51,8 +54,9 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
                "wrap_wait_for_layer_load"),
     PatchPoint("P3", "recv_gva", "add_request", ("self",), True, "GVA enqueue", "wrap_add_request", core=True),
     PatchPoint("P3k", "recv_key", "add_request", ("self",), True, "key-path enqueue", "wrap_add_request", core=True),
-    PatchPoint("P4", "recv_gva", "_handle_request", ("self", "data"), True, "GVA dequeue / completion",
-               "wrap_handle_request", core=True),
+    PatchPoint("P4", "recv_gva", "_handle_request", ("self", "data"), True,
+               "GVA dequeue / completion, and every recv stage as compiled probes", "compile_handle_request",
+               core=True),
     PatchPoint("P4k", "recv_key", "_handle_request", ("self", "data"), True, "key-path dequeue / completion",
                "wrap_handle_request", core=True),
     PatchPoint("P5", "recv_gva", "__init__", ("layer_load_finished_events", "layer_save_finished_events"), True,
@@ -62,16 +66,17 @@ PATCH_POINTS: tuple[PatchPoint, ...] = (
     PatchPoint("P6", "recv_gva", "__init__", ("sync_save_events",), False,
                "save NPU events synchronized by the recv thread (main only)"),
     PatchPoint("P7", "gate", "record", ("self", "stream"), True, "gate open time (first record)", "wrap_gate_record"),
-    PatchPoint("P7w", "gate", "wait", ("self", "timeout"), True, "gate condition wait + NPU sync", "wrap_gate_wait"),
+    PatchPoint("P7w", "gate", "wait", ("self", "timeout"), True, "gate condition wait + NPU sync", "wrap_gate_wait",
+               probed=True),
     PatchPoint("P8", "builder", "build_addrs", ("self", "shared", "layer_id"), True, "address build"),
     PatchPoint("P8b", "builder", "build", ("self", "task", "is_save"), False, "full build (no shared data)"),
     PatchPoint("P9", "recv_gva", "_stagger_h2d_submit", ("self", "layer_id"), False, "H2D stagger busy wait",
-               "wrap_stagger"),
+               "wrap_stagger", probed=True),
     PatchPoint("P10", "recv_gva", "__init__", ("external_slot_release_waiter",), False,
                "external slot release waiter (main only)"),
     PatchPoint("P11", "recv_gva", "_batch_copy_with_limits",
                ("self", "gvas", "addrs", "sizes", "direction", "max_transfer_blocks", "max_transfer_bytes"), True,
-               "backend submit (batch_copy)", "wrap_batch_copy"),
+               "backend submit (batch_copy)", "wrap_batch_copy", probed=True),
     PatchPoint("P12", "backend", "batch_remove_lease", ("self", "keys"), False, "lease release on the final layer"),
     PatchPoint("P12k", "backend", "get", ("self", "keys", "addrs", "sizes"), False, "key-path synchronous get"),
     PatchPoint("P13", "worker", "save_kv_layer", ("self", "connector_metadata"), False, "save point (forward)",

@@ -71,11 +71,12 @@ class _EventProxy(_Proxy):
 class TracedSaveEvent(_EventProxy):
     """``layer_save_finished_events[i]``: producer ``set()`` time; the recv thread's save wait."""
 
-    __slots__ = ("set_ns",)
+    __slots__ = ("set_ns", "_wait")
 
     def __init__(self, inner: Any, rt: Runtime, st: QueueState) -> None:
         super().__init__(inner, rt, st)
         self.set_ns = NO_TIME
+        object.__setattr__(self, "_wait", inner.wait)
 
     def set(self) -> None:
         inner = self._inner
@@ -109,14 +110,24 @@ class TracedSaveEvent(_EventProxy):
         return ok
 
 
+class DirectWaitSaveEvent(TracedSaveEvent):
+    """A save event of a recv thread with compiled probes (``instrument/rewrite.py``): ``wait`` is the
+    inner event's own bound method (the probes time it inline); ``set`` still stamps the producer's time.
+    Same layout as ``TracedSaveEvent``, so a proxy made by the send thread is switched by ``__class__``."""
+
+    __slots__ = ()
+    wait = TracedSaveEvent._wait  # type: ignore[assignment]  # the slot holding inner.wait
+
+
 class TracedLoadEvent(_EventProxy):
     """``layer_load_finished_events[i]``: completion (recv ``set``) and the forward's consumer wait."""
 
-    __slots__ = ("_layer",)
+    __slots__ = ("_layer", "_set")
 
     def __init__(self, inner: Any, rt: Runtime, st: QueueState, layer: int) -> None:
         super().__init__(inner, rt, st)
         self._layer = layer
+        object.__setattr__(self, "_set", inner.set)
 
     def set(self) -> None:
         st = self._st
@@ -141,6 +152,14 @@ class TracedLoadEvent(_EventProxy):
         except Exception as exc:
             self._rt.fail(exc)
         return ok
+
+
+class DirectSetLoadEvent(TracedLoadEvent):
+    """A load event of a recv thread with compiled probes: ``set`` is the inner event's own bound method
+    (the probes stamp ``t_complete`` just before it); the forward's consumer wait is still recorded."""
+
+    __slots__ = ()
+    set = TracedLoadEvent._set  # type: ignore[assignment]
 
 
 class TracedNpuEvent(_Proxy):

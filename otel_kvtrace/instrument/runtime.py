@@ -34,6 +34,9 @@ class Runtime:
     # Called once per worker after its transfer threads are attached (e.g. to add its config and ranks
     # to the resource). Exceptions disable tracing like any other instrumentation failure.
     on_worker_attached: list[Callable[[Any], None]] = field(default_factory=list)
+    # Patch points left unwrapped because compiled probes cover them, to be wrapped once a recv thread on the
+    # wrapper path attaches (the gate's wait when the key path is traced next to a compiled GVA path).
+    deferred: dict[str, Callable[[], None]] = field(default_factory=dict)
     # NPU events of the current step in compute-stream order (a new log per start_load_kv).
     stream_log: StreamLog = field(default_factory=StreamLog)
 

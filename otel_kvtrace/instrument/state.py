@@ -49,5 +49,8 @@ class QueueState:
     # The thread's H2D stagger is a no-op (h2d_stagger_us <= 0, no slot waiter between it and the copy):
     # its zero-length h2d_stagger stage is written by the batch_copy wrapper, not by a wrapper of its own.
     stagger_at_submit: bool = False
+    # The thread's class runs compiled probes (instrument/rewrite.py): no per-stage wrappers or proxies,
+    # no thread binding; the stamps are statements of its _handle_request.
+    compiled: bool = False
     # Objects replaced on the instance, for exact restore: (owner, attribute or index, original).
     undo: list[tuple[Any, Any, Any]] = field(default_factory=list)

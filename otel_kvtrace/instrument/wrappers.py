@@ -14,11 +14,11 @@ from threading import get_ident
 from typing import Any
 
 from otel_kvtrace.instrument import attach
-from otel_kvtrace.instrument.attach import GATE_ID_ATTR, STATE_ATTR
+from otel_kvtrace.instrument.attach import GATE_ID_ATTR, STATE_ATTR, WORKER_ATTR
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
-from otel_kvtrace.instrument.stream_order import StreamLog, next_position
+from otel_kvtrace.instrument.stream_order import FAR_FUTURE, MAX_EVENTS_PER_LOG, StreamLog, StreamPosition
 from otel_kvtrace.record.ring import REASON_STEP_BOUNDARY, REASON_WAITED
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind, TaskRecord
 
@@ -304,7 +304,13 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
         if getattr(self, "_event", None) is None and rt.recorder.enabled and GATE_STAMP_ATTR not in self.__dict__:
             try:
                 recorded = clock()
-                position = next_position(rt)
+                log = rt.stream_log  # stream_order.next_position, inlined (forward-thread frames)
+                done_by = log.done_by
+                if len(done_by) >= MAX_EVENTS_PER_LOG:
+                    log = rt.stream_log = StreamLog()
+                    done_by = log.done_by
+                done_by.append(FAR_FUTURE)
+                position = StreamPosition(log, len(done_by) - 1)
                 mark = None
                 if rt.npu_timing_wanted:
                     timing = attach.npu_timing_for(rt)
@@ -406,12 +412,14 @@ def wrap_start_load_kv(original: Callable, rt: Runtime) -> Callable:
 
 
 def wrap_wait_for_layer_load(original: Callable, rt: Runtime) -> Callable:
+    recorder = rt.recorder
+
     def wait_for_layer_load(self: Any, *args: Any, **kwargs: Any) -> Any:
         ws = None
         layer = -1
         if rt.recorder.enabled:
             try:
-                ws = attach.worker_state(self, rt)
+                ws = self.__dict__.get(WORKER_ATTR) or attach.worker_state(self, rt)  # one frame less per layer
                 layer = getattr(self, "current_layer", -1)
                 ws.forward_layer = layer
             except Exception as exc:
@@ -423,8 +431,13 @@ def wrap_wait_for_layer_load(original: Callable, rt: Runtime) -> Callable:
             if ws is not None:
                 try:
                     rec = ws.step_records.pop(layer, None)
-                    if rec is not None:
-                        release(rt, rec)
+                    if rec is not None:  # release(), inlined: the forward pays for every frame
+                        try:
+                            last = rec.holds.pop() == _HOLD_RECV
+                        except IndexError:
+                            last = False
+                        if last:
+                            recorder.submit_consumer(rec, REASON_WAITED)
                 except Exception as exc:
                     rt.fail(exc)
 
@@ -435,7 +448,8 @@ def wrap_save_kv_layer(original: Callable, rt: Runtime) -> Callable:
     def save_kv_layer(self: Any, *args: Any, **kwargs: Any) -> Any:
         if rt.recorder.enabled:
             try:
-                attach.worker_state(self, rt).forward_layer = getattr(self, "current_layer", -1)
+                ws = self.__dict__.get(WORKER_ATTR) or attach.worker_state(self, rt)
+                ws.forward_layer = getattr(self, "current_layer", -1)
             except Exception as exc:
                 rt.fail(exc)
         return original(self, *args, **kwargs)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from otel_kvtrace.instrument import patches, points, upstream, wrappers
+from otel_kvtrace.instrument import patches, points, upstream
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.targets import Targets
 from otel_kvtrace.record.recorder import Recorder
@@ -20,7 +20,7 @@ def test_doctor_and_patcher_read_the_same_rows() -> None:
         assert p.role in upstream.CLASS_ROLES, p
         assert not p.core or p.required, f"{p.id}: a core point is required for doctor too"
         if p.wrapper:
-            assert callable(getattr(wrappers, p.wrapper, None)), f"{p.id}: no wrapper {p.wrapper}"
+            assert callable(patches._wrapper(p)), f"{p.id}: no wrapper {p.wrapper}"
             assert p.role in points.TARGET_ROLES and p.member != "__init__", p
     ids = [p.id for p in points.PATCH_POINTS]
     assert len(ids) == len(set(ids))

@@ -74,9 +74,11 @@ def stamp(log: dict[str, float], name: str, action: Any) -> Any:
 # ---- plain task -----------------------------------------------------------------------------------
 
 
-def test_a_no_op_stagger_is_called_unwrapped_and_recorded_at_the_copy(upstream: Upstream) -> None:
-    """h2d_stagger_us == 0: the instance calls upstream's own ``_stagger_h2d_submit`` (no frame of ours),
-    the zero-length h2d_stagger stage is written at the copy's start, and shutdown removes the shortcut."""
+def test_a_no_op_stagger_is_called_unwrapped_and_recorded_at_the_copy(upstream: Upstream, monkeypatch: Any) -> None:
+    """Wrapper path, h2d_stagger_us == 0: the instance calls upstream's own ``_stagger_h2d_submit`` (no
+    frame of ours), the zero-length h2d_stagger stage is written at the copy's start, and shutdown removes
+    the shortcut."""
+    monkeypatch.setenv("OTEL_KVTRACE_PROBES", "wrappers")
     session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="stagger")
     try:
         env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
@@ -93,6 +95,24 @@ def test_a_no_op_stagger_is_called_unwrapped_and_recorded_at_the_copy(upstream: 
     assert "_stagger_h2d_submit" not in env.thread.__dict__
 
 
+def test_compiled_probes_leave_the_stage_methods_upstreams_own(upstream: Upstream) -> None:
+    """Compiled path (the default): stagger and batch copy are upstream's methods, not wrapped, and the
+    stages are still recorded (stagger before the copy)."""
+    cls = upstream.binding.classes["recv_gva"]
+    stagger, handle = cls.__dict__["_stagger_h2d_submit"], cls.__dict__["_handle_request"]
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="compiled")
+    try:
+        assert getattr(cls.__dict__["_handle_request"], "__kvtrace_compiled__", False) is True
+        assert cls.__dict__["_stagger_h2d_submit"] is stagger
+        assert "_batch_copy_with_limits" not in cls.__dict__  # inherited from KVTransferThread, not wrapped
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        env.thread._handle_request(env.thread.request_queue.get())
+        (task,) = traces_after(session, 1)
+        assert task.children["h2d_stagger"].end <= task.children["backend_submit"].start
+    finally:
+        session.shutdown()
+    assert cls.__dict__["_handle_request"] is handle  # uninstall restores upstream's own function
 
 
 def test_plain_task_stages_bracket_the_real_backend_call(upstream: Upstream, tracing: Any) -> None:

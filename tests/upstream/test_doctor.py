@@ -42,6 +42,7 @@ def test_doctor_cli_reports_every_point_found_with_version_and_layout(upstream_r
     report = json.loads(result.output)
     points = _points(report)
     assert report["ok"] and all(p["status"] == "found" for p in points.values() if p["required"])
+    assert report["recv_probes"] == "compiled"
     if report["layout"] == "main":
         assert report["flags"]["recv_save_npu_sync"] and points["P6"]["status"] == "found"
         assert report["modules"]["gate"].endswith(".attention_fence")
@@ -57,6 +58,21 @@ def test_doctor_table_output_names_points(upstream_root: Path) -> None:
     assert result.exit_code == EXIT_OK
     assert "P11" in result.output and "_batch_copy_with_limits" in result.output
     assert "tracing can bind" in result.output
+    assert "recv probes (GVA _handle_request): compiled" in result.output
+
+
+def test_doctor_says_when_the_recv_thread_would_use_the_wrappers(upstream_root: Path, tmp_path: Path) -> None:
+    """An upstream edit the compiled probes do not know (a second gate wait) -> wrappers, with the reason."""
+    tree = _copy_kv_pool(upstream_root, tmp_path / "edited")
+    kv_transfer = tree / KV_POOL / "kv_transfer.py"
+    text = kv_transfer.read_text()
+    anchor = "        self._stagger_h2d_submit(layer_id)\n"
+    start = text.index("class KVCacheStoreLayerRecvingThread")
+    at = text.index(anchor, start)
+    kv_transfer.write_text(text[:at] + anchor + anchor + text[at + len(anchor):])
+    report = doctor(tree)
+    assert report.exit_code == EXIT_OK  # every patch point is there: tracing binds, on the wrapper path
+    assert report.probes.startswith("wrappers: expected one gate wait, stagger and batch copy"), report.probes
 
 
 def test_doctor_fails_on_a_missing_required_point(upstream_root: Path, tmp_path: Path) -> None:

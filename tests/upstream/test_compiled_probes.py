@@ -1,0 +1,259 @@
+"""Compiled probes (``instrument/rewrite.py``) on the REAL vLLM-Ascend GVA recv thread.
+
+The recompiled ``_handle_request`` must be what runs (not a silent fallback), must fall back to the
+wrappers with one log line when the source is not the shape it knows, must raise exactly what upstream
+raises (type, message, traceback lines), and must record the same ``TaskRecord`` content as the wrapper
+path for the same driven workload (times excepted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_kvtrace.api import start_tracing
+from otel_kvtrace.instrument import patches
+from otel_kvtrace.record.model import NO_TIME, NUM_DEPS
+
+from .harness import FakeBackend, Upstream
+
+pytestmark = pytest.mark.upstream
+
+N_LAYERS = 4
+
+
+def _targets_with(upstream: Upstream, recv_gva: type) -> Any:
+    targets = upstream.binding.to_targets()
+    old = upstream.binding.classes["recv_gva"]
+    targets.recv_thread_classes = tuple(recv_gva if c is old else c for c in targets.recv_thread_classes)
+    return targets
+
+
+def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
+    targets = upstream.binding.to_targets()
+    session = start_tracing(targets, exporter=None, run_id="probes")
+    try:
+        paths = patches.probe_paths(targets)
+        assert paths[upstream.binding.classes["recv_gva"].__qualname__] == "compiled", paths
+        compiled = upstream.binding.classes["recv_gva"].__dict__["_handle_request"]
+        # compiled under upstream's future flags: the annotations stay unevaluated strings, as upstream's
+        assert compiled.__annotations__ == compiled.__kvtrace_wrapped__.__annotations__
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        item = env.thread.request_queue.get()
+        frames: list[str] = []
+        sys.setprofile(lambda frame, event, arg: frames.append(frame.f_code.co_filename) if event == "call" else None)
+        try:
+            env.thread._handle_request(item)
+        finally:
+            sys.setprofile(None)
+        ours = [f for f in frames if "otel_kvtrace" in f]
+        # no wrapper or proxy frame on the recv thread: only the record's hand-off (and the bytes sum)
+        assert not any(f.endswith(("wrappers.py", "proxies.py", "attach.py")) for f in ours[:-2]), ours
+        assert frames[0] == inspect.getsourcefile(upstream.binding.classes["recv_gva"]), frames[0]
+        (rec,) = session.recorder.drain(10)
+        assert rec.stages[0::3] and rec.t_backend_return != NO_TIME and rec.nbytes > 0
+    finally:
+        session.shutdown()
+    assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__] == "wrappers"
+
+
+def _modified_class(upstream: Upstream, tmp_path: Path, edit: Any) -> type:
+    """A subclass whose ``_handle_request`` is upstream's source with ``edit`` applied, loaded from a file
+    (so ``inspect`` can read it back) in upstream's module globals."""
+    base = upstream.binding.classes["recv_gva"]
+    source = inspect.getsource(base._handle_request)
+    edited = edit(source)
+    assert edited != source
+    path = tmp_path / "modified_recv.py"
+    path.write_text("class Modified(_Base):\n" + edited)
+    module = sys.modules[base.__module__]
+    namespace = dict(vars(module), _Base=base)
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the test's own edit
+    return namespace["Modified"]
+
+
+EDITS = {
+    "anchor missing": (lambda s: s.replace("self._stagger_h2d_submit(layer_id)", "pass"), "no stagger"),
+    "extra statement": (lambda s: s.replace("        self._stagger_h2d_submit(layer_id)\n",
+                                            "        self._stagger_h2d_submit(layer_id)\n"
+                                            "        ok = attention_start_gate is None or attention_start_gate.wait(0)\n"),
+                        "is not in a statement the probes know"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EDITS))
+def test_a_source_of_another_shape_falls_back_to_the_wrappers_with_one_log_line(
+        upstream: Upstream, tmp_path: Path, caplog: Any, case: str) -> None:
+    edit, reason = EDITS[case]
+    modified = _modified_class(upstream, tmp_path, edit)
+    targets = _targets_with(upstream, modified)
+    caplog.set_level(logging.INFO, logger="otel_kvtrace")
+    session = start_tracing(targets, exporter=None, run_id="fallback")
+    try:
+        lines = [r.getMessage() for r in caplog.records if "wrapper path" in r.getMessage()]
+        mine = [line for line in lines if "Modified" in line]
+        assert len(mine) == 1 and reason in mine[0], lines
+        assert patches.probe_paths(targets)["Modified"] == "wrappers"
+        thread = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False).thread
+        thread.__class__ = modified
+        thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        thread._handle_request(thread.request_queue.get())
+        (rec,) = session.recorder.drain(10)
+        assert rec.t_backend_return != NO_TIME  # traced through the wrappers
+    finally:
+        session.shutdown()
+
+
+def test_the_unedited_source_from_a_file_compiles(upstream: Upstream, tmp_path: Path) -> None:
+    """The positive control of the fallback tests: the same loading, no edit, compiled probes."""
+    modified = _modified_class(upstream, tmp_path, lambda s: s + "\n")
+    targets = _targets_with(upstream, modified)
+    session = start_tracing(targets, exporter=None, run_id="control")
+    try:
+        assert patches.probe_paths(targets)["Modified"] == "compiled"
+    finally:
+        session.shutdown()
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+class _RaisingClient:
+    def batch_copy(self, gvas: Any, addrs: Any, sizes: Any, direction: int) -> int:
+        raise _Boom(f"copy of {len(gvas)} entries failed")
+
+
+def _raise_once(upstream: Upstream) -> tuple[BaseException, list[tuple[str, int, str]]]:
+    backend = FakeBackend()
+    backend.store = _RaisingClient()
+    env = upstream.gva_thread(N_LAYERS, backend, start=False)
+    env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)]))
+    item = env.thread.request_queue.get()
+    with pytest.raises(_Boom) as info:
+        env.thread._handle_request(item)
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(info.value.__traceback__)][1:]
+    return info.value, frames
+
+
+def test_a_raising_batch_copy_raises_the_same_with_and_without_tracing(upstream: Upstream) -> None:
+    plain, plain_frames = _raise_once(upstream)
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="raise")
+    try:
+        traced, traced_frames = _raise_once(upstream)
+        (rec,) = session.recorder.drain(10)
+    finally:
+        session.shutdown()
+    assert type(traced) is type(plain) and str(traced) == str(plain)
+    assert traced_frames == plain_frames  # upstream's file and line numbers, no frame of ours
+    assert [f[2] for f in traced_frames][:2] == ["_handle_request", "_batch_copy_with_limits"]
+    assert rec.error is traced and rec.backend_result == -1 and rec.t_complete != NO_TIME
+    assert rec.stages[-3] == 7  # backend_submit, closed by the exception
+
+
+# ---- same records on both paths -----------------------------------------------------------------------
+
+
+def _workload(upstream: Upstream, env: Any, gate_before: Any) -> None:
+    """Every branch the probes stamp, driven synchronously (deterministic): plain, save wait + gate
+    recorded while tracing, gate recorded before tracing, empty task after a save wait, failed copy."""
+    thread = env.thread
+    r = upstream.request("r1", 3)
+
+    def run(task: Any) -> None:
+        thread.add_request(task)
+        try:
+            thread._handle_request(thread.request_queue.get())
+        except RuntimeError:
+            assert upstream.is_main  # main raises on a failed copy; 0.23 logs it
+        for ev in env.load_done:
+            ev.clear()
+
+    run(upstream.gva_task(0, [r]))
+    gate = upstream.gate_class()
+    gate.record()
+    thread.layer_save_finished_events[0].set()
+    if upstream.is_main:
+        thread.sync_save_events[0].record()
+    run(upstream.gva_task(1, [r], wait_for_save_layer=0, gate=gate))
+    run(upstream.gva_task(2, [r], gate=gate_before))
+    thread.layer_save_finished_events[1].set()
+    if upstream.is_main:
+        thread.sync_save_events[1].record()
+    run(upstream.gva_task(3, [], wait_for_save_layer=1))
+    env.backend.results.append(5)
+    run(upstream.gva_task(3, [r]))
+
+
+def _shape(rec: Any) -> dict[str, Any]:
+    """A record's content with every time replaced by whether it is set (and deps by exact/bounded)."""
+    out = {f.name: getattr(rec, f.name) for f in dataclasses.fields(rec)}
+    for name in ("t_enqueue", "t_dequeue", "t_backend_return", "t_complete"):
+        out[name] = out[name] != NO_TIME
+    out["stages"] = rec.stages[0::3]
+    out["deps"] = [(rec.deps[2 * d] != NO_TIME, rec.deps[2 * d] == rec.deps[2 * d + 1]) for d in range(NUM_DEPS)]
+    out["error"] = (type(rec.error).__name__, str(rec.error)) if rec.error is not None else None
+    out["npu_marks"] = [(dep, type(mark).__name__) for dep, mark in rec.npu_marks]
+    out["queue"] = (rec.queue.path, rec.queue.num_layers)
+    out["transfer_tasks"] = type(rec.transfer_tasks).__name__
+    return out
+
+
+def _records(upstream: Upstream, monkeypatch: Any, probes: str) -> tuple[list[dict[str, Any]], str]:
+    monkeypatch.setenv("OTEL_KVTRACE_PROBES", probes)
+    gate_before = upstream.gate_class()
+    gate_before.record()
+    targets = upstream.binding.to_targets()
+    session = start_tracing(targets, exporter=None, run_id="same")
+    try:
+        session.recorder.npu_resolver = None  # keep the marks as recorded
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        _workload(upstream, env, gate_before)
+        records = session.recorder.drain(100)
+        path = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__]
+    finally:
+        session.shutdown()
+    return [_shape(r) for r in records], path
+
+
+def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstream, monkeypatch: Any) -> None:
+    wrapped, wrapped_path = _records(upstream, monkeypatch, "wrappers")
+    compiled, compiled_path = _records(upstream, monkeypatch, "compiled")
+    assert (wrapped_path, compiled_path) == ("wrappers", "compiled")
+    assert len(compiled) == len(wrapped) == 5
+    for i, (c, w) in enumerate(zip(compiled, wrapped, strict=True)):
+        diff = {k: (c[k], w[k]) for k in c if c[k] != w[k]}
+        assert not diff, f"task {i}: compiled vs wrappers differ in {diff}"
+    # the workload reached every branch: save dep, gate deps, an empty task, a failed copy
+    assert compiled[1]["has_dep"] and compiled[2]["has_dep"]
+    assert [c["outcome"] for c in compiled][3:] != [0, 0]
+
+
+def test_the_proof_rejects_a_rewrite_that_changes_an_upstream_statement(upstream: Upstream, monkeypatch: Any) -> None:
+    """A stamp that alters one of upstream's own statements (here: the copy's direction 1 -> 0) is caught by
+    the strip-and-compare proof, never compiled."""
+    import ast
+
+    from otel_kvtrace.instrument import rewrite
+
+    original_stamp = rewrite._Rewriter.stamp
+
+    def tampering(self: Any, s: ast.stmt) -> Any:
+        value = getattr(s, "value", None)
+        if isinstance(value, ast.Call) and getattr(value.func, "attr", "") == "_batch_copy_with_limits":
+            value.args[3] = ast.Constant(0)
+        return original_stamp(self, s)
+
+    fn = upstream.binding.classes["recv_gva"]._handle_request
+    rewrite.rewrite_tree(fn)  # as it is: proved
+    monkeypatch.setattr(rewrite._Rewriter, "stamp", tampering)
+    with pytest.raises(rewrite.NotRewritable, match="proof failed"):
+        rewrite.rewrite_tree(fn)
