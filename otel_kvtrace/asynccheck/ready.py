@@ -163,7 +163,8 @@ class ReadyWatcher:
                         last_false = max(last_false, seen[1])
                 # a false stamp taken after another thread's true one would invert the bracket
                 put(ready_code, now, min(last_false, now), registered)
-                pending.popleft()  # after the stamp: register() stamps at once only when nothing is older
+                if pending:  # (poke() failed and cleared it meanwhile)
+                    pending.popleft()  # after the stamp: register() stamps at once only when nothing is older
                 delay = POLL_S
                 continue  # one in-order copy stream: the next event is ready no earlier than this one's bound
             last_false = before
