@@ -18,7 +18,8 @@ is what the measurement can resolve, not a model error (a perfect model's error 
 average, E|N(0,1)|, and below 2 x floor 95 % of the time). ``corr``: correlation of the paired runs'
 mean TTFT (it varies, -0.7 to 0.8 here: pairing by seed removes little of the run-to-run noise, and
 not reliably). ``trim``: the measured gain with each run's stall steps (TTFT more than 3 ms above the
-run's median) left out of both sets, for reading only: the target and its error use ``meas``.
+run's median) left out of both sets, for reading only: the target and its error use ``meas``; it is
+not like-for-like with ``pred`` (the prediction is not trimmed).
 ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import statistics
 import tempfile
@@ -187,8 +189,9 @@ def main() -> None:
 
     rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]] = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-") as tmp_dir:
-        tmp = str(args.keep) if args.keep else tmp_dir
+    with contextlib.ExitStack() as stack:
+        tmp = str(args.keep) if args.keep else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-"))
         for cell in args.cells:
             cpu: dict[str, list[float]] = {}
             if cell == "upstream":
@@ -217,25 +220,30 @@ def trimmed_gain(fifo: Path, policy: Path) -> float:
     """Measured mean TTFT gain with each run's stall steps (> median + ``STALL_MS``) left out, in both
     sets: printed next to the bench's number (``trim``), never instead of it. A stall (the GIL or the CPU
     not back for tens of ms) hits one step of one random run; the replay carries a FIFO run's stall into
-    both its replays, so the prediction is immune to it and the measurement is not."""
-    def run_means(path: Path) -> list[float]:
-        from otel_kvtrace.load import load_traces
-        from otel_kvtrace.whatif.columns import QueueArrays
-        from otel_kvtrace.whatif.measured import recorded_replay
-        from otel_kvtrace.whatif.metrics import queue_figures
-        from otel_kvtrace.whatif.replay import group_runs
-        from otel_kvtrace.whatif.task import group_by_queue, tasks_from_duckdb
+    both its replays, so the prediction is immune to it and the measurement is not. Not like-for-like with
+    ``pred`` (an untrimmed replay), and the cut can also drop the HOL steps a policy shortens."""
+    return statistics.fmean(_trimmed_run_means(fifo)) - statistics.fmean(_trimmed_run_means(policy))
 
-        means = []
-        for runs in group_runs(tasks_from_duckdb(load_traces([path]).con)).values():
-            for ts in runs.values():
-                ttft = [st.ttft_ns / 1e6 for qts in group_by_queue(ts).values()
-                        for st in queue_figures(recorded_replay(QueueArrays.from_tasks(qts))).steps]
-                cut = statistics.median(ttft) + STALL_MS
-                means.append(statistics.fmean(t for t in ttft if t <= cut))
-        return means
 
-    return statistics.fmean(run_means(fifo)) - statistics.fmean(run_means(policy))
+@functools.lru_cache(maxsize=None)
+def _trimmed_run_means(path: Path) -> tuple[float, ...]:
+    """Each run's mean TTFT estimate (ms) without its stall steps; cached: a cell's FIFO traces serve
+    every policy of the cell."""
+    from otel_kvtrace.load import load_traces
+    from otel_kvtrace.whatif.columns import QueueArrays
+    from otel_kvtrace.whatif.measured import recorded_replay
+    from otel_kvtrace.whatif.metrics import queue_figures
+    from otel_kvtrace.whatif.replay import group_runs
+    from otel_kvtrace.whatif.task import group_by_queue, tasks_from_duckdb
+
+    means = []
+    for runs in group_runs(tasks_from_duckdb(load_traces([path]).con)).values():
+        for ts in runs.values():
+            ttft = [st.ttft_ns / 1e6 for qts in group_by_queue(ts).values()
+                    for st in queue_figures(recorded_replay(QueueArrays.from_tasks(qts))).steps]
+            cut = statistics.median(ttft) + STALL_MS
+            means.append(statistics.fmean(t for t in ttft if t <= cut))
+    return tuple(means)
 
 
 def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds: int, steps: int) -> None:

@@ -12,7 +12,7 @@ import duckdb
 from matplotlib.figure import Figure
 
 from otel_kvtrace.asynccheck.analysis import CheckResult
-from otel_kvtrace.asynccheck.render import num
+from otel_kvtrace.report.format import num
 from otel_kvtrace.report.html_safety import csp_meta
 from otel_kvtrace.report.plots import figure_png, pngs_html
 

@@ -97,7 +97,8 @@ class ReadyWatcher:
         try:
             done = event.query()
         except Exception:  # noqa: BLE001 - a broken event disables the watcher, never the host
-            self.failed = True
+            self.failed = True  # the watcher thread sees it and ends; register() stops handing events over
+            self.pending.clear()
             logger.exception("otel-kvtrace: output-ready watcher disabled")
             return
         self.seen = (event, clock() if done else before, done)  # true by then / still false then
@@ -130,7 +131,7 @@ class ReadyWatcher:
         last_false = 0
         last_seen = 0
         delay = POLL_S
-        while not self._stop.is_set():
+        while not self._stop.is_set() and not self.failed:
             if not pending:
                 if clock() - last_seen < ACTIVE_NS:
                     _sleep(delay)
@@ -138,7 +139,11 @@ class ReadyWatcher:
                 else:
                     _sleep(IDLE_S)
                 continue
-            event, registered = pending[0]
+            try:
+                event, registered = pending[0]
+            except IndexError:  # poke() failed and cleared it meanwhile
+                continue
+            before = clock()  # a false answer holds at least until the query began (poke's convention)
             try:
                 done = event.query()
             except Exception:  # noqa: BLE001 - a broken event disables the watcher, never the host
@@ -156,10 +161,12 @@ class ReadyWatcher:
                         now = min(now, seen[1])
                     elif seen[1] < now:
                         last_false = max(last_false, seen[1])
-                put(ready_code, now, last_false, registered)
-                pending.popleft()  # after the stamp: register() stamps at once only when nothing is older
+                # a false stamp taken after another thread's true one would invert the bracket
+                put(ready_code, now, min(last_false, now), registered)
+                if pending:  # (poke() failed and cleared it meanwhile)
+                    pending.popleft()  # after the stamp: register() stamps at once only when nothing is older
                 delay = POLL_S
                 continue  # one in-order copy stream: the next event is ready no earlier than this one's bound
-            last_false = now
+            last_false = before
             _sleep(delay)
             delay = min(2 * delay, MAX_POLL_S)

@@ -13,14 +13,10 @@ from rich.text import Text
 from otel_kvtrace.asynccheck.analysis import EFFECTIVE, NOT_EFFECTIVE, CheckResult
 from otel_kvtrace.asynccheck.doctor import DoctorReport
 from otel_kvtrace.asynccheck.outcome import outcome_line
+from otel_kvtrace.report.format import num
 
 _VERDICT_STYLE = {EFFECTIVE: "bold green", NOT_EFFECTIVE: "bold red"}
 _STATUS_STYLE = {"ok": "green", "info": "cyan", "warn": "yellow", "error": "bold red"}
-
-
-def num(value: float | None, fmt: str = "{:.3f}") -> str:
-    """``value`` in ``fmt``, ``-`` when the input has no such value (the terminal's and the page's cells)."""
-    return "-" if value is None else fmt.format(value)
 
 
 def _pct(value: float | None) -> str:
@@ -42,11 +38,11 @@ def render_check(result: CheckResult, console: Console) -> None:
         ("step pairs with schedule + output-ready", str(mt.pairs)),
         ("overlap schedule(n+1) / execute(n)", _pct(mt.overlap_ratio)),
         ("pairs overlapped >= 50%", _pct(mt.overlapped_pairs_share)),
-        ("forward gap p50 (ms)", num(mt.gap_p50_ms)),
-        ("forward gap p95 (ms)", num(mt.gap_p95_ms)),
+        ("forward gap p50 (ms)", num(mt.gap_p50_ms, "{:.3f}")),
+        ("forward gap p95 (ms)", num(mt.gap_p95_ms, "{:.3f}")),
         ("launches that waited for the device", _pct(mt.blocking_launch_share)),
         ("max batches in flight", num(mt.max_queue_depth, "{}")),
-        ("communication total (ms)", num(mt.comm_total_ms)),
+        ("communication total (ms)", num(mt.comm_total_ms, "{:.3f}")),
         ("communication exposed", _pct(mt.comm_exposed_share)),
     ]
     for row in rows:

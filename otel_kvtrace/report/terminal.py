@@ -13,15 +13,8 @@ from rich.text import Text
 
 from otel_kvtrace.analyse.queries import QueryResult
 from otel_kvtrace.load import LoadResult
+from otel_kvtrace.report.format import num
 from otel_kvtrace.report.model import Report, build_report
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}" if abs(value) < 1000 else f"{value:,.1f}"
-    return str(value)
 
 
 _TEXT_COLUMNS = ("cfg", "path", "stage", "queue", "class", "correlation_id", "intervals", "reason", "label")
@@ -51,7 +44,7 @@ def _table(title: str, records: list[dict[str, Any]], columns: list[str], limit:
     their full width."""
     table = Table(title=Text(title, style="table.title"), title_justify="left", header_style="bold", box=box.SIMPLE_HEAD,
                   pad_edge=False, padding=(0, 1))
-    rows = [[_fmt(r.get(c)) for c in columns] for r in records[:limit]]
+    rows = [[num(r.get(c)) for c in columns] for r in records[:limit]]
     for index, column in enumerate(columns):
         text = column in _TEXT_COLUMNS
         header = _HEADERS.get(column, column)
@@ -87,7 +80,7 @@ def hol_headline(report: Report) -> str:
     share = f", {100 * hol['share']:.1f}% of dependency wait" if hol.get("share") is not None else ""
     return (f"HOL blocking found: {hol['events']} events ({hol['proven_events']} proven, "
             f"{hol['possible_events']} possible) in {report.stats.tasks} tasks, {hol['total_ms']:.3f} ms in total"
-            f"{share}; p50 {_fmt(hol['p50_ms'])} ms, p99 {_fmt(hol['p99_ms'])} ms per event.")
+            f"{share}; p50 {num(hol['p50_ms'])} ms, p99 {num(hol['p99_ms'])} ms per event.")
 
 
 def render_terminal(report: Report, console: Console | None = None) -> None:

@@ -129,6 +129,23 @@ def unreadable_waiter(thread: Any) -> str | None:
             "blocking")
 
 
+class _Unlocked:
+    """``with`` block run with a held lock released (a probe: an NPU ``query()`` is a driver call, so a
+    producer's ``put`` or save ``set()`` never waits on one), held again after, whatever happens. One
+    object per queue: nothing allocated per ``get()``."""
+
+    __slots__ = ("lock",)
+
+    def __init__(self, lock: Any) -> None:
+        self.lock = lock
+
+    def __enter__(self) -> None:
+        self.lock.release()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.acquire()
+
+
 class SchedulingQueue(queue.Queue):
     """``queue.Queue`` whose ``get()`` returns the policy's pick (see the module docstring)."""
 
@@ -149,6 +166,7 @@ class SchedulingQueue(queue.Queue):
         self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
         self._waiter_seen: Any = None  # the slot waiter last found readable (checked again only if replaced)
         self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not recounted)
+        self._unlocked = _Unlocked(self.mutex)
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
@@ -267,10 +285,10 @@ class SchedulingQueue(queue.Queue):
 
     def _decide(self) -> tuple[int, float | None, int]:
         """Called with the lock held. The head's probe with the lock released (a ready head goes), then under
-        the lock the rule pass over the queue (no probe, no allocation but the short candidate list); when no queued task
-        could pass the head by the rules, the head goes at once. Otherwise the candidates are probed
-        with the lock released (producers' ``put`` and save ``set()`` never wait on a probe) and the pick
-        is re-checked under the lock. ``(index, wait, signals seen)``."""
+        the lock the rule pass over the queue (no probe, no allocation but the short candidate list); when
+        no queued task could pass the head by the rules, the head goes at once. Otherwise the candidates
+        are probed with the lock released (producers' ``put`` and save ``set()`` never wait on a probe)
+        and the pick is re-checked under the lock. ``(index, wait, signals seen)``."""
         seen = self._signals
         head = self.queue[0]
         if self.policy != "ready_queue" or head.barrier:
@@ -283,13 +301,11 @@ class SchedulingQueue(queue.Queue):
         # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass. Probed with
         # the lock released (an NPU ``query()`` is a driver call): a producer's put or save set never
         # waits on it. Handing out the head is always allowed, so a stale answer can only cost a pass.
-        self.mutex.release()
-        try:
-            state = probe(self.thread, head.item, time.perf_counter_ns())[0]
-        except Exception:
-            state = -1  # the full decision reports it (and falls back to fifo)
-        finally:
-            self.mutex.acquire()
+        with self._unlocked:
+            try:
+                state = probe(self.thread, head.item, time.perf_counter_ns())[0]
+            except Exception:
+                state = -1  # the full decision reports it (and falls back to fifo)
         if not self.queue or self.queue[0] is not head:
             return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again
         if state in (READY, UNKNOWN) or self.policy != "ready_queue":
@@ -301,11 +317,8 @@ class SchedulingQueue(queue.Queue):
             return 0, None, seen
         if cands is None:
             return 0, None, seen  # nothing could pass: the head blocks in its own wait, as upstream
-        self.mutex.release()
-        try:
+        with self._unlocked:
             pick, wait_s = self._choose(head, cands)
-        finally:
-            self.mutex.acquire()
         if pick > 0:
             picked = next(e for j, e, _ in cands if j == pick)
             if self.policy != "ready_queue" or pick >= len(self.queue) or self.queue[pick] is not picked:

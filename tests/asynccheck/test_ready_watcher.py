@@ -141,3 +141,69 @@ def test_the_creating_call_brackets_an_output_that_completes_just_after_registra
     (ready_stamp,) = [s for s in stamps if s.kind == StampKind.READY]
     # [last query false, first query true] lies inside the call: registered, then the call's own query
     assert call.t <= ready_stamp.a <= ready_stamp.t <= call.a, (call, ready_stamp)
+
+
+def test_a_false_answer_held_up_behind_the_creating_calls_poke_never_inverts_the_bracket() -> None:
+    """The watcher's ``query()`` answers "not yet", the copy completes, and the watcher gets the GIL back
+    only after the creating thread's ``poke()`` saw it complete. The false answer holds from when the query
+    began, so the stamp keeps last-false before first-true (a later clock would put the ready time after an
+    observed completion)."""
+    in_query, poked = threading.Event(), threading.Event()
+
+    class HeldEvent:
+        done = False
+        watcher_calls = 0
+
+        def query(self) -> bool:
+            if threading.current_thread().name != "kvtrace-async-ready":
+                return self.done
+            self.watcher_calls += 1
+            answer = self.done
+            if self.watcher_calls == 1:
+                self.done = True  # the copy completes right after the driver answered
+                in_query.set()
+                assert poked.wait(5)  # the watcher thread resumes only after the poke
+            return answer
+
+    buffer = StampBuffer()
+    watcher = ready.ReadyWatcher(buffer)
+    event = HeldEvent()
+    watcher.pending.append((event, buffer.clock()))
+    watcher.start()
+    try:
+        assert in_query.wait(5)
+        watcher.poke()
+        poked.set()
+        deadline = time.monotonic() + 5
+        stamps: list = []
+        while time.monotonic() < deadline and not stamps:
+            stamps = [s for s in buffer.drain(0) if s.kind == StampKind.READY]
+            time.sleep(0.001)
+    finally:
+        watcher.stop()
+    (stamp,) = stamps
+    assert watcher.seen is not None and watcher.seen[2] and stamp.t == watcher.seen[1]
+    assert stamp.b <= stamp.a <= stamp.t, stamp
+
+
+def test_a_failing_poke_stops_the_watcher_as_its_message_says() -> None:
+    class BrokenForPoke:
+        def query(self) -> bool:
+            if threading.current_thread().name != "kvtrace-async-ready":
+                raise RuntimeError("driver error")
+            return False
+
+    buffer = StampBuffer()
+    watcher = ready.ReadyWatcher(buffer)
+    watcher.pending.append((BrokenForPoke(), buffer.clock()))
+    watcher.start()
+    try:
+        watcher.poke()
+        assert watcher.failed and not watcher.pending
+        assert watcher._thread is not None
+        watcher._thread.join(5)
+        assert not watcher._thread.is_alive()
+        watcher.register(_Output(BrokenForPoke()))
+        assert not watcher.pending
+    finally:
+        watcher.stop()

@@ -36,13 +36,23 @@ class FakeDevice:
         self.tail = 0.0
         self.intervals: list[tuple[float, float]] = []  # (start, end) per launched forward, perf_counter s
         self.wake_lags: list[float] = []  # how late each blocking synchronize returned (s): host latency
+        self.copies: dict[int, tuple[float, float]] = {}
+        """Step index -> (its compute's end, its output's first copy start), perf_counter s: the device idles
+        between the two while the host builds the output (after a blocking launch returned)."""
         self.lock = threading.Lock()
 
-    def launch(self, duration_s: float, *, same_step: bool = False) -> None:
+    def clear(self) -> None:
+        self.intervals.clear()
+        self.wake_lags.clear()
+        self.copies.clear()
+
+    def launch(self, duration_s: float, *, same_step: bool = False, copy: bool = False) -> None:
         """Queue work; ``same_step``: more work of the step just launched (the sampler after the forward),
-        so the step's device interval ends with it."""
+        so the step's device interval ends with it; ``copy``: that work is its output's copy."""
         with self.lock:
             start = max(time.perf_counter(), self.tail)
+            if copy and self.intervals and len(self.intervals) - 1 not in self.copies:
+                self.copies[len(self.intervals) - 1] = (self.intervals[-1][1], start)
             self.tail = start + duration_s
             if same_step and self.intervals:
                 self.intervals[-1] = (self.intervals[-1][0], self.tail)
@@ -101,8 +111,10 @@ class FakeTensor:
         if non_blocking and args and args[0] == "cpu":
             # the async output's ``__init__`` launches its device-to-host copies (gpu_model_runner.py
             # ``AsyncGPUModelRunnerOutput.__init__``, gpu/async_utils.py ``async_copy_to_np``) before it
-            # records the copy-ready event: device work of the step, so the output is ready only after it
-            DEVICE.launch(COPY_S, same_step=True)
+            # records the copy-ready event: device work of the step, so the output is ready only after it.
+            # vLLM runs the copy on ``async_output_copy_stream`` (which waits on the default stream), so the
+            # next forward need not wait for it; this one stream makes it wait: immaterial at COPY_S (5 µs)
+            DEVICE.launch(COPY_S, same_step=True, copy=True)
         return self
 
     def numpy(self) -> Any:
@@ -306,8 +318,7 @@ class QueueMQ:
 
 def _worker_main(mods: Any, timing: Timing, async_output: bool, requests: Any, responses: Any, truth: Any) -> None:
     """Forked worker process: a real ``WorkerProc`` busy loop on the fake device."""
-    DEVICE.intervals.clear()
-    DEVICE.wake_lags.clear()
+    DEVICE.clear()
     mpe = mods.multiproc_executor
     proc = mpe.WorkerProc.__new__(mpe.WorkerProc)
     proc.rpc_broadcast_mq = QueueMQ(requests)
@@ -413,6 +424,17 @@ def true_gaps_ms(device: list[tuple[float, float]], wake_lags: list[float]) -> l
     if len(wake_lags) >= len(gaps) + 1:
         gaps = [g - lag * 1e3 for g, lag in zip(gaps, wake_lags[-len(gaps) - 1:])]
     return gaps
+
+
+def device_idle_ms(device: list[tuple[float, float]], copies: dict[int, tuple[float, float]]
+                   ) -> tuple[list[float], list[float]]:
+    """Device idle between consecutive steps (ms) from step n's compute end (before its output's copy),
+    and the host work (ms) between that end and the copy's launch: what a gap from output-ready misses."""
+    d = sorted(device)
+    ends = [copies[i][0] if i in copies else d[i][1] for i in range(len(d))]
+    idle = [max(0.0, (d[i + 1][0] - ends[i]) * 1e3) for i in range(len(d) - 1)]
+    host = [(copies[i][1] - copies[i][0]) * 1e3 if i in copies else 0.0 for i in range(len(d) - 1)]
+    return idle, host
 
 
 def run_engine(engine: Any, max_calls: int = 10000) -> None:

@@ -92,12 +92,6 @@ def test_saves_queued_on_the_send_thread_do_not_move_earlier_with_the_forward(ab
     from otel_kvtrace.whatif.saves import saves_from_duckdb
     from otel_kvtrace.whatif.task import tasks_from_duckdb
 
-    _cooperative()  # moves the forward earlier at layer 5 on this preset (the whole-task ready_queue does not)
-    con = load_traces([ab[0]]).con
-    tasks = tasks_from_duckdb(con)
-    saves = saves_from_duckdb(con)
-    assert saves and all(len(v) >= 8 for v in saves.values())
-
     def final_save_shift(with_saves: bool) -> float:
         shifts = []
         for run in {t.run_id for t in tasks}:
@@ -110,7 +104,12 @@ def test_saves_queued_on_the_send_thread_do_not_move_earlier_with_the_forward(ab
                 shifts += [(q.rs[i] - r.eff_rs[i]) / 1e6 for i in range(q.n) if q.layer[i] == 7]
         return sum(shifts) / len(shifts)
 
-    try:
+    try:  # registered in the try: a failure must not leave it in the global registry
+        _cooperative()  # moves the forward earlier at layer 5 on this preset (the whole-task ready_queue does not)
+        con = load_traces([ab[0]]).con
+        tasks = tasks_from_duckdb(con)
+        saves = saves_from_duckdb(con)
+        assert saves and all(len(v) >= 8 for v in saves.values())
         assert final_save_shift(False) > 0.3  # forward-only: the save of layer 5 comes > 0.3 ms earlier
         assert final_save_shift(True) < 0.15  # send-thread FIFO: (almost) as recorded
     finally:
@@ -124,7 +123,8 @@ COOPERATIVE = "test_cooperative"
 
 def _cooperative() -> None:
     """Register the replay's former cooperative ready_queue (work before a wait runs early, the task is
-    set aside at an unmet wait: ``QueueState.advance``) under a test name."""
+    set aside at an unmet wait: ``QueueState.advance``) under a test name. No built-in policy uses that
+    path any more; it stays as the documented ``(i,)`` answer of a custom ``Policy.select`` (docs/whatif.md)."""
     import heapq
 
     from otel_kvtrace.schedule import rules
