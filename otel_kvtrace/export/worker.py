@@ -205,7 +205,8 @@ class BackgroundExporter:
         """Drain everything pending, stop the thread, close the sink. Idempotent; never raises.
 
         Returns True when every pending record was delivered in time (none left at the deadline, no
-        batch failed during the drain). Records still pending at the deadline are counted as dropped.
+        batch failed during the drain). Records still pending at the deadline are counted as dropped,
+        unless the sink spools (``DeliveringSink``): then they are all written to the spool first.
         """
         return self._shutdown(self.timeout_s if timeout_s is None else timeout_s, grace_s=1.0)
 
