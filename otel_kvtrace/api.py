@@ -10,11 +10,13 @@ patched, no thread started, nothing allocated.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from multiprocessing import util as mp_util
 from typing import Any
 
 from otel_kvtrace import config, schedule
@@ -26,6 +28,8 @@ from otel_kvtrace.record.recorder import DEFAULT_CAPACITY, Recorder
 from otel_kvtrace.record.ring import REASON_SHUTDOWN
 
 logger = logging.getLogger("otel_kvtrace")
+MP_EXIT_PRIORITY = 20
+"""The session's exit hook runs before the exporter's (priority 10) among multiprocessing finalizers."""
 
 
 
@@ -59,9 +63,15 @@ class TracingSession:
         self._closed = False
         self._untraced = 0  # counted over detached queues too
         self._unlisten: Any = lambda: None  # stops following the scheduler in force
-        # At interpreter exit: release records held for a consumer wait (flagged), then drain within
-        # the exit deadline (a dying process must not wait out the export timeout).
+        # At interpreter exit, and at a multiprocessing child's os._exit (before the exporter's own
+        # finalizer: higher priority): release records held for a consumer wait (flagged), then drain
+        # within the exit deadline (a dying process must not wait out the export timeout).
         atexit.register(self._shutdown_at_exit)
+        self._register_mp_exit()
+        mp_util.register_after_fork(self, TracingSession._register_mp_exit)
+
+    def _register_mp_exit(self) -> None:
+        self._mp_exit = mp_util.Finalize(None, self._shutdown_at_exit, exitpriority=MP_EXIT_PRIORITY)
 
     @property
     def run_id(self) -> str:
@@ -98,17 +108,30 @@ class TracingSession:
 
     def shutdown(self, timeout_s: float = 10.0) -> SessionStats:
         """Uninstrument, drain and stop the exporter. Idempotent."""
-        if not self._closed:
-            self._closed = True
-            atexit.unregister(self._shutdown_at_exit)
-            self._unlisten()
-            self.uninstrument()
-            if self.exporter is not None:
-                self.exporter.shutdown(timeout_s)
+        if self._close():
+            self.exporter.shutdown(timeout_s)
         return self.stats()
 
     def _shutdown_at_exit(self) -> None:
-        self.shutdown(config.exit_drain_s())
+        """The exit drain: the exporter's own at-exit path (``OTEL_KVTRACE_EXIT_DRAIN_MS``, all waits)."""
+        if self._close():
+            at_exit = getattr(self.exporter, "shutdown_at_exit", None)
+            if at_exit is not None:
+                at_exit()
+            else:
+                self.exporter.shutdown(config.exit_drain_s())
+
+    def _close(self) -> bool:
+        """Stop recording (once): True when there is an exporter left to shut down."""
+        if self._closed:
+            return False
+        self._closed = True
+        with contextlib.suppress(Exception):  # interpreter teardown
+            atexit.unregister(self._shutdown_at_exit)
+            self._mp_exit.cancel()
+        self._unlisten()
+        self.uninstrument()
+        return self.exporter is not None
 
     def stats(self) -> SessionStats:
         untraced = self._untraced + sum(state.untraced for state in self.runtime.queues)

@@ -58,11 +58,13 @@ shorter deadline: ``OTEL_KVTRACE_EXIT_DRAIN_MS``). Default: 10000."""
 
 OTEL_KVTRACE_EXIT_DRAIN_MS = "OTEL_KVTRACE_EXIT_DRAIN_MS"
 """How long the drain at process exit (interpreter exit, or a multiprocessing child's ``os._exit``) may
-take, in ms, all waits included: a dying serving process must not wait out the export timeout on a slow
-endpoint. What is not delivered by then stays in the OTLP spool, whose resend command is logged, or,
-with no spool (``OTEL_KVTRACE_SPOOL_MAX_MB=0``) or a stuck file sink, is counted as dropped, so
-``delivered + spooled + dropped == recorded`` still holds. ``0`` delivers nothing at exit (spool only).
-Default: 2000."""
+take, in ms, all network waits included (exporter thread, agent, sink, sender): a dying serving process
+must not wait out the export timeout on a slow endpoint. With an OTLP spool, what the recorder still
+holds is first written to it whatever the deadline (local disk, bounded by the spool cap), then
+delivered until the deadline; what is not delivered stays in the spool, whose resend command is logged.
+With no spool (``OTEL_KVTRACE_SPOOL_MAX_MB=0``) or a stuck file sink, what is left is counted as dropped,
+so ``delivered + spooled + dropped == recorded`` still holds. ``0`` delivers nothing at exit (spool
+only). Default: 2000."""
 
 OTEL_KVTRACE_DROP_LOG_INTERVAL_S = "OTEL_KVTRACE_DROP_LOG_INTERVAL_S"
 """Minimum seconds between two "records dropped" warnings. Default: 10."""

@@ -33,6 +33,9 @@ DEFAULT_START_TIMEOUT_S = 20.0
 # What the agent needs beyond its sink's delivery deadline: draining the ring, the sender's 1 s join,
 # the transport's shutdown. The serving process waits deadline + margin before it kills the agent.
 SHUTDOWN_MARGIN_S = 5.0
+EXIT_MARGIN_S = 0.2
+"""At process exit the agent's sink gets ``OTEL_KVTRACE_EXIT_DRAIN_MS`` minus this, the agent the whole
+deadline (at least this much, to spool the ring's tail) before it is killed."""
 
 
 class AgentUnavailable(RuntimeError):
@@ -80,7 +83,7 @@ class AgentExporter:
 
         observe_export_stats((meter_provider or metrics.get_meter_provider()).get_meter("otel_kvtrace"), self.stats,
                              dropped=True)
-        atexit.register(self.shutdown)
+        atexit.register(self.shutdown_at_exit)
         if hasattr(os, "register_at_fork"):  # weakly: a shut-down exporter (and its ring) can be freed
             os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
 
@@ -209,13 +212,20 @@ class AgentExporter:
             time.sleep(0.005)
         return True
 
-    def shutdown(self, timeout_s: float | None = None) -> bool:
-        """Tell the agent to finish, wait for it to drain and exit. Idempotent; never raises."""
+    def shutdown_at_exit(self) -> bool:
+        """The drain of a dying process: the agent is waited for ``OTEL_KVTRACE_EXIT_DRAIN_MS`` in all
+        (``EXIT_MARGIN_S`` of it for the agent's own wrap-up), then killed."""
+        deadline_s = config.exit_drain_s()
+        return self.shutdown(max(0.0, deadline_s - EXIT_MARGIN_S), wait_s=max(deadline_s, EXIT_MARGIN_S))
+
+    def shutdown(self, timeout_s: float | None = None, *, wait_s: float | None = None) -> bool:
+        """Tell the agent to finish (its sink's deadline ``timeout_s``), wait for it to drain and exit
+        (``wait_s``, default the deadline plus ``SHUTDOWN_MARGIN_S``). Idempotent; never raises."""
         if self._shutdown_done:
             return True
         self._shutdown_done = True
         with contextlib.suppress(Exception):
-            atexit.unregister(self.shutdown)
+            atexit.unregister(self.shutdown_at_exit)
         proc = self._proc
         if proc is None:
             return False
@@ -230,7 +240,7 @@ class AgentExporter:
             proc.stdin.close()
         finished = True
         try:
-            proc.wait(deadline_s + SHUTDOWN_MARGIN_S)  # its sink's deadline, plus what it does around it
+            proc.wait(deadline_s + SHUTDOWN_MARGIN_S if wait_s is None else wait_s)
         except subprocess.TimeoutExpired:
             logger.warning("otel-kvtrace: exporter agent did not finish in time; stopping it")
             proc.kill()

@@ -498,15 +498,16 @@ class DeliveringSink:
         return self.spool.batches == 0
 
     def shutdown(self, timeout_s: float | None = None) -> None:
-        """Deliver what is left until ``timeout_s`` (default ``OTEL_KVTRACE_EXPORT_TIMEOUT_MS``), then stop;
-        a non-empty spool is logged with its resend command. Idempotent."""
+        """Deliver what is left until ``timeout_s`` (default ``OTEL_KVTRACE_EXPORT_TIMEOUT_MS``), then stop
+        (every wait within ``timeout_s``); a non-empty spool is logged with its resend command. Idempotent."""
         if self._shutdown_done or os.getpid() != self._pid:
             return
         self._shutdown_done = True
         if timeout_s is None:
             timeout_s = config.env_int(config.OTEL_KVTRACE_EXPORT_TIMEOUT_MS, config.DEFAULT_EXPORT_TIMEOUT_MS) / 1000
+        deadline = time.monotonic() + timeout_s
         self.flush(timeout_s)
-        self.sender.stop(join_s=1.0)
+        self.sender.stop(join_s=min(1.0, max(0.0, deadline - time.monotonic())))  # aborted: ends within ms
         try:
             self.transport.shutdown()
         except Exception as exc:  # noqa: BLE001

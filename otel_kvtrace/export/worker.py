@@ -39,6 +39,8 @@ DROPPED_METRIC = "kvtrace.exporter.dropped_records"
 DELIVERED_METRIC = "kvtrace.exporter.delivered_records"
 SPOOLED_METRIC = "kvtrace.exporter.spooled_records"
 DEFAULT_SERVICE_NAME = "kvtrace"
+SPOOL_STALL_S = 0.5
+"""The final drain into a spool is waited for past the exit deadline while a batch lands this often."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,6 +130,9 @@ class BackgroundExporter:
         self._counted_here = 0  # drops this exporter counted on the recorder (the rest: hand-off full)
         self._in_batch = 0  # records taken from the recorder and not yet settled
         self._abandoned = False  # shutdown counted what a stuck worker still held
+        self._settle_lock = threading.Lock()  # a batch is settled by the worker or abandoned by shutdown
+        self._undropped = 0  # abandoned (counted dropped) records the sink accepted after all
+        self._batches_taken = 0  # progress of the final drain into a spool
         self._dropped_reported = 0  # pushed to the metric counter
         self._dropped_logged = 0
         self._last_drop_log = float("-inf")
@@ -179,7 +184,7 @@ class BackgroundExporter:
         recorded = recorder.submitted + handoff
         if self._abandoned:
             pending = 0  # already counted as dropped
-        return ExportStats(recorded, delivered, spooled, lost_here + sink_dropped, pending)
+        return ExportStats(recorded, delivered, spooled, lost_here + sink_dropped - self._undropped, pending)
 
     def force_flush(self, timeout_s: float | None = None) -> bool:
         """Export what is pending now, on the caller's thread. True if nothing was left behind."""
@@ -200,15 +205,20 @@ class BackgroundExporter:
         """Drain everything pending, stop the thread, close the sink. Idempotent; never raises.
 
         Returns True when every pending record was delivered in time (none left at the deadline, no
-        batch failed during the drain). Records still pending at the deadline are counted as dropped.
+        batch failed during the drain). Records still pending at the deadline are counted as dropped,
+        unless the sink spools (``DeliveringSink``): then they are all written to the spool first.
         """
         return self._shutdown(self.timeout_s if timeout_s is None else timeout_s, grace_s=1.0)
 
+    def shutdown_at_exit(self) -> bool:
+        """The drain of a dying process (atexit, multiprocessing's ``os._exit``): every network wait, the
+        sink's included, fits in ``OTEL_KVTRACE_EXIT_DRAIN_MS``. With a spool, what is pending is first
+        written to it (local disk, bounded by the spool cap, not by the deadline), then delivered until
+        the deadline; what a stuck worker still holds is counted as dropped rather than waited for."""
+        return self._shutdown(config.exit_drain_s(), grace_s=0.0, at_exit=True)
+
     def _shutdown_at_exit(self) -> None:
-        """The drain of a dying process (atexit, multiprocessing's ``os._exit``): every wait, the sink's
-        included, fits in ``OTEL_KVTRACE_EXIT_DRAIN_MS``; what a stuck worker still holds is counted as
-        dropped rather than waited for, what a delivering sink did not send stays in its spool."""
-        self._shutdown(config.exit_drain_s(), grace_s=0.0, at_exit=True)
+        self.shutdown_at_exit()
 
     def _shutdown(self, timeout: float, *, grace_s: float, at_exit: bool = False) -> bool:
         """``shutdown`` with ``timeout``; a worker stuck in the sink past it gets ``grace_s`` more after
@@ -226,20 +236,21 @@ class BackgroundExporter:
         thread = self._thread
         if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             thread.join(timeout)
+            self._join_while_spooling(thread)
             if thread.is_alive():
                 self._safe_sink_shutdown(0.0)  # aborts retry back-off of a sink sending inline
                 thread.join(grace_s)
         else:  # never started (or called from the worker): drain here
             with self._export_lock:
-                self._export_pending(self._deadline)
-        left = self.recorder.pending
+                self._export_pending(self._final_deadline(), final=True)
         if thread is not None and thread.is_alive():
             # The worker is stuck inside a sink: what it and the recorder hold is lost; count it once.
-            self._abandoned = True
-            left += self._in_batch
+            with self._settle_lock:
+                self._abandoned = True
+                left = self.recorder.pending + self._in_batch
             self.recorder.count_drop(left)
             self._counted_here += left
-        elif left:
+        elif left := self.recorder.pending:
             self._discard(self.recorder.drain(left), count=True)
         self._safe_sink_shutdown(max(0.0, self._deadline - time.monotonic()))
         self._report_drops(final=True)
@@ -250,6 +261,21 @@ class BackgroundExporter:
             f"; exit drain deadline {config.OTEL_KVTRACE_EXIT_DRAIN_MS}={timeout * 1000:.0f}"
             if at_exit and (stats.dropped or stats.spooled) else "")
         return left == 0 and self.failed_batches == failed_before and not self._broken and stats.spooled == 0
+
+    def _final_deadline(self) -> float | None:
+        """The final drain's deadline for taking records: none when they go to a spool (a local write)."""
+        return None if isinstance(self.sink, DeliveringSink) else self._deadline
+
+    def _join_while_spooling(self, thread: threading.Thread) -> None:
+        """Past the deadline, wait for a worker still writing pending records to the spool while it
+        makes progress (a batch per ``SPOOL_STALL_S``); a worker stuck on the disk is abandoned."""
+        if not isinstance(self.sink, DeliveringSink):
+            return
+        while thread.is_alive():
+            before = self._batches_taken
+            thread.join(SPOOL_STALL_S)
+            if self._batches_taken == before:
+                return
 
     def _after_fork_in_child(self) -> None:
         # The parent's records and thread are not ours (the parent exports its records): start fresh.
@@ -262,6 +288,8 @@ class BackgroundExporter:
         self.exported_tasks = self.failed_batches = self._counted_here = self._in_batch = 0
         self._dropped_reported = self._dropped_logged = 0
         self._abandoned = False
+        self._settle_lock = threading.Lock()
+        self._undropped = self._batches_taken = 0
         if not self._shutdown_done:
             self.start()
 
@@ -272,39 +300,38 @@ class BackgroundExporter:
                 with self._export_lock:
                     self._export_pending(None)
             with self._export_lock:
-                self._export_pending(self._deadline)
+                self._export_pending(self._final_deadline(), final=True)
         except BaseException as exc:  # noqa: BLE001 - the worker must never die loudly in a host process
             self._fail_internal(f"exporter thread: {exc!r}")
 
-    def _export_pending(self, deadline: float | None, limit: int | None = None) -> None:
-        """Export batches until the recorder is empty, ``limit`` records were taken, or the deadline."""
+    def _export_pending(self, deadline: float | None, limit: int | None = None, *, final: bool = False) -> None:
+        """Export batches until the recorder is empty, ``limit`` records were taken, or the deadline
+        (``final``: the drain of ``shutdown``, not stopped by it)."""
         recorder = self.recorder
         if limit is None and self._collect is not None:
             self._collect()
         taken = 0
         while recorder.pending and (limit is None or taken < limit):
-            if deadline is None and self._stopping.is_set():
+            if not final and deadline is None and self._stopping.is_set():
                 break  # shutdown: the final drain (with its deadline) takes over
             if deadline is not None and time.monotonic() > deadline:
                 break
             n = self.batch_size if limit is None else min(self.batch_size, limit - taken)
-            batch = recorder.drain(n)
+            with self._settle_lock:  # taken under the lock: shutdown counts it in ``_in_batch`` or not at all
+                if self._abandoned:
+                    break
+                batch = recorder.drain(n)
+                self._in_batch = len(batch)
             if not batch:
                 break
             taken += len(batch)
-            self._in_batch = len(batch)
-            try:
-                self._export_batch(batch)
-            finally:
-                self._in_batch = 0
+            self._batches_taken += 1
+            self._export_batch(batch)
         self._report_drops()
 
     def _export_batch(self, records: list[TaskRecord]) -> None:
-        if self._abandoned:  # shutdown already counted these
-            self.recorder.recycle(records)
-            return
         if self._broken:
-            self._discard(records, count=True)
+            self._settle(records, ok=False)
             return
         build = self._build
         try:
@@ -316,7 +343,7 @@ class BackgroundExporter:
         except Exception as exc:  # noqa: BLE001 - a builder bug: stop tracing, keep the host running
             self._broken = True
             self._fail_internal(f"building spans failed: {exc!r}")
-            self._discard(records, count=True)
+            self._settle(records, ok=False)
             return
         ok = False
         try:
@@ -324,14 +351,25 @@ class BackgroundExporter:
                 ok = bool(self.sink.export(texts, self.recorder.dropped))
         except Exception as exc:  # noqa: BLE001 - a sink error loses this batch only
             logger.debug("otel-kvtrace: export failed: %r", exc)
-        if self._abandoned:
-            self.recorder.recycle(records)
-        elif ok:
-            self.exported_tasks += len(records)
-            self.recorder.recycle(records)
-        else:
-            self.failed_batches += 1
-            self._discard(records, count=True)
+        self.failed_batches += not ok
+        self._settle(records, ok=ok)
+
+    def _settle(self, records: list[TaskRecord], *, ok: bool) -> None:
+        """Count the batch in hand once, under the lock shutdown abandons it under: here, or (abandoned)
+        as shutdown's drop, moved back to delivered when the sink accepted the batch after all."""
+        n = len(records)
+        with self._settle_lock:
+            if not self._abandoned:
+                if ok:
+                    self.exported_tasks += n
+                else:
+                    self.recorder.count_drop(n)
+                    self._counted_here += n
+            elif ok:  # shutdown counted it dropped, and the sink took it (a sink with stats counted it)
+                self.exported_tasks += n
+                self._undropped += n
+            self._in_batch = 0
+        self.recorder.recycle(records)
 
     def _discard(self, records: list[TaskRecord], *, count: bool) -> None:
         if count and records:
