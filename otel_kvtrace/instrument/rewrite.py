@@ -82,6 +82,7 @@ if {_T}rec is None:
     return {_T}original(SELF, DATA)
 {_T}stages = {_T}rec.stages
 {_T}pend = -1
+{_T}slot_arg = None
 """
 
 _ON_RAISE = f"""
