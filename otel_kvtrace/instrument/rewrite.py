@@ -5,20 +5,25 @@ is a statement of that one function: the save wait loop (main: plus the NPU ``sy
 build, the attention-gate wait loop, the H2D stagger, the slot-release wait (main), the batch copy and the
 load event ``set()``. At install the installed method's own source (``inspect.getsourcelines``: never a
 copy in this repository) is parsed, stamp statements are inserted at those statements, and the result is
-compiled under upstream's file name and line numbers, in upstream's module globals (the names we add are
-closure variables called ``__kvtrace_*``). The stamps write straight into the task's ``TaskRecord``,
+compiled under upstream's file name and line numbers (each inserted node on the line of the statement it
+stamps), in upstream's module globals (the names we add, builtins included, are closure variables called
+``__kvtrace_*``). The stamps write straight into the task's ``TaskRecord``,
 exactly what ``wrappers.py`` + ``proxies.py`` write: no wrapper frame, no proxy, no thread lookup per
 stage.
 
-Semantics are proved at install, not trusted: the inserted statements (all marked) are stripped from
-the rewritten tree, which must then dump equal to the original (``ast.dump(include_attributes=False)``),
-and every call of a stamped method must sit in a recognised statement. Otherwise (another upstream
-version, a patched method) :func:`compile_handle_request` logs ONE line with the reason and returns the
+Semantics are proved at install, not trusted: the source must compile to the running ``fn.__code__`` (not
+a file edited after import, not the inner function of a wrapper); the inserted statements (all marked)
+are stripped from the rewritten tree, which must then dump equal to the original
+(``ast.dump(include_attributes=False)``); the inserted nodes may only store ``__kvtrace_*`` state and never
+return, raise, break, continue or yield (but the prelude's fallback and the handler's re-raise); and every
+call of a stamped method must sit in a recognised statement. Otherwise (another upstream version, a
+patched method) :func:`compile_handle_request` logs ONE line with the reason and returns the
 wrapper of ``wrappers.wrap_handle_request`` (the other wrappers then stay on, see ``patches.install``).
 
 The body runs in ``try: ... except BaseException: <mark>; raise`` (bare ``raise``: the same exception
 object and traceback lines) ``finally: <release>``; ``task_done()``, ``_fatal_error`` and shutdown are
-upstream's statements, untouched. A stamp that fails turns tracing off (``rt.fail``), never the thread.
+upstream's statements, untouched. Every call in a stamp is inside a ``try`` whose handler turns tracing off
+(``rt.fail``), never the thread; outside are only local assignments and attribute reads on the record.
 """
 
 from __future__ import annotations
@@ -57,6 +62,8 @@ class NotRewritable(Exception):
 # ---- stamp templates (``ARG``: the statement's own index / argument expression, re-read) -------------------
 
 _T = PREFIX
+# Outside its ``try``: local stores and attribute reads of our own objects (``recorder.enabled``,
+# ``rec.stages``), which cannot raise; the fallback ``return original(...)`` is upstream's own function.
 _PRELUDE = f"""
 {_T}rec = None
 if {_T}recorder.enabled and DATA is not None:
