@@ -13,6 +13,7 @@ import ast
 import dis
 import functools
 import logging
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -173,6 +174,11 @@ SHAPES = {
         lambda s: s.replace(_STAGGER, "        try:\n    " + _STAGGER + "        except RuntimeError:\n            pass\n"),
         "inside upstream's try"),
     "locals()": (lambda s: s.replace(_STAGGER, _STAGGER + "        _ = locals()\n"), "calls locals()"),
+    "yield": (lambda s: s.replace(_STAGGER, _STAGGER + "        (yield)\n"), "Yield in the body"),
+    "continue in a stamped loop": (  # at the end of the save wait loop's body, at that line's indentation
+        lambda s: re.sub(r"( *)(logger.info\(\"Layerwise %d save wait timed out.*, wait_for_save\)\n)",
+                         r"\1\2\1continue\n", s, count=1),
+        "Continue in a stamped loop"),
 }
 
 
