@@ -362,11 +362,15 @@ def run(loops: int, repeats: int, layers: int, blocks: int, tasks: int
             _cpu_per_call(up, envc, 50, layers, blocks)
             compiled_totals.append(_cpu_per_call(up, envc, tasks, layers, blocks)[1] - base)
             session.shutdown()
+            saved = os.environ.get("OTEL_KVTRACE_PROBES")
             os.environ["OTEL_KVTRACE_PROBES"] = "wrappers"
             try:
                 session = start_tracing(targets, exporter="agent", out_dir=tmp, run_id="bench-bd")
-            finally:
-                os.environ.pop("OTEL_KVTRACE_PROBES", None)
+            finally:  # the user's own setting back, not dropped
+                if saved is None:
+                    os.environ.pop("OTEL_KVTRACE_PROBES", None)
+                else:
+                    os.environ["OTEL_KVTRACE_PROBES"] = saved
             env = up.gva_thread(layers, h.FakeBackend(), start=False)
             env.gate_class = up.gate_class
             env.sample_tasks = list(_ready_task(up, env, up.request("r-bench", blocks), 1, layers)[0].transfer_tasks)

@@ -47,12 +47,16 @@ def _start(targets: Any, mode: str, out: str, run_id: str) -> Any:
 
     if mode == "untraced":
         return None
+    saved = os.environ.get("OTEL_KVTRACE_PROBES")
     os.environ["OTEL_KVTRACE_PROBES"] = "wrappers" if mode.startswith("wrappers") else "compiled"
     try:
         exporter = mode.split("+")[1] if "+" in mode else None
         return start_tracing(targets, exporter=exporter, out_dir=out, run_id=run_id)
-    finally:
-        os.environ.pop("OTEL_KVTRACE_PROBES", None)
+    finally:  # the user's own setting back, not dropped
+        if saved is None:
+            os.environ.pop("OTEL_KVTRACE_PROBES", None)
+        else:
+            os.environ["OTEL_KVTRACE_PROBES"] = saved
 
 
 def _load_harness() -> Any:

@@ -5,20 +5,25 @@ is a statement of that one function: the save wait loop (main: plus the NPU ``sy
 build, the attention-gate wait loop, the H2D stagger, the slot-release wait (main), the batch copy and the
 load event ``set()``. At install the installed method's own source (``inspect.getsourcelines``: never a
 copy in this repository) is parsed, stamp statements are inserted at those statements, and the result is
-compiled under upstream's file name and line numbers, in upstream's module globals (the names we add are
-closure variables called ``__kvtrace_*``). The stamps write straight into the task's ``TaskRecord``,
+compiled under upstream's file name and line numbers (each inserted node on the line of the statement it
+stamps), in upstream's module globals (the names we add, builtins included, are closure variables called
+``__kvtrace_*``). The stamps write straight into the task's ``TaskRecord``,
 exactly what ``wrappers.py`` + ``proxies.py`` write: no wrapper frame, no proxy, no thread lookup per
 stage.
 
-Semantics are proved at install, not trusted: the inserted statements (all marked) are stripped from
-the rewritten tree, which must then dump equal to the original (``ast.dump(include_attributes=False)``),
-and every call of a stamped method must sit in a recognised statement. Otherwise (another upstream
-version, a patched method) :func:`compile_handle_request` logs ONE line with the reason and returns the
+Semantics are proved at install, not trusted: the source must compile to the running ``fn.__code__`` (not
+a file edited after import, not the inner function of a wrapper); the inserted statements (all marked)
+are stripped from the rewritten tree, which must then dump equal to the original
+(``ast.dump(include_attributes=False)``); the inserted nodes may only store ``__kvtrace_*`` state and never
+return, raise, break, continue or yield (but the prelude's fallback and the handler's re-raise); and every
+call of a stamped method must sit in a recognised statement. Otherwise (another upstream version, a
+patched method) :func:`compile_handle_request` logs ONE line with the reason and returns the
 wrapper of ``wrappers.wrap_handle_request`` (the other wrappers then stay on, see ``patches.install``).
 
 The body runs in ``try: ... except BaseException: <mark>; raise`` (bare ``raise``: the same exception
 object and traceback lines) ``finally: <release>``; ``task_done()``, ``_fatal_error`` and shutdown are
-upstream's statements, untouched. A stamp that fails turns tracing off (``rt.fail``), never the thread.
+upstream's statements, untouched. Every call in a stamp is inside a ``try`` whose handler turns tracing off
+(``rt.fail``), never the thread; outside are only local assignments and attribute reads on the record.
 """
 
 from __future__ import annotations
@@ -42,7 +47,6 @@ from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome,
 logger = logging.getLogger("otel_kvtrace")
 
 PREFIX = "__kvtrace_"
-COMPILED_ATTR = "__kvtrace_compiled__"
 _MARK = "_kvtrace_inserted"  # on every AST node we insert (stripped by the proof)
 
 _S = {s.name: int(s) for s in Stage}
@@ -58,31 +62,34 @@ class NotRewritable(Exception):
 # ---- stamp templates (``ARG``: the statement's own index / argument expression, re-read) -------------------
 
 _T = PREFIX
+# Outside its ``try``: local stores and attribute reads of our own objects (``recorder.enabled``,
+# ``rec.stages``), which cannot raise; the fallback ``return original(...)`` is upstream's own function.
 _PRELUDE = f"""
-{_T}t = {_T}clock()
 {_T}rec = None
 if {_T}recorder.enabled and DATA is not None:
     try:
+        {_T}t = {_T}clock()
         {_T}st = SELF.__dict__.get({_T}STATE) or {_T}queue_state(SELF, {_T}rt)
         try:
             {_T}rec = DATA.__dict__.pop("_kvtrace", None)
-        except AttributeError:
+        except {_T}AttributeError:
             {_T}rec = None
         if {_T}rec is not None and {_T}rec.queue is not {_T}st.info and \\
-                getattr({_T}rec.queue, "run_id", None) != {_T}st.info.run_id:
+                {_T}getattr({_T}rec.queue, "run_id", None) != {_T}st.info.run_id:
             {_T}rec = None
         if {_T}rec is None:
             {_T}st.untraced += 1
         else:
             {_T}rec.t_dequeue = {_T}t
             {_T}st.dequeued += 1
-    except Exception as {_T}e:
+    except {_T}Exception as {_T}e:
         {_T}fail({_T}e)
         {_T}rec = None
 if {_T}rec is None:
     return {_T}original(SELF, DATA)
 {_T}stages = {_T}rec.stages
 {_T}pend = -1
+{_T}slot_arg = None
 """
 
 _ON_RAISE = f"""
@@ -97,7 +104,7 @@ try:
     {_T}rec.error = {_T}exc
     if {_T}rec.t_complete == {NO_TIME}:
         {_T}rec.t_complete = {_T}clock()
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
@@ -113,12 +120,12 @@ try:
     if {_T}rec.t_complete == {NO_TIME}:
         {_T}rec.t_complete = {_T}clock()
     {_T}holds = {_T}rec.holds
-    if len({_T}holds) < 2:
+    if {_T}len({_T}holds) < 2:
         if {_T}holds and {_T}holds.pop() == 0:
             {_T}recorder.submit({_T}rec)
     else:
         {_T}release_recv({_T}rt, {_T}rec)
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
@@ -136,7 +143,7 @@ _SAVE_AFTER = f"""
 {_T}w1 = {_T}clock()
 try:
     {_T}stages.extend(({_S['SAVE_CPU_WAIT']}, {_T}w0, {_T}w1))
-    {_T}set_ns = getattr(SELF.layer_save_finished_events[ARG], "set_ns", -1)
+    {_T}set_ns = {_T}getattr(SELF.layer_save_finished_events[ARG], "set_ns", -1)
     {_T}deps = {_T}rec.deps
     {_T}rec.has_dep |= {1 << _D['SAVE_CPU']}
     if {_T}set_ns >= 0:
@@ -144,7 +151,7 @@ try:
     else:
         {_T}deps[{2 * _D['SAVE_CPU']}] = {_T}rec.t_enqueue
         {_T}deps[{2 * _D['SAVE_CPU'] + 1}] = {_T}w1
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
@@ -165,7 +172,7 @@ try:
         {_T}deps[{_GN + 1}] = {_T}g1
     else:
         {_T}grec, {_T}gpos, {_T}gmark = {_T}gstamp
-        {_T}gcond = max({_T}g0, min({_T}grec, {_T}g1))
+        {_T}gcond = {_T}max({_T}g0, {_T}min({_T}grec, {_T}g1))
         if {_T}gcond > {_T}g0:
             {_T}stages.extend(({_S['GATE_COND_WAIT']}, {_T}g0, {_T}gcond, {_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
         else:
@@ -181,7 +188,7 @@ try:
         {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gpos))
         if {_T}gmark is not None:
             {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gmark))
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
@@ -206,7 +213,7 @@ _SLOT_AFTER = f"""
 {_T}stages.extend(({_S['SLOT_RELEASE_WAIT']}, {_T}p0, {_T}clock()))
 try:
     {_T}slot_done({_T}rec, SELF, {_T}slot_arg, {_T}stages[-1])
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 _COPY_AFTER = f"""
@@ -214,19 +221,25 @@ _COPY_AFTER = f"""
 {_T}pend = -1
 {_T}stages.extend(({_S['BACKEND_SUBMIT']}, {_T}p0, {_T}b1))
 {_T}rec.t_backend_return = {_T}b1
-if type(RESULT) is int:
+if {_T}type(RESULT) is {_T}int:
     {_T}rec.backend_result = RESULT
 try:
     {_T}rec.nbytes += {_T}total_bytes(ARG)
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 _LOAD_SET_BEFORE = f"{_T}rec.t_complete = {_T}clock()"
+_GUARD = f"""
+try:
+    pass
+except {_T}Exception as {_T}e:
+    {_T}fail({_T}e)
+"""
 _NPU_AFTER = f"""
 {_T}n1 = {_T}clock()
 try:
     {_T}npu_done({_T}rec, SELF.sync_save_events[ARG], {_T}k0, {_T}n1)
-except Exception as {_T}e:
+except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
@@ -308,20 +321,31 @@ class _Rewriter:
         self.data_name = fn.args.args[1].arg
         self.found: dict[str, int] = {}
         self.claimed: set[int] = set()  # id() of the Call nodes a stamp covers
+        self.loads = {self.self_name, self.data_name}  # upstream names the stamps may read (substituted)
 
-    def stmts(self, source: str, **subst: ast.AST) -> list[ast.stmt]:
+    def stmts(self, source: str, anchor: ast.AST, guard: bool = True, **subst: ast.AST) -> list[ast.stmt]:
+        """The template's statements, ``SELF``/``DATA``/``subst`` filled in, every node on ``anchor``'s line
+        (the upstream statement it stamps: tracebacks, debuggers and coverage see only upstream's lines),
+        and, with ``guard``, the whole in ``try: ... except Exception as e: fail(e)``."""
         tree = ast.parse(source.strip("\n"))
         names = {"SELF": ast.Name(self.self_name, ast.Load()), "DATA": ast.Name(self.data_name, ast.Load()), **subst}
+        self.loads.update(n.id for v in subst.values() for n in ast.walk(v) if isinstance(n, ast.Name))
 
         class Sub(ast.NodeTransformer):
             def visit_Name(self, node: ast.Name) -> ast.AST:
                 if node.id in names:
-                    new = ast.parse(ast.unparse(names[node.id]), mode="eval").body
-                    return new
+                    return ast.parse(ast.unparse(names[node.id]), mode="eval").body
                 return node
 
         body = [Sub().visit(s) for s in tree.body]
+        if guard:
+            wrapped = ast.parse(_GUARD).body
+            wrapped[0].body = body
+            body = wrapped
         for s in body:
+            for n in ast.walk(s):
+                if "lineno" in n._attributes:
+                    ast.copy_location(n, anchor)
             _mark_all(s)
         return body
 
@@ -339,8 +363,6 @@ class _Rewriter:
                     setattr(s, field, self.block(inner))
             for handler in getattr(s, "handlers", ()):
                 handler.body = self.block(handler.body)
-            for new in before + after:
-                ast.copy_location(new, s)
             out.extend(before)
             out.append(s)
             out.extend(after)
@@ -353,13 +375,13 @@ class _Rewriter:
             arg = _event_call(call, sn, "layer_save_finished_events", "wait")
             if arg is not None:
                 self._hit("save wait", call)
-                s.body = self.stmts(_SAVE_TIMED_OUT) + s.body + self.stmts(_SAVE_RESTART)
-                return self.stmts(_SAVE_BEFORE), self.stmts(_SAVE_AFTER, ARG=arg)
+                s.body = self.stmts(_SAVE_TIMED_OUT, s) + s.body + self.stmts(_SAVE_RESTART, s)
+                return self.stmts(_SAVE_BEFORE, s), self.stmts(_SAVE_AFTER, s, ARG=arg)
             m = _method_call(call)
             if m is not None and m[1] == "wait" and isinstance(m[0], ast.Name):
                 self._hit("gate wait", call)
-                s.body = self.stmts(_GATE_TIMED_OUT) + s.body + self.stmts(_GATE_RESTART)
-                return self.stmts(_GATE_BEFORE), self.stmts(_GATE_AFTER, ARG=m[0])
+                s.body = self.stmts(_GATE_TIMED_OUT, s) + s.body + self.stmts(_GATE_RESTART, s)
+                return self.stmts(_GATE_BEFORE, s), self.stmts(_GATE_AFTER, s, ARG=m[0])
         value = s.value if isinstance(s, (ast.Expr, ast.Assign, ast.AnnAssign)) else None
         if value is None:
             return [], []
@@ -367,31 +389,31 @@ class _Rewriter:
         if isinstance(s, (ast.Assign, ast.AnnAssign)) and m is not None and m[1] in ("build_addrs", "build") \
                 and isinstance(m[0], ast.Name):
             self._hit("build", value)
-            return self.stmts(_SPAN_BEFORE), self.stmts(_BUILD_AFTER)
+            return self.stmts(_SPAN_BEFORE, s), self.stmts(_BUILD_AFTER, s)
         if isinstance(s, ast.Expr) and m is not None and m[1] == "_stagger_h2d_submit" and \
                 isinstance(m[0], ast.Name) and m[0].id == sn:
             self._hit("stagger", value)
-            return (self.stmts(_PENDING, STAGE=ast.Constant(_S["H2D_STAGGER"])), self.stmts(_STAGGER_AFTER))
+            return (self.stmts(_PENDING, s, STAGE=ast.Constant(_S["H2D_STAGGER"])), self.stmts(_STAGGER_AFTER, s))
         if isinstance(s, ast.Assign) and m is not None and m[1] == "_batch_copy_with_limits" and \
                 isinstance(m[0], ast.Name) and m[0].id == sn and len(s.targets) == 1 and \
                 isinstance(s.targets[0], ast.Name) and len(value.args) >= 3 and isinstance(value.args[2], ast.Name):
             self._hit("batch copy", value)
             result = ast.Name(s.targets[0].id, ast.Load())
-            return (self.stmts(_PENDING, STAGE=ast.Constant(_S["BACKEND_SUBMIT"])),
-                    self.stmts(_COPY_AFTER, RESULT=result, ARG=value.args[2]))
+            return (self.stmts(_PENDING, s, STAGE=ast.Constant(_S["BACKEND_SUBMIT"])),
+                    self.stmts(_COPY_AFTER, s, RESULT=result, ARG=value.args[2]))
         if isinstance(s, ast.Expr):
             arg = _event_call(value, sn, "layer_load_finished_events", "set")
             if arg is not None:
                 self._hit("load set", value)
-                return self.stmts(_LOAD_SET_BEFORE), []
+                return self.stmts(_LOAD_SET_BEFORE, s), []
             arg = _event_call(value, sn, "sync_save_events", "synchronize")
             if arg is not None:
                 self._hit("npu sync", value)
-                return self.stmts(_SPAN_BEFORE), self.stmts(_NPU_AFTER, ARG=arg)
+                return self.stmts(_SPAN_BEFORE, s), self.stmts(_NPU_AFTER, s, ARG=arg)
             if isinstance(value, ast.Call) and _is_self_attr(value.func, sn, "external_slot_release_waiter") and \
                     len(value.args) == 1 and not value.keywords and isinstance(value.args[0], (ast.Name, ast.Constant)):
                 self._hit("slot release", value)
-                return self.stmts(_SLOT_BEFORE, ARG=value.args[0]), self.stmts(_SLOT_AFTER)
+                return self.stmts(_SLOT_BEFORE, s, ARG=value.args[0]), self.stmts(_SLOT_AFTER, s)
         return [], []
 
 
@@ -472,15 +494,106 @@ def _function_of(tree: ast.Module) -> ast.FunctionDef:
     return node
 
 
+def _future_flags(fn: Callable) -> int:
+    """Upstream's own ``from __future__`` flags, read from its code (``annotations`` keeps them strings)."""
+    mask = 0
+    for name in __future__.all_feature_names:
+        mask |= getattr(__future__, name).compiler_flag
+    return fn.__code__.co_flags & mask
+
+
+def _same_code(a: Any, b: Any) -> bool:
+    """Equal bytecode, names and constants (code constants recursively); lines and positions ignored."""
+    fields = ("co_code", "co_names", "co_varnames", "co_freevars", "co_cellvars", "co_argcount",
+              "co_posonlyargcount", "co_kwonlyargcount", "co_flags", "co_name")
+    if any(getattr(a, f) != getattr(b, f) for f in fields) or len(a.co_consts) != len(b.co_consts):
+        return False
+    for x, y in zip(a.co_consts, b.co_consts):
+        if inspect.iscode(x) or inspect.iscode(y):
+            if not (inspect.iscode(x) and inspect.iscode(y) and _same_code(x, y)):
+                return False
+        elif type(x) is not type(y) or x != y:
+            return False
+    return True
+
+
+def _check_loaded(fn: Callable, filename: str) -> None:
+    """The source read back must be the code that runs: not a wrapper (``inspect`` unwraps), not a file
+    changed on disk after import. The whole file is compiled (the bytecode of ``x.m()`` depends on whether
+    ``x`` is imported at module level) and the function found by qualified name and first line."""
+    if inspect.unwrap(fn) is not fn:
+        raise NotRewritable(f"wrapped by {getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)!s}")
+    lines, _ = inspect.findsource(fn)
+    want = fn.__code__
+    todo = [compile("".join(lines), filename, "exec", flags=_future_flags(fn), dont_inherit=True)]
+    while todo:
+        code = todo.pop()
+        if code.co_qualname == want.co_qualname and code.co_firstlineno == want.co_firstlineno:
+            if _same_code(code, want):
+                return
+            break
+        todo.extend(c for c in code.co_consts if inspect.iscode(c))
+    raise NotRewritable("installed source differs from the loaded code")
+
+
+_ALLOWED_STMTS = (ast.Assign, ast.AugAssign, ast.Expr, ast.If, ast.Try, ast.Pass)
+
+
+def _check_inserted(fn: ast.FunctionDef, own: set[int], allowed_loads: set[str]) -> None:
+    """The inserted nodes touch only ``__kvtrace_*`` state and never change upstream's control flow: they
+    store only ``__kvtrace_*`` names (or attributes/items of them), read only those and the upstream names we
+    substituted, and return/raise only where we put it (``own``: the prelude's fallback return, the handler's
+    bare ``raise``)."""
+    for node in ast.walk(fn):
+        if not getattr(node, _MARK, False) or id(node) in own:
+            continue
+        if isinstance(node, ast.stmt) and not isinstance(node, _ALLOWED_STMTS):
+            raise NotRewritable(f"inserted {type(node).__name__} at line {node.lineno}")
+        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.NamedExpr)):
+            raise NotRewritable(f"inserted {type(node).__name__} at line {node.lineno}")
+        if isinstance(node, ast.Name) and not node.id.startswith(PREFIX) and \
+                (not isinstance(node.ctx, ast.Load) or node.id not in allowed_loads):
+            raise NotRewritable(f"inserted code uses upstream's name {node.id!r}")
+        if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
+            root = node
+            while isinstance(root, (ast.Attribute, ast.Subscript)):
+                root = root.value
+            if not (isinstance(root, ast.Name) and root.id.startswith(PREFIX)):
+                raise NotRewritable(f"inserted code stores into {ast.unparse(node)!r}")
+
+
+def _check_upstream_shape(fn: ast.FunctionDef) -> None:
+    """Upstream shapes whose stamps would record wrong: a stamp under upstream's own ``try`` (the pending
+    stage would stay open), ``continue``/``break`` in a stamped loop (skips the restart stamp), a generator
+    or coroutine (the prelude's return), ``locals()``/``vars()`` (they would see the stamps' names)."""
+    def walk(node: ast.AST, in_try: bool, in_stamped_loop: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            marked = getattr(child, _MARK, False)
+            if marked and in_try and isinstance(child, ast.stmt):
+                raise NotRewritable(f"line {child.lineno}: a stamped statement inside upstream's try")
+            if not marked:
+                if isinstance(child, (ast.Yield, ast.YieldFrom, ast.Await)):
+                    raise NotRewritable(f"line {child.lineno}: {type(child).__name__} in the body")
+                if isinstance(child, (ast.Continue, ast.Break)) and in_stamped_loop:
+                    raise NotRewritable(f"line {child.lineno}: {type(child).__name__} in a stamped loop")
+                if isinstance(child, ast.Call) and isinstance(child.func, ast.Name) and \
+                        child.func.id in ("locals", "vars"):
+                    raise NotRewritable(f"line {child.lineno}: calls {child.func.id}()")
+            stamped = isinstance(child, (ast.While, ast.For)) and any(getattr(b, _MARK, False) for b in child.body)
+            walk(child, in_try or (isinstance(child, ast.Try) and not marked),
+                 stamped or (in_stamped_loop and not isinstance(child, (ast.While, ast.For))))
+    walk(fn, False, False)
+
+
 def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
     """The rewritten function definition of ``fn``, its file name and what was stamped; raises
-    ``NotRewritable`` when the shape differs or the proof fails."""
+    ``NotRewritable`` when the shape differs, the source is not the running code, or the proof fails."""
     try:
         tree, filename = _parse_method(fn)
-        original = _function_of(_parse_method(fn)[0])
     except (OSError, TypeError, SyntaxError) as exc:
         raise NotRewritable(f"source not readable: {type(exc).__name__}: {exc}") from None
     node = _function_of(tree)
+    original = copy.deepcopy(node)
     args = node.args
     if len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or args.defaults \
             or node.decorator_list:
@@ -493,94 +606,108 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
         raise NotRewritable(f"no {', '.join(missing)} statement found")
     if rw.found["gate wait"] != 1 or rw.found["batch copy"] != 1 or rw.found["stagger"] != 1:
         raise NotRewritable(f"expected one gate wait, stagger and batch copy, found {rw.found}")
-    wrap = ast.Try(body=body, handlers=[ast.ExceptHandler(ast.Name("BaseException", ast.Load()), PREFIX + "exc",
-                                                          rw.stmts(_ON_RAISE) + [ast.Raise()])],
-                   orelse=[], finalbody=rw.stmts(_ON_EXIT))
-    setattr(wrap, _MARK, True)
+    reraise = ast.Raise()
+    handler = ast.ExceptHandler(ast.Name(PREFIX + "BaseException", ast.Load()), PREFIX + "exc",
+                                rw.stmts(_ON_RAISE, node, guard=False) + [reraise])
+    wrap = ast.Try(body=body, handlers=[handler], orelse=[], finalbody=rw.stmts(_ON_EXIT, node, guard=False))
     setattr(wrap, "_kvtrace_wrap", True)
-    _mark_all(wrap.handlers[0])
-    node.body = rw.stmts(_PRELUDE) + [wrap]
-    for new in node.body:
-        ast.copy_location(new, node.body[-1].body[0] if new is wrap else node)
-    ast.copy_location(wrap, body[0])
+    for n in (wrap, handler, handler.type, reraise):
+        ast.copy_location(n, node)
+    _mark_all(handler)
+    setattr(wrap, _MARK, True)
+    prelude = rw.stmts(_PRELUDE, node, guard=False)
+    node.body = prelude + [wrap]
     ast.fix_missing_locations(node)
+    fallback = [n for s in prelude for n in ast.walk(s) if isinstance(n, ast.Return)]
+    _check_inserted(node, {id(n) for n in fallback + [reraise]}, rw.loads)
+    _check_upstream_shape(node)
     stripped = _strip(copy.deepcopy(node))  # deepcopy keeps the marks (instance attributes)
     if ast.dump(stripped, include_attributes=False) != ast.dump(original, include_attributes=False):
         raise NotRewritable("proof failed: the rewritten body minus the stamps differs from upstream's")
+    _check_loaded(fn, filename)  # last: it compiles the whole file (~20 ms), once per function and process
     return node, filename, rw.found
 
 
-_NAMES = ("clock", "recorder", "rt", "fail", "original", "queue_state", "STATE", "release_recv", "total_bytes",
-          "BackendResultError", "npu_done", "slot_done")
+_BUILTINS = ("getattr", "max", "min", "len", "type", "int", "BaseException", "Exception", "AttributeError")
 
 
-def _closure(original: Callable, rt: Runtime) -> dict[str, Any]:
-    recorder = rt.recorder
-    clock = recorder.clock
+def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
+    """The stamps' free names (``__kvtrace_<key>``); builtins too, so upstream's globals never shadow them.
+    Without ``rt`` (doctor) only the names matter."""
+    import builtins
 
+    recorder = rt.recorder if rt is not None else None
     return {
-        "clock": clock, "recorder": recorder, "rt": rt, "fail": rt.fail, "original": original,
+        "clock": getattr(recorder, "clock", None), "recorder": recorder, "rt": rt, "fail": getattr(rt, "fail", None),
+        "original": original,
         "queue_state": attach.queue_state, "STATE": attach.STATE_ATTR, "release_recv": wrappers.release_recv,
         "total_bytes": total_bytes, "BackendResultError": BackendResultError,
         "npu_done": _npu_done, "slot_done": _slot_done,
+        **{name: getattr(builtins, name) for name in _BUILTINS},
     }
 
 
 _COMPILED: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary()
-"""Per upstream function: the proved and compiled factory code (a session start re-runs only the exec)."""
+"""Per upstream function: (closure names, the proved and compiled factory code); a session start re-runs
+only the exec."""
 
 
-def _factory_code(original: Callable) -> Any:
-    code = _COMPILED.get(original)
-    if code is None:
-        code = _COMPILED[original] = _compile_factory(original)
-    return code
+def _factory_code(original: Callable, names: tuple[str, ...]) -> Any:
+    cached = _COMPILED.get(original)
+    if cached is None or cached[0] != names:
+        cached = _COMPILED[original] = (names, _compile_factory(original, names))
+    return cached[1]
 
 
-def _compile_factory(original: Callable) -> Any:
+def _compile_factory(original: Callable, names: tuple[str, ...]) -> Any:
     """``def __kvtrace_factory(<names>): <rewritten function>; return it``, compiled under upstream's file."""
     node, filename, _found = rewrite_tree(original)
     factory = ast.FunctionDef(
         name=f"{PREFIX}factory",
-        args=ast.arguments(posonlyargs=[], args=[ast.arg(PREFIX + n) for n in _NAMES], kwonlyargs=[],
+        args=ast.arguments(posonlyargs=[], args=[ast.arg(PREFIX + n) for n in names], kwonlyargs=[],
                            kw_defaults=[], defaults=[]),
         body=[node, ast.Return(ast.Name(node.name, ast.Load()))], decorator_list=[], returns=None, type_params=[])
     ast.copy_location(factory, node)
     ast.fix_missing_locations(factory)
-    # upstream's own future flags (``from __future__ import annotations`` keeps annotations unevaluated)
+    return compile(ast.Module([factory], type_ignores=[]), filename, "exec", flags=_future_flags(original),
+                   dont_inherit=True)
+
+
+def _prepared(original: Callable, rt: Runtime | None) -> tuple[Any, Any, dict[str, Any]]:
+    """(upstream's module, the factory code, the closure values): everything :func:`build` needs but the exec."""
     module = sys.modules.get(original.__module__)
-    flags = __future__.annotations.compiler_flag \
-        if getattr(module, "annotations", None) is __future__.annotations else 0
-    return compile(ast.Module([factory], type_ignores=[]), filename, "exec", flags=flags, dont_inherit=True)
+    if module is None:
+        raise NotRewritable(f"module {original.__module__} not loaded")
+    values = _closure(original, rt)
+    return module, _factory_code(original, tuple(values)), values
 
 
 def build(original: Callable, rt: Runtime) -> Callable:
     """The compiled ``_handle_request`` for ``original``; raises ``NotRewritable``."""
-    module = sys.modules.get(original.__module__)
-    if module is None:
-        raise NotRewritable(f"module {original.__module__} not loaded")
-    code = _factory_code(original)
+    module, code, values = _prepared(original, rt)
     ns: dict[str, Any] = {}
     exec(code, module.__dict__, ns)  # noqa: S102 - upstream's own source, rewritten and proved above
-    values = _closure(original, rt)
-    fn = ns[f"{PREFIX}factory"](*(values[n] for n in _NAMES))
+    fn = ns[f"{PREFIX}factory"](*values.values())
     fn.__qualname__ = original.__qualname__
     fn.__doc__ = original.__doc__
     fn.__kvtrace_wrapped__ = original  # type: ignore[attr-defined]
-    setattr(fn, COMPILED_ATTR, True)
+    setattr(fn, attach.COMPILED_ATTR, True)
     return fn
 
 
 def check(cls: type) -> str | None:
-    """``None`` when ``cls._handle_request`` can take compiled probes, else the reason (for doctor)."""
+    """``None`` when ``cls._handle_request`` takes compiled probes, else the reason (for doctor): the same
+    proof and compile as :func:`build`."""
     fn = inspect.getattr_static(cls, "_handle_request", None)
     fn = getattr(fn, "__kvtrace_wrapped__", fn)
     if not inspect.isfunction(fn):
         return "no plain _handle_request function"
     try:
-        rewrite_tree(fn)
+        _prepared(fn, None)
     except NotRewritable as exc:
         return str(exc)
+    except Exception as exc:  # noqa: BLE001 - what install would log before falling back
+        return f"{type(exc).__name__}: {exc}"
     return None
 
 
@@ -602,4 +729,4 @@ def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
 
 def is_compiled(fn: object) -> bool:
     """True for a ``_handle_request`` built by :func:`build`."""
-    return getattr(fn, COMPILED_ATTR, False) is True
+    return getattr(fn, attach.COMPILED_ATTR, False) is True

@@ -1,0 +1,214 @@
+"""What the compiled probes' proof (``instrument/rewrite.py``) must refuse, on the REAL vLLM-Ascend recv thread.
+
+The proof is "rewritten minus stamps == original": these tests pin down the places where that alone is not
+enough. The source read back must be the code that runs (not a file edited after import, not the inner
+function of someone else's wrapper); the inserted statements must sit on upstream's own lines, touch only
+``__kvtrace_*`` state, never change control flow, never look up upstream's globals, and never raise into
+the thread; upstream shapes the stamps would record wrong are refused.
+"""
+
+from __future__ import annotations
+
+import ast
+import dis
+import functools
+import logging
+import re
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from otel_kvtrace.api import start_tracing
+from otel_kvtrace.instrument import patches, rewrite
+
+from .harness import FakeBackend, Upstream
+from .test_compiled_probes import N_LAYERS, _modified_class, _raise_once, _RaisingClient, _targets_with
+
+pytestmark = pytest.mark.upstream
+
+
+def _fallback_reason(targets: Any, caplog: Any, name: str, needle: str | None = None) -> str:
+    """Start a session, return the one "wrapper path" log line naming ``needle`` (default ``name``) and check
+    that class ``name`` is on the wrapper path."""
+    caplog.set_level(logging.INFO, logger="otel_kvtrace")
+    session = start_tracing(targets, exporter=None, run_id="proof")
+    try:
+        lines = [r.getMessage() for r in caplog.records if "wrapper path" in r.getMessage() and (needle or name) in r.getMessage()]
+        assert patches.probe_paths(targets)[name] == "wrappers"
+    finally:
+        session.shutdown()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def test_a_source_file_edited_after_import_falls_back(upstream: Upstream, tmp_path: Path, caplog: Any) -> None:
+    """``pip install -U`` / ``git pull`` under a running server: the file on disk is not the code that runs."""
+    modified = _modified_class(upstream, tmp_path, lambda s: s + "\n")
+    path = tmp_path / "modified_recv.py"
+    text = path.read_text()
+    assert "            1,\n" in text
+    path.write_text(text.replace("            1,\n", "            0,  # direction changed on disk\n", 1))
+    reason = _fallback_reason(_targets_with(upstream, modified), caplog, "Modified")
+    assert "installed source differs from the loaded code" in reason
+
+
+def test_a_third_party_wrapper_is_not_bypassed(upstream: Upstream, caplog: Any) -> None:
+    base = upstream.binding.classes["recv_gva"]
+    calls: list[int] = []
+
+    @functools.wraps(base._handle_request)
+    def counting(self: Any, data: Any) -> Any:
+        calls.append(1)
+        return base._handle_request(self, data)
+
+    wrapped = type("Wrapped", (base,), {"_handle_request": counting})
+    targets = _targets_with(upstream, wrapped)
+    assert "wrapped by" in _fallback_reason(targets, caplog, "Wrapped", needle="wrapped by")
+    session = start_tracing(targets, exporter=None, run_id="wrapped")
+    try:
+        thread = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False).thread
+        thread.__class__ = wrapped
+        thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        thread._handle_request(thread.request_queue.get())
+    finally:
+        session.shutdown()
+    assert calls == [1]  # the third party's wrapper ran while traced
+
+
+def _line_range(fn: Any) -> range:
+    lines = [line for _, _, line in fn.__code__.co_lines() if line is not None]
+    return range(fn.__code__.co_firstlineno, max(lines) + 1)
+
+
+def test_the_compiled_code_has_only_upstream_lines_and_globals(upstream: Upstream) -> None:
+    """Tracebacks, pdb, coverage see upstream's lines only; the stamps' builtins are closure names, so a
+    global of that name in upstream's module can never change them."""
+    cls = upstream.binding.classes["recv_gva"]
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="lines")
+    try:
+        compiled = cls.__dict__["_handle_request"]
+        assert rewrite.is_compiled(compiled)
+        original = compiled.__kvtrace_wrapped__
+        lines = {line for _, _, line in compiled.__code__.co_lines() if line is not None}
+        assert lines <= set(_line_range(original)), sorted(lines - set(_line_range(original)))
+
+        def globals_of(fn: Any) -> set[str]:
+            return {i.argval for i in dis.get_instructions(fn) if i.opname == "LOAD_GLOBAL"}
+
+        assert globals_of(compiled) == globals_of(original)
+    finally:
+        session.shutdown()
+
+
+def test_a_task_queued_before_tracing_shows_upstream_lines_only(upstream: Upstream) -> None:
+    """Untraced task (no record: the prelude hands it to upstream's function): one extra frame, on the
+    ``def`` line, then upstream's frames unchanged."""
+    plain, plain_frames = _raise_once(upstream)
+    backend = FakeBackend()
+    backend.store = _RaisingClient()
+    env = upstream.gva_thread(N_LAYERS, backend, start=False)
+    env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)]))  # before tracing: no record
+    item = env.thread.request_queue.get()
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="untraced")
+    try:
+        compiled = upstream.binding.classes["recv_gva"].__dict__["_handle_request"]
+        assert rewrite.is_compiled(compiled)
+        with pytest.raises(type(plain)) as info:
+            env.thread._handle_request(item)
+    finally:
+        session.shutdown()
+    frames = [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(info.value.__traceback__)][1:]
+    first = compiled.__kvtrace_wrapped__.__code__.co_firstlineno
+    assert frames == [(plain_frames[0][0], first, "_handle_request"), *plain_frames]
+
+
+def test_every_inserted_call_is_guarded(upstream: Upstream) -> None:
+    """A stamp that raises turns tracing off (``rt.fail``), never the thread: every call we insert sits in a
+    ``try`` whose handler calls ``__kvtrace_fail`` (the prelude's fallback to upstream's function and the
+    ``fail`` calls themselves excepted)."""
+    node, _, _ = rewrite.rewrite_tree(upstream.binding.classes["recv_gva"]._handle_request)
+    unguarded: list[str] = []
+
+    def visit(n: ast.AST, guarded: bool) -> None:
+        if isinstance(n, ast.Call) and getattr(n, rewrite._MARK, False) and not guarded:
+            name = ast.unparse(n.func)
+            if name not in (rewrite.PREFIX + "original", rewrite.PREFIX + "fail"):
+                unguarded.append(f"{n.lineno}: {ast.unparse(n)}")
+        if isinstance(n, ast.Try) and getattr(n, rewrite._MARK, False) and any(
+                rewrite.PREFIX + "fail" in ast.unparse(h) for h in n.handlers):
+            for s in n.body:
+                visit(s, True)
+            for h in n.handlers:
+                visit(h, guarded)
+            for s in n.finalbody:
+                visit(s, guarded)
+            return
+        for child in ast.iter_child_nodes(n):
+            visit(child, guarded)
+
+    visit(node, False)
+    assert not unguarded, unguarded
+
+
+@pytest.mark.parametrize(("template", "code", "reason"), [
+    ("_BUILD_AFTER", "layer_id = 0", "upstream's name 'layer_id'"),
+    ("_SAVE_RESTART", "continue", "inserted Continue"),
+    ("_STAGGER_AFTER", "SELF.request_queue = None", "stores into"),
+    ("_LOAD_SET_BEFORE", "return None", "inserted Return"),
+])
+def test_the_proof_refuses_a_stamp_that_touches_upstream_state_or_flow(
+        upstream: Upstream, monkeypatch: Any, template: str, code: str, reason: str) -> None:
+    fn = upstream.binding.classes["recv_gva"]._handle_request
+    rewrite.rewrite_tree(fn)  # as it is: proved
+    monkeypatch.setattr(rewrite, template, code)
+    with pytest.raises(rewrite.NotRewritable, match=reason):
+        rewrite.rewrite_tree(fn)
+
+
+_STAGGER = "        self._stagger_h2d_submit(layer_id)\n"
+SHAPES = {
+    "stamp under upstream's try": (
+        lambda s: s.replace(_STAGGER, "        try:\n    " + _STAGGER + "        except RuntimeError:\n            pass\n"),
+        "inside upstream's try"),
+    "locals()": (lambda s: s.replace(_STAGGER, _STAGGER + "        _ = locals()\n"), "calls locals()"),
+    "yield": (lambda s: s.replace(_STAGGER, _STAGGER + "        (yield)\n"), "Yield in the body"),
+    "continue in a stamped loop": (  # at the end of the save wait loop's body, at that line's indentation
+        lambda s: re.sub(r"( *)(logger.info\(\"Layerwise %d save wait timed out.*, wait_for_save\)\n)",
+                         r"\1\2\1continue\n", s, count=1),
+        "Continue in a stamped loop"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_upstream_shapes_the_stamps_would_record_wrong_fall_back(
+        upstream: Upstream, tmp_path: Path, caplog: Any, case: str) -> None:
+    edit, reason = SHAPES[case]
+    modified = _modified_class(upstream, tmp_path, edit)
+    assert reason in _fallback_reason(_targets_with(upstream, modified), caplog, "Modified")
+
+
+def test_doctor_reports_what_install_does(upstream: Upstream, monkeypatch: Any) -> None:
+    """``check`` (doctor) runs the same steps as the install, so a module missing from ``sys.modules`` (the
+    install falls back) is reported, not ``compiled``."""
+    cls = upstream.binding.classes["recv_gva"]
+    assert rewrite.check(cls) is None
+    monkeypatch.delitem(sys.modules, cls.__module__)
+    assert "not loaded" in (rewrite.check(cls) or "")
+
+
+def test_future_flags_come_from_the_code_not_a_module_attribute(upstream: Upstream, monkeypatch: Any) -> None:
+    """Upstream rebinding the name ``annotations`` must not make the recompile evaluate annotations."""
+    cls = upstream.binding.classes["recv_gva"]
+    monkeypatch.setattr(sys.modules[cls.__module__], "annotations", None, raising=False)
+    rewrite._COMPILED.clear()
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="future")
+    try:
+        compiled = cls.__dict__["_handle_request"]
+        assert rewrite.is_compiled(compiled)
+        assert compiled.__annotations__ == compiled.__kvtrace_wrapped__.__annotations__
+    finally:
+        session.shutdown()
+        rewrite._COMPILED.clear()
