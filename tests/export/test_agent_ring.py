@@ -263,12 +263,11 @@ def test_a_previous_laps_body_seen_with_this_laps_commit_is_never_decoded(make_r
     k = 4 + writer.nslots  # the same slot, one lap later
     R._COMMIT.pack_into(writer._mem, R.HEADER_BYTES + 4 * R.SLOT_SIZE, k + 1)  # only the commit store landed
     assert reader._read(k) is None
-    # The whole new head (written in one store after the body) visible before the new body: still unread.
-    import zlib
-
+    # The whole new tail and commit word visible before the new body: still unread.
     off = R.HEADER_BYTES + 4 * R.SLOT_SIZE
     new_body = bytes(range(7, 107))
-    R.SLOT_HEAD.pack_into(writer._mem, off, k + 1, zlib.crc32(new_body, k & 0xFFFFFFFF), R.MSG_RESOURCE, len(new_body))
+    kind = R.MSG_RESOURCE | R.KIND_WRITTEN
+    R.SLOT_HEAD.pack_into(writer._mem, off, k + 1, R.slot_crc(new_body, k, kind, len(new_body)), kind, len(new_body))
     assert reader._read(k) is None
     writer._mem[off + R.SLOT_HEAD.size : off + R.SLOT_HEAD.size + len(new_body)] = new_body  # the body lands
     assert reader._read(k).body == new_body
