@@ -78,7 +78,7 @@ class Decoder:
             rec, awaiting = self._task(body)
             if rec is None:
                 self.undecodable += 1  # a queue or request id definition it needs is missing: counted as lost
-                return
+                return True
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
                 self.awaiting[key] = rec
