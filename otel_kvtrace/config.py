@@ -99,6 +99,13 @@ recompiled with the stamps inline, proved equal to upstream's minus the stamps; 
 with one log line when the source differs) or ``wrappers`` (one wrapper or proxy per stage). Default:
 ``compiled`` (docs/instrumentation.md, "Compiled probes")."""
 
+OTEL_KVTRACE_RING_COMMIT = "OTEL_KVTRACE_RING_COMMIT"
+"""How a ring slot is proved complete (docs/export.md, "Commit modes"): ``crc`` (a crc32 over the slot,
+safe whatever order the CPU makes stores visible in), ``order`` (no crc: the commit word, stored last,
+publishes the slot; right only under total store order, i.e. native x86-64) or ``auto`` (``order`` when
+``platform.machine()`` is x86-64, else ``crc``). Set ``crc`` under x86 emulation on a weakly ordered host.
+The producer chooses; the agent (same host) obeys what the ring header says. Default: ``auto``."""
+
 DEFAULT_AGENT_NICE = 10
 EXPORTER_AGENT = "agent"
 EXPORTER_THREAD = "thread"
@@ -242,6 +249,17 @@ def probes_mode(environ: Mapping[str, str] | None = None) -> str:
         logger.warning("otel-kvtrace: %s=%r is not supported (use compiled or wrappers); using compiled",
                        OTEL_KVTRACE_PROBES, value)
         return "compiled"
+    return value
+
+
+def ring_commit(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_KVTRACE_RING_COMMIT``: ``auto`` (default), ``crc`` or ``order``; anything else warns, ``auto``."""
+    env = os.environ if environ is None else environ
+    value = env.get(OTEL_KVTRACE_RING_COMMIT, "").strip().lower() or "auto"
+    if value not in ("auto", "crc", "order"):
+        logger.warning("otel-kvtrace: %s=%r is not supported (use auto, crc or order); using auto",
+                       OTEL_KVTRACE_RING_COMMIT, value)
+        return "auto"
     return value
 
 

@@ -54,16 +54,31 @@ class Decoder:
         self.awaiting: OrderedDict[tuple[int, int], TaskRecord] = OrderedDict()
         self.resource_updates: dict[str, Any] = {}
         self.closed = False
-        self.undecodable = 0
+        self.undecodable = 0  # tasks lost here since the agent last took the count (into its ``lost``)
+        self.malformed = 0  # committed slots whose body did not decode (all time; named in the agent's log)
 
     def feed(self, msg: R.Message, out: list[TaskRecord]) -> None:
-        """Decode one message; append every record it finishes to ``out``."""
+        """Decode one message; append every record it finishes to ``out``. Never raises: a slot that does
+        not decode is counted in ``malformed``, and in ``undecodable`` (lost) when it was or may have been
+        a task (a malformed side-table message costs the tasks that name it, counted when they come)."""
+        try:
+            if not self._feed(msg, out):
+                raise ValueError(f"unknown message kind {msg.kind}")
+        except Exception:  # noqa: BLE001 - a bad slot must not kill the agent (then the ring overflows)
+            self.malformed += 1
+            if msg.kind == R.MSG_TASK or msg.kind > R.MSG_SUMMARY:
+                self.undecodable += 1
+            if self.malformed == 1:
+                logger.warning("otel-kvtrace agent: malformed ring slot %d (kind %d, %d bytes) counted as lost",
+                               msg.index, msg.kind, len(msg.body), exc_info=True)
+
+    def _feed(self, msg: R.Message, out: list[TaskRecord]) -> bool:
         kind, body = msg.kind, msg.body
         if kind == R.MSG_TASK:
             rec, awaiting = self._task(body)
             if rec is None:
                 self.undecodable += 1  # a queue or request id definition it needs is missing: counted as lost
-                return
+                return True
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
                 self.awaiting[key] = rec
@@ -101,6 +116,9 @@ class Decoder:
             self.resource_updates[str(key)] = value
         elif kind == R.MSG_CLOSE:
             self.closed = True
+        elif kind != R.MSG_VOID:
+            return False
+        return True
 
     def release_awaiting(self, reason: int, out: list[TaskRecord]) -> None:
         """Every task still waiting for its consumer wait, flagged with ``reason``."""
@@ -136,7 +154,9 @@ class Decoder:
         summaries[sidx] = None if reqs is None else TransferSummary(groups, reqs, num_blocks)
 
     def _task(self, body: bytes) -> tuple[TaskRecord | None, bool]:
-        v = R.TASK_FIXED.unpack_from(body)
+        v = R.TASK_FIXED.unpack_from(body)  # struct.error on a short body
+        if len(body) != R.TASK_LAYOUTS[v[-1]].size:  # n_stage_ints says how long the body is
+            raise ValueError(f"task body of {len(body)} bytes for {v[-1]} stage ints")
         (qidx, kind, final, outcome, flags, seq, step, layer, src, gate, qdepth, inflight, t_enq, t_deq,
          t_ret, t_done, nbytes, bres, has_dep) = v[:19]
         deps = list(v[19 : 19 + 2 * NUM_DEPS])
@@ -222,8 +242,9 @@ class Agent:
         self.reader.consumed()
         self.reader.hdr[R.H_AGENT_LOST] = self.lost
         if self.lost:
-            logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write or sink failed)",
-                           self.lost)
+            logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write, sink failed, "
+                           "or a definition they name was lost); %d malformed ring slots", self.lost,
+                           self.decoder.malformed)
 
     def _control(self, data: bytes) -> None:
         """``shutdown <seconds>``: the deadline the producer gives the sink (it waits that plus a margin)."""

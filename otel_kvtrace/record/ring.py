@@ -20,12 +20,14 @@ Layout (little-endian but for the native ``MSG_TASK`` and int64 tails; ``docs/ex
             ``stats()`` keeps ``recorded == delivered + spooled + dropped + pending``),
             H_COMMIT_MODE (COMMIT_CRC or COMMIT_STORE_ORDER, chosen by the producer's CPU)
     slot i  at HEADER_BYTES + (i % nslots) * slot_size:
-            commit  q   i + 1 once the slot's message is complete (the head is written after the body)
-            crc     I   COMMIT_CRC: zlib.crc32 of the body seeded with i (a torn or reordered write, a head
-                        seen before its body, or a previous lap's body or crc seen with this lap's commit
-                        word, is never decoded: the crc, not the store order, makes a slot complete);
-                        COMMIT_STORE_ORDER (x86-64): 0, the commit word written last publishes the body
-            kind    H   MSG_*
+            commit  q   i + 1 once the slot's message is complete: stored last, in its own ``pack_into``
+                        after the tail and the body (``struct`` zeroes a field group before filling it in
+                        format order, so a commit word packed with the tail would become visible first)
+            crc     I   COMMIT_CRC: zlib.crc32 of the body seeded with i, xor (kind << 16 | length) (a torn
+                        or reordered write, a tail seen before its body, or a previous lap's body, kind or
+                        crc seen with this lap's commit word, is never decoded: the crc, not the store
+                        order, makes a slot complete); COMMIT_STORE_ORDER (x86-64): 0
+            kind    H   MSG_* | KIND_WRITTEN (a zero slot, or a tail not yet stored, is never complete)
             length  H   body bytes
             body        kind-specific, below
 
@@ -68,11 +70,13 @@ from otel_kvtrace.instrument.stream_order import tighten_bounds
 from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage
 
 MAGIC = 0x4B56545249524E47  # "KVTRIRNG"
-VERSION = 2
+VERSION = 3  # 3: commit word stored last and alone, KIND_WRITTEN, crc mixes kind and length
 HEADER_BYTES = 128
 SLOT_SIZE = 1024
-SLOT_HEAD = struct.Struct("<qIHH")
-_COMMIT = struct.Struct("<q")
+SLOT_HEAD = struct.Struct("<qIHH")  # commit, then the tail: crc, kind, length
+_COMMIT = struct.Struct("<q")  # stored alone and last: publishes the slot
+_TAIL = struct.Struct("<IHH")  # at slot + _COMMIT.size
+KIND_WRITTEN = 0x8000  # set in every stored kind word: a zeroed (never written) tail is never read as MSG_VOID
 BODY_BYTES = SLOT_SIZE - SLOT_HEAD.size
 DEFAULT_SLOTS = 8192  # 8 MiB per serving process
 CLAIM_MARGIN = 64
@@ -89,12 +93,19 @@ the commit word written after the body publishes a complete body; no crc is comp
 
 
 def default_commit_mode() -> int:
-    """``COMMIT_STORE_ORDER`` on x86-64, else ``COMMIT_CRC`` (no memory barrier is reachable from Python)."""
+    """``OTEL_KVTRACE_RING_COMMIT`` (``crc``/``order``), else (``auto``) ``COMMIT_STORE_ORDER`` on x86-64 and
+    ``COMMIT_CRC`` elsewhere (no memory barrier is reachable from Python)."""
     import platform
 
+    from otel_kvtrace.config import ring_commit
+
+    mode = ring_commit()
+    if mode != "auto":
+        return COMMIT_CRC if mode == "crc" else COMMIT_STORE_ORDER
     return COMMIT_STORE_ORDER if platform.machine().lower() in ("x86_64", "amd64") else COMMIT_CRC
 
 MSG_VOID, MSG_QUEUE, MSG_REQ, MSG_TASK, MSG_CWAIT, MSG_ERROR, MSG_RESOURCE, MSG_CLOSE, MSG_SUMMARY = range(9)
+_TASK_KIND = MSG_TASK | KIND_WRITTEN
 
 # TASK_FIXED fields, in order; the task's stage ints (``n_stage_ints`` int64) follow.
 TASK_FIELDS = (
@@ -131,10 +142,21 @@ _INTS = [struct.Struct(f"@{n}n") for n in range(MAX_STAGE_INTS + 1)]
 _U32S = [struct.Struct(f"<{n}I") for n in range(MAX_REQS + 1)]
 # The task layout by stage count: one precompiled ``Struct`` per count, one ``pack_into`` per task.
 TASK_LAYOUTS = [struct.Struct(f"{TASK_FIXED.format}{n}n") for n in range(MAX_STAGE_INTS + 1)]
+# COMMIT_STORE_ORDER: the slot tail (crc 0, kind, length) and the task in one ``pack_into`` at slot + 8; the
+# tail is 8 bytes, so every native field keeps its offset from the body (alignment is from the struct start).
+TASK_TAILED = [struct.Struct(f"@IHH{layout.format[1:]}") for layout in TASK_LAYOUTS]
+assert all(t.size == _TAIL.size + x.size for t, x in zip(TASK_TAILED, TASK_LAYOUTS))
+assert struct.pack("@IHH", 1, 2, 3) == _TAIL.pack(1, 2, 3)  # little-endian hosts only (x86-64, aarch64)
 assert struct.calcsize("@n") == 8
 TASK_STAGES_AT = TASK_LAYOUTS[1].size - 8  # where the stage ints start (after TASK_FIXED's alignment padding)
 assert TASK_LAYOUTS[-1].size <= BODY_BYTES
 assert SUMMARY_FIXED.size + 8 * MAX_GROUPS + 4 * MAX_REQS <= BODY_BYTES
+
+
+def slot_crc(body: Any, k: int, kind: int, length: int) -> int:
+    """``COMMIT_CRC``'s check word of slot ``k`` (``kind`` with ``KIND_WRITTEN``): seeded with ``k`` so no
+    previous lap matches; kind and length mixed in so no stale tail matches. (``write_task`` inlines it.)"""
+    return zlib.crc32(body, k & 0xFFFFFFFF) ^ (kind << 16 | length)
 
 
 def ring_bytes(nslots: int) -> int:
@@ -205,11 +227,13 @@ class RingWriter:
         return k
 
     def _commit(self, k: int, kind: int, length: int) -> None:
+        """The tail after the body, then the commit word alone: it publishes the slot."""
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         body = off + SLOT_HEAD.size
-        # seeded: a previous lap never matches
-        crc = zlib.crc32(self._buf[body : body + length], k & 0xFFFFFFFF) if self._crc else 0
-        SLOT_HEAD.pack_into(self._mem, off, k + 1, crc, kind, length)  # after the body: publishes the slot
+        kind |= KIND_WRITTEN
+        crc = slot_crc(self._buf[body : body + length], k, kind, length) if self._crc else 0
+        _TAIL.pack_into(self._mem, off + 8, crc, kind, length)
+        _COMMIT.pack_into(self._mem, off, k + 1)
 
     def _write(self, kind: int, payload: bytes) -> bool:
         k = self._claim()
@@ -351,17 +375,26 @@ class RingWriter:
             if k >= hdr[H_HEAD]:
                 hdr[H_HEAD] = k + 1
             off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
-            body = off + 16  # SLOT_HEAD.size
             mem = self._mem
-            layout.pack_into(  # one call: measured cheaper than a vector call of the fixed part plus one for the stages
-                mem, body, qidx, rec.kind, rec.final_layer, rec.outcome, flags, rec.seq, rec.step, rec.layer_id,
-                src, gate, rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue,
-                rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps,
-                sidx, n_stages, *stages,
-            )
-            n = layout.size  # _commit(), inlined: the head after the body publishes the slot
-            SLOT_HEAD.pack_into(mem, off, k + 1, zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
-                                if self._crc else 0, MSG_TASK, n)
+            n = layout.size
+            if self._crc:  # body, tail (with the crc of the body), then the commit word (_commit, inlined)
+                body = off + 16  # SLOT_HEAD.size
+                layout.pack_into(
+                    mem, body, qidx, rec.kind, rec.final_layer, rec.outcome, flags, rec.seq, rec.step,
+                    rec.layer_id, src, gate, rec.queue_depth_at_enqueue, rec.inflight_at_enqueue, rec.t_enqueue,
+                    rec.t_dequeue, rec.t_backend_return, rec.t_complete, rec.nbytes, rec.backend_result,
+                    rec.has_dep, *rec.deps, sidx, n_stages, *stages,
+                )
+                _TAIL.pack_into(mem, off + 8, zlib.crc32(self._buf[body : body + n], k & 0xFFFFFFFF)
+                                ^ (_TASK_KIND << 16 | n), _TASK_KIND, n)
+            else:  # tail and body in one call (all known before it), then the commit word
+                TASK_TAILED[n_stages].pack_into(
+                    mem, off + 8, 0, _TASK_KIND, n, qidx, rec.kind, rec.final_layer, rec.outcome, flags,
+                    rec.seq, rec.step, rec.layer_id, src, gate, rec.queue_depth_at_enqueue,
+                    rec.inflight_at_enqueue, rec.t_enqueue, rec.t_dequeue, rec.t_backend_return, rec.t_complete,
+                    rec.nbytes, rec.backend_result, rec.has_dep, *rec.deps, sidx, n_stages, *stages,
+                )
+            _COMMIT.pack_into(mem, off, k + 1)  # last and alone: publishes the slot
         except BaseException:
             self._commit(k, MSG_VOID, 0)  # a claimed slot is always committed, or the agent would stall
             raise
@@ -502,12 +535,12 @@ class RingReader:
     def _read(self, k: int) -> Message | None:
         off = HEADER_BYTES + (k % self.nslots) * SLOT_SIZE
         commit, crc, kind, length = SLOT_HEAD.unpack_from(self._mem, off)
-        if commit != k + 1 or length > BODY_BYTES:
+        if commit != k + 1 or not kind & KIND_WRITTEN or length > BODY_BYTES:
             return None
         body = bytes(self._buf[off + SLOT_HEAD.size : off + SLOT_HEAD.size + length])
-        if self._crc and zlib.crc32(body, k & 0xFFFFFFFF) != crc:  # seeded with k: no previous lap passes
+        if self._crc and slot_crc(body, k, kind, length) != crc:
             return None  # still being written (or torn): read again later
-        return Message(k, kind, body)
+        return Message(k, kind & ~KIND_WRITTEN, body)
 
     def skip_to_head(self) -> tuple[list[Message], int]:
         """After the producer died: every committed message up to its last claim; the rest count as lost."""

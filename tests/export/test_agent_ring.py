@@ -163,7 +163,7 @@ def test_a_partial_slot_of_a_writer_killed_mid_write_is_rejected_and_counted(mak
 
 
 def test_store_order_mode_publishes_with_the_commit_word_alone(make_record) -> None:
-    """x86-64: no crc is written or checked; the commit word (written after the body) is what counts."""
+    """x86-64: no crc is written or checked; the commit word (stored last, alone) is what counts."""
     writer, reader = _ring(mode=R.COMMIT_STORE_ORDER)
     rec = make_record()
     assert writer.write_task(rec, False, summarize_transfer_tasks(rec.transfer_tasks))
@@ -172,7 +172,22 @@ def test_store_order_mode_publishes_with_the_commit_word_alone(make_record) -> N
     assert SpanBuilder(ANCHOR).build(decoded) == SpanBuilder(ANCHOR).build(rec)
     k = 6 + writer.nslots  # a later lap's slot whose commit word did not land yet is never read
     assert reader._read(k) is None
-    assert R.default_commit_mode() in (R.COMMIT_CRC, R.COMMIT_STORE_ORDER)
+
+
+@pytest.mark.parametrize(("machine", "env", "mode"), [
+    ("x86_64", "", R.COMMIT_STORE_ORDER), ("AMD64", "auto", R.COMMIT_STORE_ORDER), ("aarch64", "", R.COMMIT_CRC),
+    ("x86_64", "crc", R.COMMIT_CRC), ("aarch64", "order", R.COMMIT_STORE_ORDER), ("aarch64", "bogus", R.COMMIT_CRC),
+])
+def test_the_commit_mode_follows_the_cpu_unless_overridden(machine: str, env: str, mode: int, monkeypatch) -> None:
+    """Store order only on x86-64 (TSO); ``OTEL_KVTRACE_RING_COMMIT`` overrides it (e.g. x86 emulation on
+    a weakly ordered host); the ring header carries the producer's choice to the agent."""
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: machine)
+    monkeypatch.setenv("OTEL_KVTRACE_RING_COMMIT", env)
+    assert R.default_commit_mode() == mode
+    writer, reader = _ring()
+    assert writer._crc == reader._crc == (mode == R.COMMIT_CRC)
 
 
 def test_more_stages_than_a_slot_holds_are_folded_like_the_builder(make_record) -> None:
@@ -263,12 +278,11 @@ def test_a_previous_laps_body_seen_with_this_laps_commit_is_never_decoded(make_r
     k = 4 + writer.nslots  # the same slot, one lap later
     R._COMMIT.pack_into(writer._mem, R.HEADER_BYTES + 4 * R.SLOT_SIZE, k + 1)  # only the commit store landed
     assert reader._read(k) is None
-    # The whole new head (written in one store after the body) visible before the new body: still unread.
-    import zlib
-
+    # The whole new tail and commit word visible before the new body: still unread.
     off = R.HEADER_BYTES + 4 * R.SLOT_SIZE
     new_body = bytes(range(7, 107))
-    R.SLOT_HEAD.pack_into(writer._mem, off, k + 1, zlib.crc32(new_body, k & 0xFFFFFFFF), R.MSG_RESOURCE, len(new_body))
+    kind = R.MSG_RESOURCE | R.KIND_WRITTEN
+    R.SLOT_HEAD.pack_into(writer._mem, off, k + 1, R.slot_crc(new_body, k, kind, len(new_body)), kind, len(new_body))
     assert reader._read(k) is None
     writer._mem[off + R.SLOT_HEAD.size : off + R.SLOT_HEAD.size + len(new_body)] = new_body  # the body lands
     assert reader._read(k).body == new_body

@@ -133,3 +133,59 @@ def test_recv_and_send_tasks_keep_their_own_entry() -> None:
     assert ship.ship(_task(load, 1), TaskKind.RECV) == loaded and ship.ship(_task(save, 1), TaskKind.SEND) == saved
     assert ship.summaries == sent
     assert loaded[1] == ["load"] and saved[1] == ["save"]
+
+
+def test_a_cached_summary_index_is_defined_again_after_a_generation(monkeypatch) -> None:
+    """The recv tasks reuse one cached summary (same shared data) while every send task defines a new one;
+    the agent keeps only the newest 2 generations. The writer must define the cached one again before
+    the agent forgets it: no task is lost, none decoded against another summary."""
+    monkeypatch.setattr(R, "SUMMARY_GENERATION", 4)
+    ship = Shipper()
+    load = _shared("load")
+    resent = 0
+    for i in range(40):  # 10 generations of definitions, past the agent's bound more than once
+        before = ship.summaries
+        assert ship.ship(_task(load, i % 8), TaskKind.RECV) == ([0], ["load"], 4)
+        resent += ship.summaries - before
+        assert ship.ship(_task(_shared(f"save{i}"), 0), TaskKind.SEND) == ([0], [f"save{i}"], 4)
+    assert ship.decoder.undecodable == 0
+    assert len(ship.decoder.summaries) <= 2 * 4 + 2  # bounded: old definitions were evicted meanwhile
+    assert resent > 1  # the cached recv summary was defined again after a generation bump
+
+
+def test_a_task_naming_a_summary_the_agent_never_saw_is_counted_not_misattributed() -> None:
+    """A definition lost (ring overflow) leaves its index unknown: the task is counted, not given the
+    summary an earlier task had."""
+    ship = Shipper()
+    assert ship.ship(_task(_shared("a"), 0)) == ([0], ["a"], 4)
+    rec = fill_record(TaskRecord(), seq=99)
+    rec.transfer_tasks = _task(_shared("b"), 0)
+    assert ship.writer.write_task(rec, False)
+    out: list[TaskRecord] = []
+    for msg in ship.reader.poll(100):
+        if msg.kind != R.MSG_SUMMARY:  # this definition never reaches the agent
+            ship.decoder.feed(msg, out)
+    assert out == [] and ship.decoder.undecodable == 1
+
+
+def test_a_summary_that_did_not_fit_is_not_cached() -> None:
+    """Ring full between the request id and the summary: nothing names the unwritten index afterwards."""
+    fd, mem = R.create_memfd(R.CLAIM_MARGIN + 5)
+    os.close(fd)
+    writer, reader, decoder = R.RingWriter(mem), R.RingReader(mem), Decoder()
+    shared = _shared("a")
+    first = fill_record(TaskRecord(), seq=1)
+    first.transfer_tasks = _task(shared, 0)
+    assert writer.write_task(first, False)  # queue, request id, summary, task: 4 of 5 slots
+    second = fill_record(TaskRecord(), seq=2)
+    second.transfer_tasks = _task(_shared("b"), 0)
+    assert not writer.write_task(second, False)  # request id "b" fits, its summary does not: dropped
+    out: list[TaskRecord] = []
+    for msg in reader.poll(100):
+        decoder.feed(msg, out)
+    reader.consumed()
+    assert writer.write_task(second, False)  # room again: the summary is defined now, not assumed
+    for msg in reader.poll(100):
+        decoder.feed(msg, out)
+    assert [(r.seq, r.transfer_tasks.request_ids) for r in out] == [(1, ["a"]), (2, ["b"])]
+    assert decoder.undecodable == 0
