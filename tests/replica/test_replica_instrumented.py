@@ -120,6 +120,9 @@ AGREEMENT = {
                                         timing=Timing(host_launch_us=20_000)),
     "key-late-forward": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2,
                                       timing=Timing(host_launch_us=20_000)),
+    # main does not clear the task list: the late forward still waits, on an event already set, after the
+    # recv thread dropped its hold; the consumer wait is then a zero-length stage, never lost.
+    "main-late-forward": ReplicaConfig(num_layers=6, prefetch_layers=3, steps=2, timing=Timing(host_launch_us=20_000)),
     "stagger": ReplicaConfig(num_layers=6, prefetch_layers=3, tp_size=2, tp_rank=1, steps=2,
                              timing=Timing(h2d_stagger_us=200)),
 }
