@@ -103,8 +103,15 @@ def test_uninstrument_restores_every_class_attribute_and_instance_object() -> No
 AGREEMENT = {
     "main-hol-slot": HOL.with_(steps=2, slow=SlowInjection(slow_slot_release_layers=(2,), slow_slot_release_us=200)),
     "main-empty": ReplicaConfig(num_layers=6, num_shared_buffers=2, prefetch_layers=3, requests_per_step=0, steps=2),
-    "v0.23": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2),
-    "key": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2),
+    # the forward arrives before the load finished, so it waits (a consumer wait). v0.23 and the key path
+    # decide that from the task list, which the recv thread clears when the load finishes: a forward that
+    # arrives later sees no task and does not wait at all (upstream behaviour, the "late-forward" cases).
+    # 20 ms per load, so "before" holds on a loaded 2-core machine too (the default 0.4 ms did not: a
+    # descheduled forward thread arrived after the load finished, about one run in three on 2 busy cores).
+    "v0.23": ReplicaConfig(behaviour="v0.23", num_layers=6, prefetch_layers=3, steps=2,
+                           timing=Timing(load_h2d_us_per_block=2500)),
+    "key": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2,
+                         timing=Timing(load_h2d_us_per_block=2500)),
     "partial-independent": HOL.with_(steps=2, timing=Timing(independent_load_fraction=0.25)),
     # the forward arrives after the load finished: the recv thread has cleared the task list, so no wait.
     # 20 ms of host launch per layer, so "after" holds on a loaded 2-core machine too (3 ms did not:
@@ -113,6 +120,9 @@ AGREEMENT = {
                                         timing=Timing(host_launch_us=20_000)),
     "key-late-forward": ReplicaConfig(path="key", num_layers=6, prefetch_layers=2, steps=2,
                                       timing=Timing(host_launch_us=20_000)),
+    # main does not clear the task list: the late forward still waits, on an event already set, after the
+    # recv thread dropped its hold; the consumer wait is then a zero-length stage, never lost.
+    "main-late-forward": ReplicaConfig(num_layers=6, prefetch_layers=3, steps=2, timing=Timing(host_launch_us=20_000)),
     "stagger": ReplicaConfig(num_layers=6, prefetch_layers=3, tp_size=2, tp_rank=1, steps=2,
                              timing=Timing(h2d_stagger_us=200)),
 }
