@@ -131,3 +131,37 @@ def test_the_resolver_scans_exactly_up_to_the_last_observed_event() -> None:
     assert bound_of(1, 1000) == 700 == StreamPosition(log, 1).upper_bound()
     assert bound_of(4, 1000) == 700 and bound_of(5, 1000) == 1000
     assert bound_of(0, 1000, lo=800) == 800  # never below the dependency's lower bound
+
+
+def test_the_npu_proxy_s_inlined_observe_equals_stream_log_observe() -> None:
+    """``TracedNpuEvent.synchronize`` inlines ``StreamLog.observe`` (one frame less per NPU sync on the
+    recv/send threads): over every order of completions, its log ends as the method's would."""
+    import itertools
+    from types import SimpleNamespace
+
+    from otel_kvtrace.instrument.proxies import TracedNpuEvent
+
+    class Event:
+        def record(self) -> None:
+            pass
+
+        def synchronize(self) -> None:
+            pass
+
+    for order in itertools.permutations(range(4)):
+        for stamps in ((10, 20, 30, 40), (40, 30, 20, 10), (25, 5, 25, 15)):
+            now = itertools.count(1).__next__
+            ticks: list[int] = []
+            rt = SimpleNamespace(recorder=SimpleNamespace(clock=lambda: ticks.pop(0) if ticks else now()),
+                                 state_by_thread={}, stream_log=StreamLog(), npu_timing=None)
+            events = [TracedNpuEvent(Event(), rt, None) for _ in range(4)]  # type: ignore[arg-type]
+            for ev in events:
+                ev.record()
+            reference = StreamLog()
+            for _ in events:
+                reference.append()
+            for i, t1 in zip(order, stamps):
+                ticks[:] = [t1 - 1, t1]  # synchronize's two clock reads
+                events[i].synchronize()
+                reference.observe(i, t1)
+                assert (rt.stream_log.done_by, rt.stream_log.observed) == (reference.done_by, reference.observed)
