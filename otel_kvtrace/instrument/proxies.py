@@ -15,6 +15,8 @@ from __future__ import annotations
 from threading import get_ident
 from typing import Any
 
+from numpy import ndarray as _NDARRAY
+
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.state import QueueState
 from otel_kvtrace.instrument.stream_order import StreamPosition, next_position
@@ -310,6 +312,10 @@ class TracedKeyStore(_Proxy):
 def total_bytes(sizes: Any) -> int:
     """Bytes in a size array or list (numpy ``.sum()``; flat or one level nested lists for the key path)."""
     try:
+        if type(sizes) is _NDARRAY:  # the GVA path's case first: one type check instead of three lookups
+            if sizes.ndim == 1 and len(sizes) <= SMALL_ARRAY:
+                return int(sum(sizes.tolist()))
+            return int(sizes.sum())
         if hasattr(sizes, "sum"):
             if hasattr(sizes, "tolist") and getattr(sizes, "ndim", 0) == 1 and len(sizes) <= SMALL_ARRAY:
                 return int(sum(sizes.tolist()))

@@ -162,7 +162,10 @@ _GATE_BITS = (1 << _D["GATE_RECORD"]) | (1 << _D["GATE_NPU"])
 _GATE_AFTER = f"""
 {_T}g1 = {_T}clock()
 try:
-    {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
+    try:
+        {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
+    except {_T}AttributeError:
+        {_T}gstamp = None
     {_T}deps = {_T}rec.deps
     {_T}rec.has_dep |= {_GATE_BITS}
     if {_T}gstamp is None:
@@ -172,7 +175,9 @@ try:
         {_T}deps[{_GN + 1}] = {_T}g1
     else:
         {_T}grec, {_T}gpos, {_T}gmark = {_T}gstamp
-        {_T}gcond = {_T}max({_T}g0, {_T}min({_T}grec, {_T}g1))
+        {_T}gcond = {_T}grec if {_T}grec < {_T}g1 else {_T}g1
+        if {_T}gcond < {_T}g0:
+            {_T}gcond = {_T}g0
         if {_T}gcond > {_T}g0:
             {_T}stages.extend(({_S['GATE_COND_WAIT']}, {_T}g0, {_T}gcond, {_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
         else:

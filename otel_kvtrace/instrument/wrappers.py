@@ -119,14 +119,18 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
                     rec.wait_for_save_layer = item.wait_for_save_layer
                     gate = item.attention_start_gate
                     if gate is not None:
-                        gid = gate.__dict__.get(GATE_ID_ATTR)
-                        if gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
-                            gid = worker.forward_layer
-                            if gid < 0:
-                                gid = st.gates_seen
-                            st.gates_seen += 1
-                            setattr(gate, GATE_ID_ATTR, gid)
-                        rec.gate_id = gid
+                        try:
+                            gid = gate.__dict__.get(GATE_ID_ATTR)
+                        except AttributeError:  # a gate without __dict__ (slots) cannot keep its id: none recorded
+                            pass
+                        else:
+                            if gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
+                                gid = worker.forward_layer
+                                if gid < 0:
+                                    gid = st.gates_seen
+                                st.gates_seen += 1
+                                setattr(gate, GATE_ID_ATTR, gid)
+                            rec.gate_id = gid
                     tasks = item.transfer_tasks
                     if tasks:  # upstream clears the list after the task: keep its elements (one task as is)
                         rec.transfer_tasks = tasks[0] if len(tasks) == 1 else list(tasks)
@@ -294,6 +298,7 @@ def wrap_batch_copy(original: Callable, rt: Runtime) -> Callable:
 
 
 GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition, timing mark or None)
+_NO_DICT = {GATE_STAMP_ATTR: None}  # what a gate without ``__dict__`` reads as: already stamped, so never stamped
 
 
 def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
@@ -301,7 +306,10 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
 
     def record(self: Any, *args: Any, **kwargs: Any) -> Any:
         # Stamp (and mark) before the original notifies: a waiter woken by it must see the stamp.
-        if getattr(self, "_event", None) is None and rt.recorder.enabled and GATE_STAMP_ATTR not in self.__dict__:
+        # A gate without ``__dict__`` (slots) gets no stamp: its waiters record it as opened before tracing
+        # (``gate_stamp`` returns None), never an error in the caller.
+        if getattr(self, "_event", None) is None and rt.recorder.enabled and \
+                GATE_STAMP_ATTR not in getattr(self, "__dict__", _NO_DICT):
             try:
                 recorded = clock()
                 log = rt.stream_log  # stream_order.next_position, inlined (forward-thread frames)
@@ -348,7 +356,10 @@ def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
                 # Stages and dependencies of one gate ``wait()``: condition wait until the record was seen, then the
                 # NPU synchronize; the record time is exact, the NPU completion bounded (tightened by stream
                 # order). TaskRecord.dep_exact/dep_bounds and StreamLog.observe are inlined (recv-thread frames).
-                stamp = self.__dict__.get(GATE_STAMP_ATTR)
+                try:
+                    stamp = self.__dict__.get(GATE_STAMP_ATTR)
+                except AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing started
+                    stamp = None
                 stages = rec.stages
                 deps = rec.deps
                 if not ok:  # timed out waiting for the record

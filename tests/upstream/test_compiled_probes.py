@@ -191,6 +191,31 @@ def _workload(upstream: Upstream, env: Any, gate_before: Any) -> None:
     run(upstream.gva_task(3, [], wait_for_save_layer=1))
     env.backend.results.append(5)
     run(upstream.gva_task(3, [r]))
+    slotted = slotted_gate(upstream)  # recorded while tracing, but it cannot carry the stamp or the gate id
+    slotted.record()
+    run(upstream.gva_task(2, [r], gate=slotted))
+
+
+def slotted_gate(upstream: Upstream) -> Any:
+    """A gate without ``__dict__`` (``__slots__``) whose ``record``/``wait`` are upstream's gate class's own
+    functions as installed (the record wrapper; the wait wrapper on the wrapper path)."""
+    gate_cls = upstream.gate_class
+
+    class SlottedGate:
+        __slots__ = ("_condition", "_event")
+
+        def __init__(self) -> None:
+            gate_cls.__init__(self)
+
+        def record(self, *args: Any, **kwargs: Any) -> Any:
+            return gate_cls.record(self, *args, **kwargs)
+
+        def wait(self, *args: Any, **kwargs: Any) -> Any:
+            return gate_cls.wait(self, *args, **kwargs)
+
+    gate = SlottedGate()
+    assert not hasattr(gate, "__dict__")
+    return gate
 
 
 def _shape(rec: Any) -> dict[str, Any]:
@@ -219,6 +244,7 @@ def _records(upstream: Upstream, monkeypatch: Any, probes: str) -> tuple[list[di
         _workload(upstream, env, gate_before)
         records = session.recorder.drain(100)
         path = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__]
+        assert session.recorder.disabled_reason is None  # the slotted gate did not turn tracing off
     finally:
         session.shutdown()
     return [_shape(r) for r in records], path
@@ -228,13 +254,20 @@ def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstr
     wrapped, wrapped_path = _records(upstream, monkeypatch, "wrappers")
     compiled, compiled_path = _records(upstream, monkeypatch, "compiled")
     assert (wrapped_path, compiled_path) == ("wrappers", "compiled")
-    assert len(compiled) == len(wrapped) == 5
+    assert len(compiled) == len(wrapped) == 6
     for i, (c, w) in enumerate(zip(compiled, wrapped, strict=True)):
         diff = {k: (c[k], w[k]) for k in c if c[k] != w[k]}
         assert not diff, f"task {i}: compiled vs wrappers differ in {diff}"
     # the workload reached every branch: save dep, gate deps, an empty task, a failed copy
     assert compiled[1]["has_dep"] and compiled[2]["has_dep"]
-    assert [c["outcome"] for c in compiled][3:] != [0, 0]
+    assert [c["outcome"] for c in compiled][3:5] != [0, 0]
+    # a gate recorded while tracing carries its record time (exact) and an id; the slotted one degrades to
+    # what a gate recorded before tracing gets: gate deps bounded by the task's own wait, no id, no marks
+    gate_record, gate_npu = 2, 3
+    assert compiled[1]["deps"][gate_record] == (True, True) and compiled[1]["gate_id"] is not None
+    assert compiled[5]["deps"][gate_record] == compiled[2]["deps"][gate_record] == (True, False)
+    assert compiled[5]["deps"][gate_npu] == (True, False) and compiled[5]["stages"] == compiled[2]["stages"]
+    assert compiled[5]["gate_id"] is None and compiled[5]["npu_marks"] == [] and compiled[5]["outcome"] == 0
 
 
 def test_the_proof_rejects_a_rewrite_that_changes_an_upstream_statement(upstream: Upstream, monkeypatch: Any) -> None:

@@ -1,0 +1,235 @@
+"""Instructions the recording adds per task on the REAL vLLM-Ascend GVA recv thread (callgrind, deterministic).
+
+Counts, under ``valgrind --tool=callgrind``, the instructions of the ``add_request`` calls (forward side) and
+of the ``_handle_request`` calls (recv side) only: instrumentation starts after the warm-up
+(``--instr-atstart=no``) and collection is toggled on around each call and off around everything else
+(task set-up, queue get, the drain and recycling between chunks), with valgrind's own client requests
+from a tiny C helper built here with ``gcc`` (``callgrind.h``). Same workload as
+``bench/upstream_overhead.py`` (``_ready_task``: save wait, gate, build, stagger, copy), synchronous on
+one thread, GC off, ``PYTHONHASHSEED=0``, ``start_tracing(exporter=None)`` (recording only: no ring write).
+
+Printed per mode: instructions per call, and the added instructions (traced - untraced) per C function
+(callgrind self cost), so where the recording's instructions go is visible without timing noise.
+``--ablate`` (compiled probes only) additionally compiles ``_handle_request`` with one group of stamps
+emptied at a time (template replaced by ``pass``; the proof still runs) and prints what each group costs.
+
+Usage::
+
+    .venv/bin/python bench/recording_instructions.py                 # untraced, compiled, wrappers
+    .venv/bin/python bench/recording_instructions.py --ablate        # + per-stamp cost of the compiled path
+    .venv/bin/python bench/recording_instructions.py --against DIR   # another checkout too, side by side
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+HELPER_C = r"""
+#include <valgrind/callgrind.h>
+void kv_on(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kv_off(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kv_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void kv_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
+
+STAMP_GROUPS: dict[str, tuple[str, ...]] = {
+    # group -> rewrite.py template names emptied together (a group's stamps share local names)
+    "save wait": ("_SAVE_BEFORE", "_SAVE_TIMED_OUT", "_SAVE_RESTART", "_SAVE_AFTER"),
+    "gate wait": ("_GATE_BEFORE", "_GATE_TIMED_OUT", "_GATE_RESTART", "_GATE_AFTER"),
+    "build": ("_BUILD_AFTER",),  # _SPAN_BEFORE also opens main's NPU sync: kept
+    "stagger": ("_STAGGER_AFTER",),
+    "batch copy": ("_COPY_AFTER",),
+    "bytes sum": ("_COPY_AFTER",),
+    "load set": ("_LOAD_SET_BEFORE",),
+}
+
+
+def _build_helper(tmp: Path) -> Path:
+    src = tmp / "kvcg.c"
+    src.write_text(HELPER_C)
+    lib = tmp / "kvcg.so"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
+    """Runs under valgrind: warm up, then count ``tasks`` add_request and ``tasks`` _handle_request calls."""
+    import ctypes
+    import gc
+    import importlib.util
+
+    cg = ctypes.CDLL(lib)
+    on, off = cg.kv_on, cg.kv_off
+    spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    if ablate:
+        from otel_kvtrace.instrument import rewrite
+
+        for group in ablate:
+            for name in STAMP_GROUPS[group]:
+                text = getattr(rewrite, name)
+                # "bytes sum": the copy stamp without its guarded total_bytes call (the rest kept)
+                setattr(rewrite, name, text.split("try:")[0] if group == "bytes sum" else "pass")
+    h = bench._load_harness()
+    num_layers, blocks = 8, 16
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-ir-") as tmp:
+        session = bench._start(up.binding.to_targets(), mode, tmp, "bench-ir")
+        if session is not None and ablate:
+            from otel_kvtrace.instrument import rewrite
+
+            assert rewrite.is_compiled(up.binding.classes["recv_gva"]._handle_request), "ablated build fell back"
+        env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
+        thread = env.thread
+        request = up.request("r-bench", blocks)
+        gc.collect()
+        gc.disable()
+
+        def run(n: int, which: int, i0: int) -> None:
+            for i in range(i0, i0 + n):
+                if i % 100 == 0:
+                    bench._settle(session)
+                task, layer = bench._ready_task(up, env, request, i, num_layers)
+                if which == 0:
+                    on()
+                    thread.add_request(task)
+                    off()
+                    item = thread.request_queue.get()
+                    thread._handle_request(item)
+                else:
+                    thread.add_request(task)
+                    item = thread.request_queue.get()
+                    on()
+                    thread._handle_request(item)
+                    off()
+                env.load_done[layer].clear()
+                env.save_done[layer - 1].clear()
+
+        cg.kv_dump.argtypes = [ctypes.c_char_p]
+        for which in (0, 1):  # warm both code paths (attach, pools, caches) with the toggles in place
+            run(300, which, 0)
+        cg.kv_start()
+        run(tasks, 0, 300)
+        cg.kv_dump(b"forward")
+        cg.kv_start()
+        run(tasks, 1, 300 + tasks)
+        cg.kv_dump(b"recv")
+        if session is not None:
+            reason = session.recorder.disabled_reason
+            session.shutdown()
+            if reason:
+                raise RuntimeError(f"tracing disabled itself: {reason}")
+
+
+def _functions(path: Path) -> tuple[int, dict[str, int]]:
+    """(total, self instructions per C function) of one callgrind dump."""
+    done = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)], capture_output=True, text=True,
+                          check=True)
+    total = 0
+    per: dict[str, int] = {}
+    for line in done.stdout.splitlines():
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+PROGRAM TOTALS", line)
+        if m:
+            total = int(m.group(1).replace(",", ""))
+            continue
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S+):(\S+)", line)
+        if m:
+            name = m.group(3).split(" ")[0]
+            if name == "_PyObject_MakeTpCall" and m.group(2).endswith("ceval.c"):
+                name = "eval loop (ceval.c, bytecodes)"  # the inlined interpreter body carries this name
+            per[name] = per.get(name, 0) + int(m.group(1).replace(",", ""))
+    return total, per
+
+
+def measure(tree: Path, mode: str, tasks: int, lib: Path, ablate: list[str], tmp: Path) -> dict[str, Any]:
+    """One valgrind run of ``child`` in ``tree``; per side: instructions per call and per C function."""
+    tag = f"{mode}-{'-'.join(a.replace(' ', '_') for a in ablate) or 'all'}-{abs(hash(str(tree)))}"
+    out = tmp / f"cg.{tag}"
+    code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(HERE)!r}); "
+            f"import recording_instructions as r; r.child({mode!r}, {tasks}, {str(lib)!r}, {ablate!r})")
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
+                    f"--callgrind-out-file={out}", sys.executable, "-c", code], capture_output=True, text=True,
+                   check=True, cwd=tree, env=env)
+    result: dict[str, Any] = {}
+    for dump in sorted(tmp.glob(f"cg.{tag}.*")):
+        head = dump.read_text(errors="replace")[:4000]
+        m = re.search(r"^desc: Trigger: Client Request: (\w+)", head, re.M)
+        if m is None or m.group(1) not in ("forward", "recv"):
+            continue
+        total, per = _functions(dump)
+        result[m.group(1)] = {"per_call": total / tasks, "functions": {k: v / tasks for k, v in per.items()}}
+    return result
+
+
+def _delta(a: dict[str, float], b: dict[str, float], top: int) -> list[tuple[str, float]]:
+    names = set(a) | set(b)
+    rows = [(n, a.get(n, 0.0) - b.get(n, 0.0)) for n in names]
+    rows.sort(key=lambda r: -abs(r[1]))
+    return [r for r in rows[:top] if abs(r[1]) >= 1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tasks", type=int, default=400, help="counted calls per side (default 400)")
+    parser.add_argument("--against", type=Path, default=None, help="another checkout, counted the same way")
+    parser.add_argument("--ablate", action="store_true", help="per stamp group of the compiled _handle_request")
+    parser.add_argument("--top", type=int, default=14, help="C functions listed per side (default 14)")
+    parser.add_argument("--modes", default="untraced,traced,wrappers")
+    parser.add_argument("--json", type=Path, default=None, help="write every count here too")
+    args = parser.parse_args()
+    modes = args.modes.split(",")
+    trees = [("this", HERE.parent)] + ([("other", args.against.resolve())] if args.against else [])
+    with tempfile.TemporaryDirectory(prefix="kvtrace-cg-") as tmp_name:
+        tmp = Path(tmp_name)
+        lib = _build_helper(tmp)
+        res: dict[str, dict[str, Any]] = {}
+        for name, tree in trees:
+            for mode in modes:
+                res[f"{name}/{mode}"] = measure(tree, mode, args.tasks, lib, [], tmp)
+                print(f"  counted {name}/{mode}", file=sys.stderr, flush=True)
+        abl: dict[str, dict[str, Any]] = {}
+        if args.ablate:
+            for group in STAMP_GROUPS:
+                abl[group] = measure(HERE.parent, "traced", args.tasks, lib, [group], tmp)
+                print(f"  counted ablation {group}", file=sys.stderr, flush=True)
+    print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None)")
+    print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9}")
+    for name, _tree in trees:
+        base = res[f"{name}/untraced"]
+        for mode in modes:
+            r = res[f"{name}/{mode}"]
+            print(f"{name + '/' + mode:24} {r['forward']['per_call']:12.0f} "
+                  f"{r['forward']['per_call'] - base['forward']['per_call']:+9.0f} "
+                  f"{r['recv']['per_call']:16.0f} {r['recv']['per_call'] - base['recv']['per_call']:+9.0f}")
+    for name, _tree in trees:
+        base = res[f"{name}/untraced"]
+        for mode in modes[1:]:
+            for side in ("forward", "recv"):
+                print(f"-- {name}/{mode} {side}: added instructions per call by C function (self cost)")
+                for fn, d in _delta(res[f"{name}/{mode}"][side]["functions"], base[side]["functions"], args.top):
+                    print(f"   {d:+9.0f}  {fn}")
+    if abl:
+        full = res["this/traced"]["recv"]["per_call"]
+        print("-- compiled _handle_request, instructions per call of each stamp group (all stamps - that group emptied)")
+        for group, r in abl.items():
+            print(f"   {full - r['recv']['per_call']:+9.0f}  {group} ({', '.join(STAMP_GROUPS[group])})")
+        base = res["this/untraced"]["recv"]["per_call"]
+        print(f"   {full - base:+9.0f}  all stamps (prelude, try/finally, exit and submit included)")
+    if args.json:
+        args.json.write_text(json.dumps({"modes": res, "ablate": abl}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
