@@ -132,6 +132,72 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
                 raise RuntimeError(f"tracing disabled itself: {reason}")
 
 
+def opcodes(mode: str, tasks: int) -> dict[str, dict[str, float]]:
+    """Bytecodes executed per call (``sys.settrace`` opcode events, deterministic, layout-independent), per
+    side: in upstream's function by source line (a stamp carries the line of the statement it stamps, so
+    traced - untraced per line is that stamp's bytecodes) and in otel_kvtrace's own functions by name."""
+    import gc
+    import importlib.util
+    import linecache
+
+    spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench
+    spec.loader.exec_module(bench)
+    h = bench._load_harness()
+    num_layers, blocks = 8, 16
+    counts: list[dict[str, int]] = [{}, {}]
+    side = [0]
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        if event == "opcode":
+            code = frame.f_code
+            if "otel_kvtrace" in code.co_filename:
+                key = f"otel_kvtrace {code.co_name}"
+            else:
+                line = frame.f_lineno
+                key = f"L{line} {linecache.getline(code.co_filename, line).strip()[:60]}" if line else "no line"
+            c = counts[side[0]]
+            c[key] = c.get(key, 0) + 1
+        return local
+
+    def tracer(frame: Any, event: str, arg: Any) -> Any:
+        name = frame.f_code.co_name
+        if "otel_kvtrace" in frame.f_code.co_filename or name in ("_handle_request", "add_request"):
+            frame.f_trace_opcodes = True
+            return local
+        return None
+
+    with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-op-") as tmp:
+        session = bench._start(up.binding.to_targets(), mode, tmp, "bench-op")
+        env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
+        thread = env.thread
+        request = up.request("r-bench", blocks)
+        gc.disable()
+        for i in range(300 + tasks):
+            if i % 100 == 0:
+                bench._settle(session)
+            task, layer = bench._ready_task(up, env, request, i, num_layers)
+            on = i >= 300
+            side[0] = 0
+            if on:
+                sys.settrace(tracer)
+            thread.add_request(task)
+            sys.settrace(None)
+            item = thread.request_queue.get()
+            side[0] = 1
+            if on:
+                sys.settrace(tracer)
+            thread._handle_request(item)
+            sys.settrace(None)
+            env.load_done[layer].clear()
+            env.save_done[layer - 1].clear()
+        if session is not None:
+            session.shutdown()
+    return {name: {k: v / tasks for k, v in c.items()} for name, c in zip(("forward", "recv"), counts)}
+
+
 def _functions(path: Path) -> tuple[int, dict[str, int]]:
     """(total, self instructions per C function) of one callgrind dump."""
     done = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)], capture_output=True, text=True,
@@ -187,9 +253,21 @@ def main() -> None:
     parser.add_argument("--ablate", action="store_true", help="per stamp group of the compiled _handle_request")
     parser.add_argument("--top", type=int, default=14, help="C functions listed per side (default 14)")
     parser.add_argument("--modes", default="untraced,traced,wrappers")
+    parser.add_argument("--opcodes", action="store_true",
+                        help="bytecodes per call instead (no valgrind): per upstream line and per otel_kvtrace function")
     parser.add_argument("--json", type=Path, default=None, help="write every count here too")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    if args.opcodes:
+        base = opcodes("untraced", args.tasks)
+        for mode in modes[1:]:
+            got = opcodes(mode, args.tasks)
+            for side in ("forward", "recv"):
+                total = sum(got[side].values()) - sum(base[side].values())
+                print(f"-- {mode} {side}: added bytecodes per call {total:+.1f}, by upstream line / own function")
+                for key, d in _delta(got[side], base[side], args.top):
+                    print(f"   {d:+7.1f}  {key}")
+        return
     trees = [("this", HERE.parent)] + ([("other", args.against.resolve())] if args.against else [])
     with tempfile.TemporaryDirectory(prefix="kvtrace-cg-") as tmp_name:
         tmp = Path(tmp_name)

@@ -95,7 +95,7 @@ if {_T}rec is None:
 _ON_RAISE = f"""
 try:
     if {_T}pend >= 0:
-        {_T}stages.extend(({_T}pend, {_T}p0, {_T}clock()))
+        {_T}stages += ({_T}pend, {_T}p0, {_T}clock())
         if {_T}pend == {_S['BACKEND_SUBMIT']}:
             {_T}rec.backend_result = -1
         elif {_T}pend == {_S['SLOT_RELEASE_WAIT']}:
@@ -134,7 +134,7 @@ except {_T}Exception as {_T}e:
 def _wait_loop(start: str, stage: str) -> tuple[str, str, str]:
     """Stamps of a ``while not <wait>(timeout=10): ...`` loop: before it, at the top of its body (the wait
     timed out: one stage per call, as the wrappers record it) and at the end of its body (the next call)."""
-    return (f"{_T}{start} = {_T}clock()", f"{_T}stages.extend(({_S[stage]}, {_T}{start}, {_T}clock()))",
+    return (f"{_T}{start} = {_T}clock()", f"{_T}stages += ({_S[stage]}, {_T}{start}, {_T}clock())",
             f"{_T}{start} = {_T}clock()")
 
 
@@ -142,7 +142,7 @@ _SAVE_BEFORE, _SAVE_TIMED_OUT, _SAVE_RESTART = _wait_loop("w0", "SAVE_CPU_WAIT")
 _SAVE_AFTER = f"""
 {_T}w1 = {_T}clock()
 try:
-    {_T}stages.extend(({_S['SAVE_CPU_WAIT']}, {_T}w0, {_T}w1))
+    {_T}stages += ({_S['SAVE_CPU_WAIT']}, {_T}w0, {_T}w1)
     {_T}set_ns = {_T}getattr(SELF.layer_save_finished_events[ARG], "set_ns", -1)
     {_T}deps = {_T}rec.deps
     {_T}rec.has_dep |= {1 << _D['SAVE_CPU']}
@@ -156,9 +156,8 @@ except {_T}Exception as {_T}e:
 """
 
 _GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT")
-_GR, _GN = 2 * _D["GATE_RECORD"], 2 * _D["GATE_NPU"]
-_GATE_BITS = (1 << _D["GATE_RECORD"]) | (1 << _D["GATE_NPU"])
-# After the last (successful) gate ``wait()``: ``wrappers.wrap_gate_wait``'s stamps for ``ok``, inlined.
+# After the last (successful) gate ``wait()``: ``wrappers.gate_rule``, the one definition the wrapper path
+# is generated from too.
 _GATE_AFTER = f"""
 {_T}g1 = {_T}clock()
 try:
@@ -166,46 +165,20 @@ try:
         {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
     except {_T}AttributeError:
         {_T}gstamp = None
-    {_T}deps = {_T}rec.deps
-    {_T}rec.has_dep |= {_GATE_BITS}
-    if {_T}gstamp is None:
-        {_T}stages.extend(({_S['GATE_NPU_SYNC']}, {_T}g0, {_T}g1))
-        {_T}deps[{_GR}] = {_T}deps[{_GN}] = {_T}rec.t_enqueue
-        {_T}deps[{_GR + 1}] = {_T}g0
-        {_T}deps[{_GN + 1}] = {_T}g1
-    else:
-        {_T}grec, {_T}gpos, {_T}gmark = {_T}gstamp
-        {_T}gcond = {_T}grec if {_T}grec < {_T}g1 else {_T}g1
-        if {_T}gcond < {_T}g0:
-            {_T}gcond = {_T}g0
-        if {_T}gcond > {_T}g0:
-            {_T}stages.extend(({_S['GATE_COND_WAIT']}, {_T}g0, {_T}gcond, {_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
-        else:
-            {_T}stages.extend(({_S['GATE_NPU_SYNC']}, {_T}gcond, {_T}g1))
-        {_T}glog = {_T}gpos.log
-        {_T}gp = {_T}gpos.position
-        if {_T}g1 < {_T}glog.done_by[{_T}gp]:
-            {_T}glog.done_by[{_T}gp] = {_T}g1
-        if {_T}gp > {_T}glog.observed:
-            {_T}glog.observed = {_T}gp
-        {_T}deps[{_GR}] = {_T}deps[{_GR + 1}] = {_T}deps[{_GN}] = {_T}grec
-        {_T}deps[{_GN + 1}] = {_T}g1
-        {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gpos))
-        if {_T}gmark is not None:
-            {_T}rec.npu_marks.append(({_D['GATE_NPU']}, {_T}gmark))
+""" + wrappers._indent(wrappers.gate_rule(_T), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
 _SPAN_BEFORE = f"{_T}k0 = {_T}clock()"
-_BUILD_AFTER = f"{_T}stages.extend(({_S['META_BUILD']}, {_T}k0, {_T}clock()))"
+_BUILD_AFTER = f"{_T}stages += ({_S['META_BUILD']}, {_T}k0, {_T}clock())"
 
 _PENDING = f"""
 {_T}pend = STAGE
 {_T}p0 = {_T}clock()
 """
 _STAGGER_AFTER = f"""
-{_T}stages.extend(({_S['H2D_STAGGER']}, {_T}p0, {_T}clock()))
+{_T}stages += ({_S['H2D_STAGGER']}, {_T}p0, {_T}clock())
 {_T}pend = -1
 """
 _SLOT_BEFORE = f"""
@@ -215,7 +188,7 @@ _SLOT_BEFORE = f"""
 """
 _SLOT_AFTER = f"""
 {_T}pend = -1
-{_T}stages.extend(({_S['SLOT_RELEASE_WAIT']}, {_T}p0, {_T}clock()))
+{_T}stages += ({_S['SLOT_RELEASE_WAIT']}, {_T}p0, {_T}clock())
 try:
     {_T}slot_done({_T}rec, SELF, {_T}slot_arg, {_T}stages[-1])
 except {_T}Exception as {_T}e:
@@ -224,7 +197,7 @@ except {_T}Exception as {_T}e:
 _COPY_AFTER = f"""
 {_T}b1 = {_T}clock()
 {_T}pend = -1
-{_T}stages.extend(({_S['BACKEND_SUBMIT']}, {_T}p0, {_T}b1))
+{_T}stages += ({_S['BACKEND_SUBMIT']}, {_T}p0, {_T}b1)
 {_T}rec.t_backend_return = {_T}b1
 if {_T}type(RESULT) is {_T}int:
     {_T}rec.backend_result = RESULT

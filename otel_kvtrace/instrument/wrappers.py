@@ -339,62 +339,81 @@ _GATE_RECORD_LO = 2 * DEP_GATE_RECORD
 _GATE_NPU_LO = 2 * DEP_GATE_NPU
 
 
-def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
-    clock = rt.recorder.clock
-    state_by_thread = rt.state_by_thread
+def gate_rule(p: str) -> str:
+    """THE gate-dependency rule, as statements over names prefixed ``p``: after a successful gate ``wait()``
+    that ran from ``g0`` to ``g1`` (``gstamp``: the gate's record stamp or None), the condition wait until
+    the record was seen, then the NPU synchronize; the record time is exact, the NPU completion bounded
+    (tightened by stream order: ``StreamLog.observe`` inlined). The wrapper below (``p=""``) and the
+    compiled probes (``rewrite._GATE_AFTER``, ``p="__kvtrace_"``) are both generated from this text: one
+    definition, no frame of its own on either path (TaskRecord.dep_exact/dep_bounds inlined too)."""
+    return f"""
+{p}deps = {p}rec.deps
+{p}rec.has_dep |= {_GATE_BITS}
+if {p}gstamp is None:  # recorded before tracing started (or a gate without __dict__): only our own wait bounds it
+    {p}stages += ({GATE_NPU_SYNC}, {p}g0, {p}g1)
+    {p}deps[{_GATE_RECORD_LO}] = {p}deps[{_GATE_NPU_LO}] = {p}rec.t_enqueue
+    {p}deps[{_GATE_RECORD_LO + 1}] = {p}g0
+    {p}deps[{_GATE_NPU_LO + 1}] = {p}g1
+else:
+    {p}grec, {p}gpos, {p}gmark = {p}gstamp
+    {p}gcond = {p}grec if {p}grec < {p}g1 else {p}g1  # max(g0, min(grec, g1)) without two builtin calls
+    if {p}gcond < {p}g0:
+        {p}gcond = {p}g0
+    if {p}gcond > {p}g0:
+        {p}stages += ({GATE_COND_WAIT}, {p}g0, {p}gcond, {GATE_NPU_SYNC}, {p}gcond, {p}g1)
+    else:
+        {p}stages += ({GATE_NPU_SYNC}, {p}gcond, {p}g1)
+    {p}glog = {p}gpos.log
+    {p}gp = {p}gpos.position
+    if {p}g1 < {p}glog.done_by[{p}gp]:
+        {p}glog.done_by[{p}gp] = {p}g1
+    if {p}gp > {p}glog.observed:
+        {p}glog.observed = {p}gp
+    {p}deps[{_GATE_RECORD_LO}] = {p}deps[{_GATE_RECORD_LO + 1}] = {p}deps[{_GATE_NPU_LO}] = {p}grec
+    {p}deps[{_GATE_NPU_LO + 1}] = {p}g1
+    {p}rec.npu_marks.append(({DEP_GATE_NPU}, {p}gpos))  # tightened to the earliest later completion
+    if {p}gmark is not None:
+        {p}rec.npu_marks.append(({DEP_GATE_NPU}, {p}gmark))
+"""
 
-    def wait(self: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _indent(text: str, spaces: int) -> str:
+    return "".join(" " * spaces + line if line.strip() else line for line in text.strip("\n").splitlines(True))
+
+
+_GATE_WAIT_SOURCE = f"""
+def make(original, clock, state_by_thread, get_ident, rt):
+    def wait(self, *args, **kwargs):
         st = state_by_thread.get(get_ident())
         if st is None or st.current is None:
             return original(self, *args, **kwargs)
-        t0 = clock()
+        g0 = clock()
         ok = original(self, *args, **kwargs)
-        t1 = clock()
+        g1 = clock()
         try:
             rec = st.current
             if rec is not None:
-                # Stages and dependencies of one gate ``wait()``: condition wait until the record was seen, then the
-                # NPU synchronize; the record time is exact, the NPU completion bounded (tightened by stream
-                # order). TaskRecord.dep_exact/dep_bounds and StreamLog.observe are inlined (recv-thread frames).
-                try:
-                    stamp = self.__dict__.get(GATE_STAMP_ATTR)
-                except AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing started
-                    stamp = None
                 stages = rec.stages
-                deps = rec.deps
                 if not ok:  # timed out waiting for the record
-                    stages.extend((GATE_COND_WAIT, t0, t1))
-                elif stamp is None:  # recorded before tracing started: only our own wait bounds it
-                    stages.extend((GATE_NPU_SYNC, t0, t1))
-                    rec.has_dep |= _GATE_BITS
-                    deps[_GATE_RECORD_LO] = deps[_GATE_NPU_LO] = rec.t_enqueue
-                    deps[_GATE_RECORD_LO + 1] = t0
-                    deps[_GATE_NPU_LO + 1] = t1
+                    stages += ({GATE_COND_WAIT}, g0, g1)
                 else:
-                    recorded, position, mark = stamp
-                    cond_end = max(t0, min(recorded, t1))
-                    if cond_end > t0:
-                        stages.extend((GATE_COND_WAIT, t0, cond_end, GATE_NPU_SYNC, cond_end, t1))
-                    else:
-                        stages.extend((GATE_NPU_SYNC, cond_end, t1))
-                    log = position.log  # StreamLog.observe, inlined
-                    p = position.position
-                    done_by = log.done_by
-                    if t1 < done_by[p]:
-                        done_by[p] = t1
-                    if p > log.observed:
-                        log.observed = p
-                    rec.has_dep |= _GATE_BITS
-                    deps[_GATE_RECORD_LO] = deps[_GATE_RECORD_LO + 1] = deps[_GATE_NPU_LO] = recorded
-                    deps[_GATE_NPU_LO + 1] = t1
-                    marks = rec.npu_marks
-                    marks.append((DEP_GATE_NPU, position))  # tightened to the earliest later completion
-                    if mark is not None:
-                        marks.append((DEP_GATE_NPU, mark))
+                    try:
+                        gstamp = self.__dict__.get({GATE_STAMP_ATTR!r})
+                    except AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing
+                        gstamp = None
+{_indent(gate_rule(""), 20)}
         except Exception as exc:
             rt.fail(exc)
         return ok
+    return wait
+"""
+_GATE_WAIT_NS: dict[str, Any] = {}
+exec(compile(_GATE_WAIT_SOURCE, f"{__file__}:gate_rule", "exec"), _GATE_WAIT_NS)  # noqa: S102 - our own text
 
+
+def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
+    """Stages and dependencies of one gate ``wait()`` (:func:`gate_rule`) on a recv thread of the wrapper path."""
+    wait = _GATE_WAIT_NS["make"](original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
     return _mark(wait, original)
 
 
