@@ -41,6 +41,24 @@ def _mark(wrapper: Callable, original: Callable) -> Callable:
     return wrapper
 
 
+def _indent(text: str, spaces: int) -> str:
+    return "".join(" " * spaces + line if line.strip() else line for line in text.strip("\n").splitlines(True))
+
+
+_GENERATED: dict[str, Any] = {}
+
+
+def _generated(name: str) -> Callable:
+    """The factory ``make`` of a wrapper generated from a rule's text (``_<NAME>_SOURCE``), compiled once."""
+    make = _GENERATED.get(name)
+    if make is None:
+        ns: dict[str, Any] = {}
+        source = globals()[f"_{name.upper()}_SOURCE"]
+        exec(compile(source, f"{__file__}:{name}", "exec"), ns)  # noqa: S102 - our own rule's text
+        make = _GENERATED[name] = ns["make"]
+    return make
+
+
 def release_recv(rt: Runtime, rec: Any) -> None:
     """The recv (or send) thread is done with a record; the last of the two holders hands it on.
 
@@ -77,77 +95,92 @@ def release(rt: Runtime, rec: Any, reason: int = REASON_WAITED) -> None:
 # ---- recv / send thread ---------------------------------------------------------------------------
 
 
-def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
-    recorder = rt.recorder
-    clock = recorder.clock
-    pool = recorder._pool
-    new_record = TaskRecord
+def enqueue_rule(p: str, self_name: str, item_name: str) -> str:
+    """THE record set-up of one enqueue (``Recorder.new_record`` and the gate-id rule inlined), as
+    statements over names prefixed ``p`` (``st``, ``rec``, and the closure's ``recorder``, ``clock``,
+    ``pool``, ``rt``, ``queue_state``, builtins), the queue ``self_name`` and the task ``item_name``;
+    ``st`` is left None when the task is not traced. :func:`wrap_add_request` (``p=""``) and the compiled
+    ``add_request`` (``rewrite.compile_add_request``, ``p="__kvtrace_"``) are both generated from it: one
+    definition. The forward thread pays for every line of it."""
+    s, item = self_name, item_name
+    return f"""
+{p}st = {s}.__dict__.get({STATE_ATTR!r}) or {p}queue_state({s}, {p}rt)
+try:
+    {p}rec = {p}pool.pop()
+except {p}IndexError:
+    {p}rec = {p}new_record()
+{p}worker = {p}st.worker
+{p}rec.queue = {p}st.info
+{p}rec.seq = {p}enqueued = {p}st.enqueued
+{p}rec.queue_depth_at_enqueue = {p}enqueued - {p}st.dequeued
+{p}rec.inflight_at_enqueue = {p}enqueued - {p}st.completed
+if {p}st.is_send:
+    {p}rec.kind = {_SEND}
+    {p}rec.layer_id = {p}worker.forward_layer
+    {p}rec.transfer_tasks = {p}list({item}) if {item} else None  # the sender clears the worker's list
+    {p}rec.step = {p}worker.step
+    {p}rec.holds.append({_HOLD_RECV})
+    {p}st.send_fifo.append(({p}id({item}), {p}rec))
+else:
+    {p}layer_id = {item}.layer_id
+    if not {p}worker.driven:  # no start_load_kv: a repeated layer starts a new step
+        {p}seen = {p}worker.seen_layers
+        if {p}layer_id in {p}seen:
+            {p}worker.step += 1
+            {p}seen.clear()
+        {p}seen.add({p}layer_id)
+    {p}rec.layer_id = {p}layer_id
+    {p}rec.final_layer = {p}layer_id == {p}st.final_layer_id
+    {p}rec.wait_for_save_layer = {item}.wait_for_save_layer
+    {p}gate = {item}.attention_start_gate
+    if {p}gate is not None:
+        try:
+            {p}gid = {p}gate.__dict__.get({GATE_ID_ATTR!r})
+        except {p}AttributeError:  # a gate without __dict__ (slots) cannot keep its id: none recorded
+            pass
+        else:
+            if {p}gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
+                {p}gid = {p}worker.forward_layer
+                if {p}gid < 0:
+                    {p}gid = {p}st.gates_seen
+                {p}st.gates_seen += 1
+                {p}setattr({p}gate, {GATE_ID_ATTR!r}, {p}gid)
+            {p}rec.gate_id = {p}gid
+    {p}tasks = {item}.transfer_tasks
+    if {p}tasks:  # upstream clears the list after the task: keep its elements (one task as is)
+        {p}rec.transfer_tasks = {p}tasks[0] if {p}len({p}tasks) == 1 else {p}list({p}tasks)
+    {p}rec.step = {p}worker.step
+    {p}rec.holds.append({_HOLD_RECV})
+    try:
+        {item}._kvtrace = {p}rec
+    except {p}AttributeError:  # a slotted task type cannot carry its record: not traced
+        {p}recorder.recycle([{p}rec])
+        {p}st = None
+    else:
+        if {p}st.consumer_tracking:
+            {p}rec.holds.append({_HOLD_CONSUMER})
+            {p}worker.step_records[{p}layer_id] = {p}rec
+if {p}st is not None:
+    {p}st.enqueued = {p}enqueued + 1
+    {p}rec.t_enqueue = {p}clock()
+"""
 
-    def add_request(self: Any, item: Any, *args: Any, **kwargs: Any) -> Any:
-        # One frame of ours per enqueue: the record set-up is inlined (``Recorder.new_record``;
-        # the gate-id rule lives here only); the forward thread pays for every line of it.
+
+def send_fifo_undo(p: str, item_name: str) -> str:
+    """When the upstream enqueue raised: the task was never queued, keep the send FIFO's pairing right."""
+    return f"""
+if {p}st is not None and {p}st.send_fifo and {p}st.send_fifo[-1][0] == {p}id({item_name}):
+    {p}st.send_fifo.pop()
+"""
+
+
+_ADD_REQUEST_SOURCE = f"""
+def make(original, rt, recorder, clock, pool, new_record, queue_state):
+    def add_request(self, item, *args, **kwargs):
         st = None
         if item is not None and recorder.enabled:
             try:
-                st = self.__dict__.get(STATE_ATTR) or attach.queue_state(self, rt)
-                try:
-                    rec = pool.pop()
-                except IndexError:
-                    rec = new_record()
-                worker = st.worker
-                rec.queue = st.info
-                rec.seq = enqueued = st.enqueued
-                rec.queue_depth_at_enqueue = enqueued - st.dequeued
-                rec.inflight_at_enqueue = enqueued - st.completed
-                if st.is_send:
-                    rec.kind = _SEND
-                    rec.layer_id = worker.forward_layer
-                    rec.transfer_tasks = list(item) if item else None  # the sender clears the worker's list
-                    rec.step = worker.step
-                    rec.holds.append(_HOLD_RECV)
-                    st.send_fifo.append((id(item), rec))
-                else:
-                    layer_id = item.layer_id
-                    if not worker.driven:  # no start_load_kv: a repeated layer starts a new step
-                        seen = worker.seen_layers
-                        if layer_id in seen:
-                            worker.step += 1
-                            seen.clear()
-                        seen.add(layer_id)
-                    rec.layer_id = layer_id
-                    rec.final_layer = layer_id == st.final_layer_id
-                    rec.wait_for_save_layer = item.wait_for_save_layer
-                    gate = item.attention_start_gate
-                    if gate is not None:
-                        try:
-                            gid = gate.__dict__.get(GATE_ID_ATTR)
-                        except AttributeError:  # a gate without __dict__ (slots) cannot keep its id: none recorded
-                            pass
-                        else:
-                            if gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
-                                gid = worker.forward_layer
-                                if gid < 0:
-                                    gid = st.gates_seen
-                                st.gates_seen += 1
-                                setattr(gate, GATE_ID_ATTR, gid)
-                            rec.gate_id = gid
-                    tasks = item.transfer_tasks
-                    if tasks:  # upstream clears the list after the task: keep its elements (one task as is)
-                        rec.transfer_tasks = tasks[0] if len(tasks) == 1 else list(tasks)
-                    rec.step = worker.step
-                    rec.holds.append(_HOLD_RECV)
-                    try:
-                        item._kvtrace = rec
-                    except AttributeError:  # a slotted task type cannot carry its record: not traced
-                        recorder.recycle([rec])
-                        st = None
-                    else:
-                        if st.consumer_tracking:
-                            rec.holds.append(_HOLD_CONSUMER)
-                            worker.step_records[layer_id] = rec
-                if st is not None:
-                    st.enqueued = enqueued + 1
-                    rec.t_enqueue = clock()
+{_indent(enqueue_rule("", "self", "item"), 16)}
             except Exception as exc:
                 rt.fail(exc)
                 st = None
@@ -156,10 +189,17 @@ def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
                 return original(self, item, *args, **kwargs)
             return original(self, item)  # the upstream call: no ``*``/``**`` re-packing (half this frame's cost)
         except BaseException:
-            if st is not None and st.send_fifo and st.send_fifo[-1][0] == id(item):
-                st.send_fifo.pop()  # never queued: keep the FIFO pairing right
+{_indent(send_fifo_undo("", "item"), 12)}
             raise
+    return add_request
+"""
 
+
+def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
+    """The enqueue wrapper (:func:`enqueue_rule`), for a class whose ``add_request`` is not compiled."""
+    recorder = rt.recorder
+    add_request = _generated("add_request")(original, rt, recorder, recorder.clock, recorder._pool, TaskRecord,
+                                            attach.queue_state)
     return _mark(add_request, original)
 
 
@@ -377,10 +417,6 @@ else:
 """
 
 
-def _indent(text: str, spaces: int) -> str:
-    return "".join(" " * spaces + line if line.strip() else line for line in text.strip("\n").splitlines(True))
-
-
 _GATE_WAIT_SOURCE = f"""
 def make(original, clock, state_by_thread, get_ident, rt):
     def wait(self, *args, **kwargs):
@@ -407,13 +443,11 @@ def make(original, clock, state_by_thread, get_ident, rt):
         return ok
     return wait
 """
-_GATE_WAIT_NS: dict[str, Any] = {}
-exec(compile(_GATE_WAIT_SOURCE, f"{__file__}:gate_rule", "exec"), _GATE_WAIT_NS)  # noqa: S102 - our own text
 
 
 def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
     """Stages and dependencies of one gate ``wait()`` (:func:`gate_rule`) on a recv thread of the wrapper path."""
-    wait = _GATE_WAIT_NS["make"](original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
+    wait = _generated("gate_wait")(original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
     return _mark(wait, original)
 
 
