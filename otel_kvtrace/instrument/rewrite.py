@@ -42,12 +42,13 @@ from otel_kvtrace import config
 from otel_kvtrace.instrument import attach, wrappers
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
-from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage
+from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskRecord
 
 logger = logging.getLogger("otel_kvtrace")
 
 PREFIX = "__kvtrace_"
 _MARK = "_kvtrace_inserted"  # on every AST node we insert (stripped by the proof)
+OWN_ATTR = "_kvtrace"  # attributes of this prefix on upstream objects are ours (task record, gate id)
 
 _S = {s.name: int(s) for s in Stage}
 _D = {d.name: int(d) for d in Dep}
@@ -408,8 +409,8 @@ def _mark_all(node: ast.AST) -> None:
 _REQUIRED = ("save wait", "build", "gate wait", "stagger", "batch copy", "load set")
 
 
-def _check_uncovered(fn: ast.FunctionDef, rw: _Rewriter) -> None:
-    """Every call of a stamped method must be one the stamps cover; no name the recompile would change."""
+def _check_names(fn: ast.FunctionDef) -> None:
+    """No name the recompile (outside the class body, with our closure) would change."""
     for node in ast.walk(fn):
         if getattr(node, _MARK, False):
             continue
@@ -419,6 +420,14 @@ def _check_uncovered(fn: ast.FunctionDef, rw: _Rewriter) -> None:
             ident = node.attr if isinstance(node, ast.Attribute) else node.id
             if ident.startswith("__") and not ident.endswith("__"):
                 raise NotRewritable(f"line {node.lineno}: private name {ident!r} (would not be mangled)")
+
+
+def _check_uncovered(fn: ast.FunctionDef, rw: _Rewriter) -> None:
+    """Every call of a stamped method must be one the stamps cover; no name the recompile would change."""
+    _check_names(fn)
+    for node in ast.walk(fn):
+        if getattr(node, _MARK, False):
+            continue
         if isinstance(node, ast.Call) and id(node) not in rw.claimed:
             func = node.func
             name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
@@ -532,6 +541,8 @@ def _check_inserted(fn: ast.FunctionDef, own: set[int], allowed_loads: set[str])
         if isinstance(node, ast.Name) and not node.id.startswith(PREFIX) and \
                 (not isinstance(node.ctx, ast.Load) or node.id not in allowed_loads):
             raise NotRewritable(f"inserted code uses upstream's name {node.id!r}")
+        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load) and node.attr.startswith(OWN_ATTR):
+            continue  # our own attribute on an upstream object (the enqueue's ``task._kvtrace``)
         if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
             root = node
             while isinstance(root, (ast.Attribute, ast.Subscript)):
@@ -563,9 +574,8 @@ def _check_upstream_shape(fn: ast.FunctionDef) -> None:
     walk(fn, False, False)
 
 
-def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
-    """The rewritten function definition of ``fn``, its file name and what was stamped; raises
-    ``NotRewritable`` when the shape differs, the source is not the running code, or the proof fails."""
+def _method_tree(fn: Callable) -> tuple[ast.FunctionDef, ast.FunctionDef, str]:
+    """(the function definition to rewrite, a pristine copy, the file name) of a ``(self, data)`` method."""
     try:
         tree, filename = _parse_method(fn)
     except (OSError, TypeError, SyntaxError) as exc:
@@ -576,6 +586,42 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
     if len(args.args) != 2 or args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or args.defaults \
             or node.decorator_list:
         raise NotRewritable("signature is not (self, data)")
+    return node, original, filename
+
+
+def _wrap_and_prove(fn: Callable, node: ast.FunctionDef, original: ast.FunctionDef, filename: str, rw: _Rewriter,
+                    body: list[ast.stmt], prelude_src: str, raise_src: str, exit_src: str | None,
+                    fallback_return: bool = True) -> None:
+    """``node.body = <prelude> try: <body> except BaseException: <raise_src>; raise [finally: <exit_src>]``,
+    then the proof (the one mechanism of both compiled methods): inserted nodes checked, upstream's shape
+    checked, the tree minus the inserted statements equal to upstream's, the source equal to the running code.
+    ``fallback_return``: the prelude may return (``_handle_request``'s untraced ``return original(...)``)."""
+    reraise = ast.Raise()
+    handler = ast.ExceptHandler(ast.Name(PREFIX + "BaseException", ast.Load()), PREFIX + "exc",
+                                rw.stmts(raise_src, node, guard=False) + [reraise])
+    final = rw.stmts(exit_src, node, guard=False) if exit_src is not None else []
+    wrap = ast.Try(body=body, handlers=[handler], orelse=[], finalbody=final)
+    setattr(wrap, "_kvtrace_wrap", True)
+    for n in (wrap, handler, handler.type, reraise):
+        ast.copy_location(n, node)
+    _mark_all(handler)
+    setattr(wrap, _MARK, True)
+    prelude = rw.stmts(prelude_src, node, guard=False)
+    node.body = prelude + [wrap]
+    ast.fix_missing_locations(node)
+    fallback = [n for s in prelude for n in ast.walk(s) if isinstance(n, ast.Return)] if fallback_return else []
+    _check_inserted(node, {id(n) for n in fallback + [reraise]}, rw.loads)
+    _check_upstream_shape(node)
+    stripped = _strip(copy.deepcopy(node))  # deepcopy keeps the marks (instance attributes)
+    if ast.dump(stripped, include_attributes=False) != ast.dump(original, include_attributes=False):
+        raise NotRewritable("proof failed: the rewritten body minus the stamps differs from upstream's")
+    _check_loaded(fn, filename)  # last: it compiles the whole file (~20 ms), once per function and process
+
+
+def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
+    """The rewritten ``_handle_request`` definition of ``fn``, its file name and what was stamped; raises
+    ``NotRewritable`` when the shape differs, the source is not the running code, or the proof fails."""
+    node, original, filename = _method_tree(fn)
     rw = _Rewriter(node)
     body = rw.block(node.body)
     _check_uncovered(node, rw)
@@ -584,29 +630,42 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
         raise NotRewritable(f"no {', '.join(missing)} statement found")
     if rw.found["gate wait"] != 1 or rw.found["batch copy"] != 1 or rw.found["stagger"] != 1:
         raise NotRewritable(f"expected one gate wait, stagger and batch copy, found {rw.found}")
-    reraise = ast.Raise()
-    handler = ast.ExceptHandler(ast.Name(PREFIX + "BaseException", ast.Load()), PREFIX + "exc",
-                                rw.stmts(_ON_RAISE, node, guard=False) + [reraise])
-    wrap = ast.Try(body=body, handlers=[handler], orelse=[], finalbody=rw.stmts(_ON_EXIT, node, guard=False))
-    setattr(wrap, "_kvtrace_wrap", True)
-    for n in (wrap, handler, handler.type, reraise):
-        ast.copy_location(n, node)
-    _mark_all(handler)
-    setattr(wrap, _MARK, True)
-    prelude = rw.stmts(_PRELUDE, node, guard=False)
-    node.body = prelude + [wrap]
-    ast.fix_missing_locations(node)
-    fallback = [n for s in prelude for n in ast.walk(s) if isinstance(n, ast.Return)]
-    _check_inserted(node, {id(n) for n in fallback + [reraise]}, rw.loads)
-    _check_upstream_shape(node)
-    stripped = _strip(copy.deepcopy(node))  # deepcopy keeps the marks (instance attributes)
-    if ast.dump(stripped, include_attributes=False) != ast.dump(original, include_attributes=False):
-        raise NotRewritable("proof failed: the rewritten body minus the stamps differs from upstream's")
-    _check_loaded(fn, filename)  # last: it compiles the whole file (~20 ms), once per function and process
+    _wrap_and_prove(fn, node, original, filename, rw, body, _PRELUDE, _ON_RAISE, _ON_EXIT)
     return node, filename, rw.found
 
 
-_BUILTINS = ("getattr", "max", "min", "len", "type", "int", "BaseException", "Exception", "AttributeError")
+# ``add_request``: the enqueue's record set-up (``wrappers.enqueue_rule``, the wrapper's own definition) in
+# front of upstream's body; no frame of ours on the forward thread.
+_ENQUEUE_PRELUDE = f"""
+{_T}st = None
+if {_T}recorder.enabled and DATA is not None:
+    try:
+""" + wrappers._indent(wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
+    except {_T}Exception as {_T}e:
+        {_T}fail({_T}e)
+        {_T}st = None
+"""
+_ENQUEUE_RAISE = f"""
+try:
+""" + wrappers._indent(wrappers.send_fifo_undo(_T, "DATA"), 4) + f"""
+except {_T}Exception as {_T}e:
+    {_T}fail({_T}e)
+"""
+
+
+def rewrite_add_request_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
+    """The rewritten ``add_request`` of ``fn`` (any ``(self, task)`` body: nothing inside it is stamped), its
+    file name and ``{}``; raises ``NotRewritable`` as :func:`rewrite_tree` does."""
+    node, original, filename = _method_tree(fn)
+    _check_names(node)
+    rw = _Rewriter(node)
+    _wrap_and_prove(fn, node, original, filename, rw, node.body, _ENQUEUE_PRELUDE, _ENQUEUE_RAISE, None,
+                    fallback_return=False)
+    return node, filename, {}
+
+
+_BUILTINS = ("getattr", "max", "min", "len", "type", "int", "list", "id", "setattr", "BaseException", "Exception",
+             "AttributeError", "IndexError")
 
 
 def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
@@ -621,6 +680,7 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
         "queue_state": attach.queue_state, "STATE": attach.STATE_ATTR, "release_recv": wrappers.release_recv,
         "total_bytes": total_bytes, "BackendResultError": BackendResultError,
         "npu_done": _npu_done, "slot_done": _slot_done,
+        "pool": getattr(recorder, "_pool", None), "new_record": TaskRecord,
         **{name: getattr(builtins, name) for name in _BUILTINS},
     }
 
@@ -630,16 +690,16 @@ _COMPILED: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary(
 only the exec."""
 
 
-def _factory_code(original: Callable, names: tuple[str, ...]) -> Any:
+def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = rewrite_tree) -> Any:
     cached = _COMPILED.get(original)
     if cached is None or cached[0] != names:
-        cached = _COMPILED[original] = (names, _compile_factory(original, names))
+        cached = _COMPILED[original] = (names, _compile_factory(original, names, tree))
     return cached[1]
 
 
-def _compile_factory(original: Callable, names: tuple[str, ...]) -> Any:
+def _compile_factory(original: Callable, names: tuple[str, ...], tree: Callable = rewrite_tree) -> Any:
     """``def __kvtrace_factory(<names>): <rewritten function>; return it``, compiled under upstream's file."""
-    node, filename, _found = rewrite_tree(original)
+    node, filename, _found = tree(original)
     factory = ast.FunctionDef(
         name=f"{PREFIX}factory",
         args=ast.arguments(posonlyargs=[], args=[ast.arg(PREFIX + n) for n in names], kwonlyargs=[],
@@ -651,18 +711,20 @@ def _compile_factory(original: Callable, names: tuple[str, ...]) -> Any:
                    dont_inherit=True)
 
 
-def _prepared(original: Callable, rt: Runtime | None) -> tuple[Any, Any, dict[str, Any]]:
+def _prepared(original: Callable, rt: Runtime | None,
+              tree: Callable = rewrite_tree) -> tuple[Any, Any, dict[str, Any]]:
     """(upstream's module, the factory code, the closure values): everything :func:`build` needs but the exec."""
     module = sys.modules.get(original.__module__)
     if module is None:
         raise NotRewritable(f"module {original.__module__} not loaded")
     values = _closure(original, rt)
-    return module, _factory_code(original, tuple(values)), values
+    return module, _factory_code(original, tuple(values), tree), values
 
 
-def build(original: Callable, rt: Runtime) -> Callable:
-    """The compiled ``_handle_request`` for ``original``; raises ``NotRewritable``."""
-    module, code, values = _prepared(original, rt)
+def build(original: Callable, rt: Runtime, tree: Callable = rewrite_tree) -> Callable:
+    """The compiled ``_handle_request`` (``tree``: :func:`rewrite_tree`) or ``add_request``
+    (:func:`rewrite_add_request_tree`) for ``original``; raises ``NotRewritable``."""
+    module, code, values = _prepared(original, rt, tree)
     ns: dict[str, Any] = {}
     exec(code, module.__dict__, ns)  # noqa: S102 - upstream's own source, rewritten and proved above
     fn = ns[f"{PREFIX}factory"](*values.values())
@@ -702,6 +764,22 @@ def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
         logger.info("otel-kvtrace: %s uses the wrapper path (compiled probes off): %s",
                     getattr(original, "__qualname__", original), reason)
         return wrappers.wrap_handle_request(original, rt)
+    return fn
+
+
+def compile_add_request(original: Callable, rt: Runtime) -> Callable:
+    """Patch-point factory (``points.py`` P3): the compiled enqueue, else the wrapper (one log line why)."""
+    try:
+        if config.probes_mode() == "wrappers":
+            raise NotRewritable(f"{config.OTEL_KVTRACE_PROBES}=wrappers")
+        if not inspect.isfunction(original):
+            raise NotRewritable("not a plain function")
+        fn = build(original, rt, rewrite_add_request_tree)
+    except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrapper instead
+        reason = str(exc) if isinstance(exc, NotRewritable) else f"{type(exc).__name__}: {exc}"
+        logger.info("otel-kvtrace: %s uses the enqueue wrapper (compiled enqueue off): %s",
+                    getattr(original, "__qualname__", original), reason)
+        return wrappers.wrap_add_request(original, rt)
     return fn
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from otel_kvtrace.api import start_tracing
-from otel_kvtrace.instrument import patches
+from otel_kvtrace.instrument import patches, rewrite
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS
 
 from .harness import FakeBackend, Upstream
@@ -60,9 +60,58 @@ def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
         assert frames[0] == inspect.getsourcefile(upstream.binding.classes["recv_gva"]), frames[0]
         (rec,) = session.recorder.drain(10)
         assert rec.stages[0::3] and rec.t_backend_return != NO_TIME and rec.nbytes > 0
+        # the enqueue too: upstream's add_request recompiled with the record set-up inline, no frame of ours
+        cls = upstream.binding.classes["recv_gva"]
+        assert rewrite.is_compiled(cls.__dict__["add_request"])
+        frames.clear()
+        session.recorder.recycle([rec])
+        task = upstream.gva_task(1, [upstream.request("r2", 3)])
+        sys.setprofile(lambda frame, event, arg: frames.append(frame.f_code.co_filename) if event == "call" else None)
+        try:
+            env.thread.add_request(task)
+        finally:
+            sys.setprofile(None)
+        assert frames and frames[0] == inspect.getsourcefile(cls), frames
+        assert not [f for f in frames if "otel_kvtrace" in f], frames  # the pool had a record: no constructor
+        assert env.thread.request_queue.get()._kvtrace.layer_id == 1
     finally:
         session.shutdown()
     assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__] == "wrappers"
+    assert not rewrite.is_compiled(upstream.binding.classes["recv_gva"].__dict__["add_request"])
+
+
+def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(upstream: Upstream) -> None:
+    """Upstream's ``request_queue.put`` raising inside the compiled ``add_request``: the same exception object
+    reaches the caller, tracing stays on, the next enqueue is traced."""
+
+    class Refusing:
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+
+        def put(self, item: Any) -> None:
+            raise OverflowError("queue refused")
+
+    def enqueue(env: Any) -> BaseException:
+        env.thread.request_queue = Refusing(env.thread.request_queue)
+        with pytest.raises(OverflowError) as info:
+            env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+        return info.value
+
+    untraced = enqueue(upstream.gva_thread(N_LAYERS, FakeBackend(), start=False))
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="refuse")
+    try:
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        traced = enqueue(env)
+        assert (type(traced), str(traced)) == (type(untraced), str(untraced))
+        assert traced.__traceback__.tb_next is not None  # raised in put(), through upstream's own line
+        assert session.recorder.disabled_reason is None
+        env.thread.request_queue = env.thread.request_queue.inner
+        env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)]))
+        env.thread._handle_request(env.thread.request_queue.get())
+        recs = session.recorder.drain(10)
+        assert [r.layer_id for r in recs] == [1] and recs[0].seq == 1  # the refused task took seq 0
+    finally:
+        session.shutdown()
 
 
 def _modified_class(upstream: Upstream, tmp_path: Path, edit: Any) -> type:

@@ -212,3 +212,22 @@ def test_future_flags_come_from_the_code_not_a_module_attribute(upstream: Upstre
     finally:
         session.shutdown()
         rewrite._COMPILED.clear()
+
+
+# ---- the compiled add_request: the same proof -----------------------------------------------------------
+
+
+def test_the_enqueue_prelude_is_proved_like_the_stamps(upstream: Upstream, monkeypatch: Any) -> None:
+    """The compiled ``add_request`` goes through the same proof: as it is it is proved (upstream's body
+    untouched, only ``_kvtrace*`` attributes stored on upstream's task); a prelude that writes one of
+    upstream's own attributes of the task, or returns before upstream's body, is refused."""
+    fn = upstream.binding.classes["recv_gva"].add_request
+    fn = getattr(fn, "__kvtrace_wrapped__", fn)
+    node, _, _ = rewrite.rewrite_add_request_tree(fn)
+    assert ast.unparse(node.body[-1].body) == ast.unparse(rewrite._function_of(rewrite._parse_method(fn)[0]).body)
+    monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE", rewrite._ENQUEUE_PRELUDE + "DATA.layer_id = 0\n")
+    with pytest.raises(rewrite.NotRewritable, match="stores into 'req_meta.layer_id'"):
+        rewrite.rewrite_add_request_tree(fn)
+    monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE", "return None\n")
+    with pytest.raises(rewrite.NotRewritable, match="inserted Return"):
+        rewrite.rewrite_add_request_tree(fn)
