@@ -21,6 +21,11 @@ Design (the statistics; what is measured is unchanged):
   The table shows the median over all pairs of a mode, with a distribution-free 95 % confidence
   interval of the median (order statistics of the binomial(n, 1/2)) and n, the number of pairs.
   A preempted block (the machine is shared) makes one outlier pair, which the median ignores.
+  ``segments`` is the range of the per-segment medians: the CI is of the pairs of one run; when the
+  machine changes regime between segments (another job starts), the segments disagree by more than
+  the CI, and it shows there. Compare runs at the same ``step off ms``: on a 2-core host the step time
+  of the same code differs between runs (6.3 vs 8.6 ms at 150 us per layer, both at load < 1), and
+  the relative slowdown with it.
 * **GC off in timed blocks** (as ``bench/whatif_fidelity.py``): collected and frozen at the start of a
   segment, disabled for its duration, young garbage collected between pairs (untimed). A gen-2
   collection lands in a random block and would be noise of the A/B. The GC pressure tracing adds is
@@ -190,6 +195,7 @@ class ModeResult:
     gc_per_step: list[float] = dataclasses.field(default_factory=list)  # per pair, traced - off
     agent_cpu_ns: int = 0
     steps: int = 0
+    segments: list[float] = dataclasses.field(default_factory=list)  # each segment's median ratio
     dropped: int = 0  # records the session dropped (a full ring): its blocks did less work than tracing does
 
 
@@ -255,6 +261,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         finally:
             gc.enable()
             gc.unfreeze()
+        result.segments.append(statistics.median(result.ratios[-pairs:]))
         session.flush(30.0)
         if agent_pid:
             result.agent_cpu_ns += _proc_cpu_ns(agent_pid) - cpu0
@@ -315,7 +322,7 @@ def main() -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
           f"median [95% CI of the median] over n pairs", flush=True)
     print(f"{'load':8} {'work/layer':>10} {'step off ms':>11} {'steps/blk':>9} {'mode':9} {'slowdown %':>10} "
-          f"{'95% CI':>15} {'n':>4} {'gc/step':>8} {'agent cpu/step us':>17}")
+          f"{'95% CI':>15} {'n':>4} {'segments':>15} {'gc/step':>8} {'agent cpu/step us':>17}")
     for load in loads:
         hog = None
         if load == "compete":
@@ -328,7 +335,9 @@ def main() -> None:
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
                     agent_cpu = f"{r.agent_cpu_ns / r.steps / 1e3:.0f}" if r.agent_cpu_ns else "-"
                     print(f"{load:8} {work:>8}us {step_ms:11.2f} {steps:9d} {mode:9} {med:10.2f} "
-                          f"{lo:7.2f}..{hi:<6.2f} {len(r.ratios):4d} {statistics.median(r.gc_per_step):8.1f} "
+                          f"{lo:7.2f}..{hi:<6.2f} {len(r.ratios):4d} "
+                          f"{100 * min(r.segments):7.2f}..{100 * max(r.segments):<6.2f} "
+                          f"{statistics.median(r.gc_per_step):8.1f} "
                           f"{agent_cpu:>17}" + (f"  ({r.dropped} records DROPPED)" if r.dropped else ""), flush=True)
                     if load == "idle" and work == min(args.work_us) and mode == "agent":
                         headline = med
