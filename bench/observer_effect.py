@@ -47,7 +47,9 @@ Design (the statistics; what is measured is unchanged):
 Modes (each against ``off``, one segment each in rotation): ``agent`` (default export: shared-memory
 ring + exporter agent process; the headline), ``disabled`` (reference: installed, compiled probes,
 agent running, ``recorder.enabled`` False, as after an internal error), ``thread`` (the in-process
-exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``).
+exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
+``aa`` (the A/A control: the second thread from the subclasses, no session: any reading but ~0 is a
+bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1).
 ``--compete`` adds a run under one competing CPU-bound process.
 
 Usage::
@@ -77,8 +79,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader of the upstream harness)
 
-MODES = ("agent", "disabled", "thread", "wrappers")
-_SESSION_MODE = {"agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
+MODES = ("agent", "disabled", "thread", "wrappers", "aa")
+DEFAULT_MODES = MODES[:4]
+_SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
                  "wrappers": "wrappers+agent"}
 INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
 _STUBS = os.path.join("instrument", "upstream.py")  # the torch/vllm stand-ins the sources import (not tracing)
@@ -189,6 +192,18 @@ def _proc_cpu_ns(pid: int) -> int:
     return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
+class _NoSession:
+    """``aa``: the second thread untraced too (subclasses no session instruments): the A/A control."""
+
+    recorder = exporter = None
+
+    def flush(self, timeout_s: float = 0.0) -> bool:
+        return True
+
+    def shutdown(self) -> Any:
+        return type("Stats", (), {"dropped": 0, "disabled_reason": None})()
+
+
 @dataclasses.dataclass
 class ModeResult:
     ratios: list[float] = dataclasses.field(default_factory=list)  # per pair, traced / off - 1
@@ -209,7 +224,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
     if mode == "thread":  # its exporter thread never exports on its own: all its work is in the charged flush
         os.environ[INTERVAL_ENV] = "3600000"
     try:
-        session = _start(targets, _SESSION_MODE[mode], tmp, "oe")
+        session = _start(targets, _SESSION_MODE[mode], tmp, "oe") or _NoSession()
     finally:
         if saved is None:
             os.environ.pop(INTERVAL_ENV, None)
@@ -220,7 +235,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
         _check_untouched(up, off)
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
-        if path != ("wrappers" if mode == "wrappers" else "compiled"):
+        if path != ("wrappers" if mode in ("wrappers", "aa") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
@@ -306,7 +321,8 @@ def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-us", type=int, nargs="+", default=[1000, 150], help="per-layer work (default 1000 150)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="traced modes (default all)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                        help="traced modes (default all but aa: the A/A control, both threads untraced)")
     parser.add_argument("--segments", type=int, default=3, help="sessions per mode, in rotation (default 3)")
     parser.add_argument("--pairs", type=int, default=40, help="pairs of blocks per segment (default 40)")
     parser.add_argument("--block-ms", type=float, default=40.0,
