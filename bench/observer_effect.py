@@ -1,23 +1,62 @@
-"""How much tracing slows the forward: the REAL vLLM-Ascend recv thread serving a CPU-bound forward thread.
+"""How much tracing slows the forward: the REAL vLLM-Ascend recv thread serving a CPU-bound forward.
 
 The released sdist (or ``KVTRACE_UPSTREAM_SRC``) is imported like the conformance tests do
-(``tests/upstream/harness.py``). A forward-like thread runs steps of ``--layers`` layers; per layer it
+(``tests/upstream/harness.py``). A forward-like loop runs steps of ``--layers`` layers; per layer it
 enqueues the next layer's ``LayerLoadTask`` (prefetch 1, attention gate recorded, source save done),
 does ``--work-us`` of pure-Python CPU work (the per-layer Python of a forward), then waits for this
 layer's load event, as ``wait_for_layer_load`` does. The real recv thread (same process, same GIL)
 serves the tasks. The measured quantity is the forward's step time.
 
-Modes, alternating in rounds: ``off`` (untraced), ``agent`` (default export: shared-memory ring +
-exporter agent process), ``thread`` (the in-process exporter thread), ``wrappers`` (``agent`` with
-``OTEL_KVTRACE_PROBES=wrappers``: one wrapper/proxy per recv stage instead of the compiled probes). The slowdown of a mode in a round
-is its mean step time over the ``off`` mean of the same round (each over ``--seconds``, several export
-intervals, so the in-process exporter's bursts are inside the window); the table shows the median over
-rounds. ``--compete`` adds a run under one competing CPU-bound process.
+Design (the statistics; what is measured is unchanged):
+
+* **Two recv threads side by side, no switching cost.** ``off`` is a recv thread of upstream's own
+  classes, which no session ever patches ("untraced: nothing patched"; checked before every segment:
+  no wrapper or compiled probe on those classes, no otel_kvtrace frame on the forward's side of an
+  ``off`` step). The traced mode's session instruments *subclasses* of the upstream classes (same
+  name, no member of their own), and a second recv thread is built from them. So one session per
+  *segment* (starting the exporter agent process costs ~0.2-0.5 s), and inside the segment the
+  forward alternates short *blocks* of steps between the two threads, in ABBA order (off on | on off
+  | off on ...), which cancels linear drift within each pair of blocks.
+* **One paired ratio per pair of adjacent blocks**: (mean traced step time) / (mean off step time) - 1.
+  The table shows the median over all pairs of a mode, with a distribution-free 95 % confidence
+  interval of the median (order statistics of the binomial(n, 1/2)) and n, the number of pairs.
+  A preempted block (the machine is shared) makes one outlier pair, which the median ignores.
+  ``segments`` is the range of the per-segment medians: the CI is of the pairs of one run; when the
+  machine changes regime between segments (another job starts), the segments disagree by more than
+  the CI, and it shows there. Compare runs at the same ``step off ms``: on a 2-core host the step time
+  of the same code differs between runs (6.3 vs 8.6 ms at 150 us per layer, both at load < 1), and
+  the relative slowdown with it.
+* **GC off in timed blocks** (as ``bench/whatif_fidelity.py``): collected and frozen at the start of a
+  segment, disabled for its duration, young garbage collected between pairs (untimed). A gen-2
+  collection lands in a random block and would be noise of the A/B. The GC pressure tracing adds is
+  not hidden: ``gc/step`` is the net number of new GC-tracked objects per step (``gc.get_count()``),
+  traced minus off, the quantity that triggers collections.
+* **Short blocks**: ``--block-ms`` (default 40 ms, at least 2 steps: 2 steps at 1 ms per layer, ~6 at
+  150 us). On a shared 2-core host the step time flips between regimes (~6 ms when the forward and
+  the recv thread each get a core, 3-4x that when they share one) that last ~100 ms or more; short
+  blocks keep most pairs inside one regime, so the pair's ratio is the tracing cost, not the regime.
+* **Export work is charged where it runs.** ``thread``: the in-process exporter's span building holds
+  the GIL; its thread is given an export interval of an hour, and after every traced block
+  ``session.flush()`` exports the block's records on the forward's thread, its CPU time added to that
+  block. ``agent``: the agent is another (niced) process; what it does during a traced block is in the
+  block (CPU contention, its only way to touch the forward); before an ``off`` block that follows a
+  traced one the forward waits (untimed) until the agent has exported everything (once per two pairs,
+  up to one export interval, 200 ms), so no agent work of a traced block lands in an ``off`` block.
+  What the agent does during that wait is in no block: ``agent cpu/step`` shows all of its CPU.
+
+Modes (each against ``off``, one segment each in rotation): ``agent`` (default export: shared-memory
+ring + exporter agent process; the headline), ``disabled`` (reference: installed, compiled probes,
+agent running, ``recorder.enabled`` False, as after an internal error), ``thread`` (the in-process
+exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
+``aa`` (the A/A control: the second thread from the subclasses, no session: any reading but ~0 is a
+bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1).
+``--compete`` adds a run under one competing CPU-bound process.
 
 Usage::
 
     .venv/bin/python bench/observer_effect.py                       # 1000 and 150 us per layer, idle
-    .venv/bin/python bench/observer_effect.py --compete --rounds 5
+    .venv/bin/python bench/observer_effect.py --compete
+    .venv/bin/python bench/observer_effect.py --modes agent --segments 6   # the headline only, tighter
 
 Last line: ``forward_slowdown_pct=<median>``: the agent mode at the smallest ``--work-us``, idle.
 """
@@ -25,19 +64,28 @@ Last line: ``forward_slowdown_pct=<median>``: the agent mode at the smallest ``-
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
+import math
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from upstream_overhead import _load_harness  # noqa: E402  (one loader of the upstream harness)
+from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader of the upstream harness)
 
-MODES = ("off", "agent", "thread", "wrappers")
+MODES = ("agent", "disabled", "thread", "wrappers", "aa")
+DEFAULT_MODES = MODES[:4]
+_SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
+                 "wrappers": "wrappers+agent"}
+INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
+_STUBS = os.path.join("instrument", "upstream.py")  # the torch/vllm stand-ins the sources import (not tracing)
+_ROLES = ("worker", "recv_gva", "recv_key", "send_gva", "send_key", "gate")
 
 
 def _burn(us: int) -> None:
@@ -49,115 +97,273 @@ def _burn(us: int) -> None:
             x += i
 
 
-def _steps(up: Any, env: Any, steps: int, work_us: int, out: list[int], seconds: float = 0.0) -> None:
-    """``steps`` steps, or as many as fit in ``seconds`` when that is longer; step times into ``out``."""
+def _block(up: Any, env: Any, steps: int, work_us: int) -> list[int]:
+    """``steps`` forward steps on ``env``'s recv thread; each one's time in ns."""
     layers = env.num_layers
-    request = up.request("r-fwd", 16)
-
-    shared = [None]
-
-    def enqueue(layer: int) -> None:
-        gate = up.gate_class()
-        gate.record()
-        if layer:
-            env.save_done[layer - 1].set()
-        else:  # one SharedBlockData per step, on every layer's task, as upstream builds them
-            shared[0] = up.shared_data([request])
-        env.thread.add_request(up.gva_task(layer, [request], wait_for_save_layer=layer - 1 if layer else None,
-                                           gate=gate, shared=shared[0]))
-
-    end = time.perf_counter() + seconds
-    n_steps = 0
-    while n_steps < steps or time.perf_counter() < end:
-        n_steps += 1
+    request = env.request
+    gate_class = env.gate_class
+    add = env.thread.add_request
+    load_done, save_done = env.load_done, env.save_done
+    out = []
+    for _ in range(steps):
         t0 = time.perf_counter_ns()
-        enqueue(0)
-        for layer in range(layers):
-            if layer + 1 < layers:
-                enqueue(layer + 1)
+        shared = up.shared_data([request])  # one SharedBlockData per step, on every layer's task, as upstream
+        for layer in range(layers + 1):
+            if layer < layers:  # enqueue this layer (layer 0) or the next one (prefetch 1)
+                gate = gate_class()
+                gate.record()
+                if layer:
+                    save_done[layer - 1].set()
+                add(up.gva_task(layer, [request], wait_for_save_layer=layer - 1 if layer else None,
+                                gate=gate, shared=shared))
+            if layer == 0:
+                continue
             _burn(work_us)
-            done = env.load_done[layer]
+            done = load_done[layer - 1]
             if not done.wait(10):
-                raise RuntimeError(f"layer {layer} never loaded")
+                raise RuntimeError(f"layer {layer - 1} never loaded")
             done.clear()
         out.append(time.perf_counter_ns() - t0)
-        for ev in env.save_done:
+        for ev in save_done:
             ev.clear()
+    return out
 
 
-def run(work_us: int, rounds: int, steps: int, layers: int, seconds: float) -> dict[str, list[float]]:
-    """Per mode, per round: the mean step time (ns) over at least ``seconds``.
+def _traced_copy(up: Any) -> tuple[Any, dict[str, type]]:
+    """Targets naming subclasses of the upstream classes (same name, nothing of their own): a session on
+    them leaves upstream's own classes, which the ``off`` thread runs, untouched."""
+    targets = up.binding.to_targets()
+    sub = {role: type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+           for role, cls in up.binding.classes.items() if role in _ROLES and isinstance(cls, type)}
 
-    The mean, not the median: the in-process exporter works in bursts (every export interval), and
-    the slowdown that matters is the forward's throughput, bursts included. The window must span
-    several export intervals, or the in-process exporter would do its work between windows."""
-    from upstream_overhead import _start
+    def swap(cls: Any) -> Any:
+        return next((s for s in sub.values() if s.__base__ is cls), cls) if isinstance(cls, type) else cls
 
+    return dataclasses.replace(
+        targets, worker_class=swap(targets.worker_class), gate_class=swap(targets.gate_class),
+        recv_thread_classes=tuple(swap(c) for c in targets.recv_thread_classes),
+        send_thread_classes=tuple(swap(c) for c in targets.send_thread_classes)), sub
+
+
+def _env(h: Any, up: Any, layers: int, recv: type, gate: type) -> Any:
+    saved = up.binding.classes["recv_gva"]
+    up.binding.classes["recv_gva"] = recv  # gva_thread builds the class the binding names
+    try:
+        env = up.gva_thread(layers, h.FakeBackend())
+    finally:
+        up.binding.classes["recv_gva"] = saved
+    env.gate_class = gate
+    env.request = up.request("r-fwd", 16)
+    return env
+
+
+def _check_untouched(up: Any, off: Any) -> None:
+    """The ``off`` thread runs upstream as it is: no member of ours on its classes, no frame of ours on
+    the forward's side of one of its steps (the recv side is covered by the class check)."""
+    from otel_kvtrace.instrument import patches, rewrite
+
+    for role in _ROLES:
+        cls = up.binding.classes.get(role)
+        for name, value in vars(cls).items() if isinstance(cls, type) else ():
+            if patches.is_wrapped(value) or rewrite.is_compiled(value):
+                raise RuntimeError(f"off mode is not untraced: {cls.__qualname__}.{name} is instrumented")
+    frames = [0]
+
+    def profiler(frame: Any, event: str, arg: Any) -> None:
+        name = frame.f_code.co_filename
+        if event == "call" and "otel_kvtrace" in name and not name.endswith(_STUBS):
+            frames[0] += 1
+
+    sys.setprofile(profiler)
+    try:
+        _block(up, off, 1, 1)
+    finally:
+        sys.setprofile(None)
+    if frames[0]:
+        raise RuntimeError(f"off mode is not untraced: {frames[0]} otel_kvtrace frames in one step")
+
+
+def _proc_cpu_ns(pid: int) -> int:
+    """utime + stime of a process (Linux ``/proc``), in ns; 0 when unreadable."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+class _NoSession:
+    """``aa``: the second thread untraced too (subclasses no session instruments): the A/A control."""
+
+    recorder = exporter = None
+
+    def flush(self, timeout_s: float = 0.0) -> bool:
+        return True
+
+    def shutdown(self) -> Any:
+        return type("Stats", (), {"dropped": 0, "disabled_reason": None})()
+
+
+@dataclasses.dataclass
+class ModeResult:
+    ratios: list[float] = dataclasses.field(default_factory=list)  # per pair, traced / off - 1
+    gc_per_step: list[float] = dataclasses.field(default_factory=list)  # per pair, traced - off
+    agent_cpu_ns: int = 0
+    steps: int = 0
+    segments: list[float] = dataclasses.field(default_factory=list)  # each segment's median ratio
+    dropped: int = 0  # records the session dropped (a full ring): its blocks did less work than tracing does
+
+
+def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
+             result: ModeResult) -> None:
+    """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
+    from otel_kvtrace.record import ring
+
+    targets, sub = _traced_copy(up)
+    saved = os.environ.get(INTERVAL_ENV)
+    if mode == "thread":  # its exporter thread never exports on its own: all its work is in the charged flush
+        os.environ[INTERVAL_ENV] = "3600000"
+    try:
+        session = _start(targets, _SESSION_MODE[mode], tmp, "oe") or _NoSession()
+    finally:
+        if saved is None:
+            os.environ.pop(INTERVAL_ENV, None)
+        else:
+            os.environ[INTERVAL_ENV] = saved
+    try:
+        from otel_kvtrace.instrument import patches
+
+        _check_untouched(up, off)
+        path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
+        if path != ("wrappers" if mode in ("wrappers", "aa") else "compiled"):
+            raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
+        if mode == "disabled":
+            session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
+        traced = _env(h, up, off.num_layers, sub["recv_gva"], sub["gate"])
+        _block(up, traced, 2, work_us)  # warm-up: attach, pools, the ring's first definitions
+        _block(up, off, 1, work_us)
+        session.flush(30.0)
+        agent = getattr(session.exporter, "writer", None)
+        agent_pid = int(agent.hdr[ring.H_AGENT_PID]) if agent is not None else 0
+        cpu0 = _proc_cpu_ns(agent_pid) if agent_pid else 0
+        charge_flush = mode == "thread"  # in-process export: its CPU is the forward's loss
+        gc.collect()
+        gc.freeze()
+        gc.disable()
+        after_traced = False
+        try:
+            for p in range(pairs):
+                times, objs = {}, {}
+                for kind in (("off", "on") if p % 2 == 0 else ("on", "off")):
+                    if kind == "off" and after_traced and not charge_flush:
+                        if not session.flush(30.0):  # untimed: no agent work of a traced block in an off block
+                            raise RuntimeError(f"{mode}: the agent did not export in time")
+                    n0 = gc.get_count()[0]
+                    step_ns = _block(up, traced if kind == "on" else off, steps, work_us)
+                    charged = 0
+                    if kind == "on" and charge_flush:  # in-process export on this thread: charged to its block
+                        c0 = time.thread_time_ns()
+                        if not session.flush(30.0):
+                            raise RuntimeError(f"{mode}: flush did not finish")
+                        charged = time.thread_time_ns() - c0
+                    objs[kind] = gc.get_count()[0] - n0
+                    times[kind] = sum(step_ns) + charged
+                    after_traced = kind == "on"
+                result.ratios.append(times["on"] / times["off"] - 1.0)
+                result.gc_per_step.append((objs["on"] - objs["off"]) / steps)
+                result.steps += steps
+                gc.collect(0)
+        finally:
+            gc.enable()
+            gc.unfreeze()
+        result.segments.append(statistics.median(result.ratios[-pairs:]))
+        session.flush(30.0)
+        if agent_pid:
+            result.agent_cpu_ns += _proc_cpu_ns(agent_pid) - cpu0
+    finally:
+        stats = session.shutdown()
+    result.dropped += stats.dropped
+    if stats.disabled_reason:
+        raise RuntimeError(f"tracing disabled itself: {stats.disabled_reason}")
+
+
+def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
+        block_ms: float) -> tuple[float, int, dict[str, ModeResult]]:
+    """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
-    medians: dict[str, list[float]] = {m: [] for m in MODES}
+    results = {m: ModeResult() for m in modes}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-oe-") as tmp:
-        targets = up.binding.to_targets()
-        for _ in range(rounds):
-            for mode in MODES:
-                session = _start(targets, {"off": "untraced", "agent": "traced+agent", "thread": "traced+thread",
-                                           "wrappers": "wrappers+agent"}[mode], tmp, "oe")
-                env = up.gva_thread(layers, h.FakeBackend())
-                warm: list[int] = []
-                _steps(up, env, 2, work_us, warm)
-                times: list[int] = []
-                forward = threading.Thread(target=_steps, args=(up, env, steps, work_us, times, seconds),
-                                           name="forward")
-                forward.start()
-                forward.join()
-                medians[mode].append(statistics.fmean(times))
-                if session is not None:
-                    stats = session.shutdown()
-                    if stats.disabled_reason:
-                        raise RuntimeError(f"tracing disabled itself: {stats.disabled_reason}")
-    return medians
+        off = _env(h, up, layers, up.binding.classes["recv_gva"], up.gate_class)
+        _block(up, off, 2, work_us)
+        step_ns = statistics.median(_block(up, off, 5, work_us))
+        steps = max(2, round(block_ms * 1e6 / step_ns))
+        for _ in range(segments):
+            for mode in modes:
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode])
+    return step_ns / 1e6, steps, results
 
 
-def _slowdowns(medians: dict[str, list[float]], mode: str) -> list[float]:
-    return [100.0 * (m / b - 1.0) for m, b in zip(medians[mode], medians["off"], strict=True)]
+def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, float]:
+    """Median and a distribution-free confidence interval of the median: the order statistics
+    ``x(j)``, ``x(n+1-j)`` (1-based) with the largest ``j`` such that P(j <= Binomial(n, 1/2) <= n-j) >= level
+    (the full range when even ``j`` = 1 falls short, n < 6)."""
+    xs = sorted(values)
+    n = len(xs)
+    j, cdf = 1, 1 / 2 ** n  # cdf = P(B <= j-1); [x(j), x(n+1-j)] covers the median with 1 - 2 cdf
+    while j + 1 <= (n + 1) // 2:
+        nxt = cdf + math.comb(n, j) / 2 ** n
+        if 1 - 2 * nxt < level:
+            break
+        cdf, j = nxt, j + 1
+    return statistics.median(xs), xs[j - 1], xs[n - j]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-us", type=int, nargs="+", default=[1000, 150], help="per-layer work (default 1000 150)")
-    parser.add_argument("--rounds", type=int, default=7, help="alternating rounds (default 7)")
-    parser.add_argument("--steps", type=int, default=5, help="at least this many steps per mode per round")
-    parser.add_argument("--seconds", type=float, default=1.0,
-                        help="and at least this long per mode per round (default 1.0: 5 export intervals)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
+                        help="traced modes (default all but aa: the A/A control, both threads untraced)")
+    parser.add_argument("--segments", type=int, default=3, help="sessions per mode, in rotation (default 3)")
+    parser.add_argument("--pairs", type=int, default=40, help="pairs of blocks per segment (default 40)")
+    parser.add_argument("--block-ms", type=float, default=40.0,
+                        help="target length of one block, at least 2 steps (default 40 ms)")
     parser.add_argument("--layers", type=int, default=32, help="layers per step (default 32)")
     parser.add_argument("--compete", action="store_true", help="also run under a competing CPU-bound process")
     args = parser.parse_args()
-    if min(args.work_us) < 1 or args.rounds < 1 or args.steps < 1 or args.layers < 2:
-        parser.error("--work-us, --rounds, --steps must be >= 1 and --layers >= 2")
+    if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
+        parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
+    modes = tuple(dict.fromkeys(args.modes))
     loads = ["idle", "compete"] if args.compete else ["idle"]
     headline = None
-    print(f"{'load':8} {'work/layer':>10} {'step off ms':>12} {'agent %':>8} {'agent range':>16} {'thread %':>9} "
-          f"{'thread range':>16} {'wrappers %':>10} {'wrappers range':>16}")
+    print(f"load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
+          f"median [95% CI of the median] over n pairs", flush=True)
+    print(f"{'load':8} {'work/layer':>10} {'step off ms':>11} {'steps/blk':>9} {'mode':9} {'slowdown %':>10} "
+          f"{'95% CI':>15} {'n':>4} {'segments':>15} {'gc/step':>8} {'agent cpu/step us':>17}")
     for load in loads:
         hog = None
         if load == "compete":
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             for work in args.work_us:
-                med = run(work, args.rounds, args.steps, args.layers, args.seconds)
-                agent, thread = _slowdowns(med, "agent"), _slowdowns(med, "thread")
-                wrapped = _slowdowns(med, "wrappers")
-                print(f"{load:8} {work:>8}us {statistics.median(med['off']) / 1e6:12.2f} "
-                      f"{statistics.median(agent):8.2f} {min(agent):7.2f}..{max(agent):<7.2f} "
-                      f"{statistics.median(thread):9.2f} {min(thread):7.2f}..{max(thread):<7.2f} "
-                      f"{statistics.median(wrapped):10.2f} {min(wrapped):7.2f}..{max(wrapped):<7.2f}", flush=True)
-                if load == "idle" and work == min(args.work_us):
-                    headline = statistics.median(agent)
+                step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms)
+                for mode in modes:
+                    r = res[mode]
+                    med, lo, hi = (100 * v for v in median_ci(r.ratios))
+                    agent_cpu = f"{r.agent_cpu_ns / r.steps / 1e3:.0f}" if r.agent_cpu_ns else "-"
+                    print(f"{load:8} {work:>8}us {step_ms:11.2f} {steps:9d} {mode:9} {med:10.2f} "
+                          f"{lo:7.2f}..{hi:<6.2f} {len(r.ratios):4d} "
+                          f"{100 * min(r.segments):7.2f}..{100 * max(r.segments):<6.2f} "
+                          f"{statistics.median(r.gc_per_step):8.1f} "
+                          f"{agent_cpu:>17}" + (f"  ({r.dropped} records DROPPED)" if r.dropped else ""), flush=True)
+                    if load == "idle" and work == min(args.work_us) and mode == "agent":
+                        headline = med
         finally:
             if hog is not None:
                 hog.kill()
                 hog.wait()
-    print("(slowdown: per round, mean step time of the mode over the untraced mean; median over rounds)")
-    print(f"forward_slowdown_pct={headline:.2f}")
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    if headline is not None:
+        print(f"forward_slowdown_pct={headline:.2f}")
 
 
 if __name__ == "__main__":

@@ -14,11 +14,17 @@ Modes, interleaved in rounds so that drift hits all of them alike:
                   exporter agent process, which writes OTLP/JSON lines (the default)
   traced+thread   start_tracing(..., exporter="thread"): the in-process background exporter thread
 
+``--commit-modes``: instead, ``untraced`` and ``traced+agent`` under ``OTEL_KVTRACE_RING_COMMIT=order`` and
+``=crc`` (``traced+agent:order``, ``traced+agent:crc``; the ring's commit word alone, or a crc32 of each
+slot's body as well, record/ring.py), side by side in the same rounds, in the latency and the CPU tables;
+the last line is then ``commit_crc_minus_order_cpu_us=<recv> latency_crc_minus_order_us=<latency>``.
+
 Usage::
 
     .venv/bin/python bench/upstream_overhead.py                 # 0.23.0.post1 sdist
     KVTRACE_UPSTREAM_SRC=/tmp/vllm-ascend-main .venv/bin/python bench/upstream_overhead.py
     .venv/bin/python bench/upstream_overhead.py --breakdown     # per-component recv-thread CPU
+    .venv/bin/python bench/upstream_overhead.py --commit-modes  # crc vs store-order ring commit
 """
 
 from __future__ import annotations
@@ -39,24 +45,43 @@ CPU_MODES = ("untraced", "traced", "traced+agent", "wrappers", "wrappers+agent")
 the compiled probes (the default), side by side in the same rounds."""
 
 
+COMMIT_MODES = ("untraced", "traced+agent:order", "traced+agent:crc")
+"""``--commit-modes``: ``traced+agent`` with the ring's commit mode forced (``OTEL_KVTRACE_RING_COMMIT``)."""
+
+
 def _start(targets: Any, mode: str, out: str, run_id: str) -> Any:
-    """The session of ``mode`` (None for untraced); ``wrappers*`` modes install the wrapper path."""
+    """The session of ``mode`` (None for untraced); ``wrappers*`` modes install the wrapper path; a
+    ``:crc`` / ``:order`` suffix sets ``OTEL_KVTRACE_RING_COMMIT`` for the session's ring."""
     import os
 
     from otel_kvtrace.api import start_tracing
 
     if mode == "untraced":
         return None
-    saved = os.environ.get("OTEL_KVTRACE_PROBES")
-    os.environ["OTEL_KVTRACE_PROBES"] = "wrappers" if mode.startswith("wrappers") else "compiled"
+    mode, _, commit = mode.partition(":")
+    env = {"OTEL_KVTRACE_PROBES": "wrappers" if mode.startswith("wrappers") else "compiled"}
+    if commit:
+        env["OTEL_KVTRACE_RING_COMMIT"] = commit
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         exporter = mode.split("+")[1] if "+" in mode else None
-        return start_tracing(targets, exporter=exporter, out_dir=out, run_id=run_id)
-    finally:  # the user's own setting back, not dropped
-        if saved is None:
-            os.environ.pop("OTEL_KVTRACE_PROBES", None)
-        else:
-            os.environ["OTEL_KVTRACE_PROBES"] = saved
+        session = start_tracing(targets, exporter=exporter, out_dir=out, run_id=run_id)
+    finally:  # the user's own settings back, not dropped
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    if commit:
+        from otel_kvtrace.record import ring
+
+        want = ring.COMMIT_CRC if commit == "crc" else ring.COMMIT_STORE_ORDER
+        got = session.exporter.writer.hdr[ring.H_COMMIT_MODE]
+        if got != want:
+            session.shutdown()
+            raise RuntimeError(f"{mode}:{commit}: the ring's commit mode is {got}, not {want}")
+    return session
 
 
 def _load_harness() -> Any:
@@ -107,18 +132,19 @@ PROCESS_CPU: dict[str, list[float]] = {}
 per task, from the first enqueue until the round's tasks were exported (``session.flush()``)."""
 
 
-def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[list[int]]]:
+def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int,
+            modes: tuple[str, ...] = MODES) -> dict[str, list[list[int]]]:
     """Per mode, one list of per-task latencies (ns) per round (process CPU per task into ``PROCESS_CPU``)."""
 
     h = _load_harness()
     root = h.upstream_source_dir()
-    results: dict[str, list[list[int]]] = {mode: [] for mode in MODES}
+    results: dict[str, list[list[int]]] = {mode: [] for mode in modes}
     with h.upstream_session(root) as up, tempfile.TemporaryDirectory(prefix="kvtrace-bench-") as out:
         version = f"{up.binding.version} ({up.binding.layout})"
         print(f"vllm-ascend {version} from {root}", file=sys.stderr)
         targets = up.binding.to_targets()
         for round_no in range(rounds):
-            for mode in MODES:
+            for mode in modes:
                 session = _start(targets, mode, out, "bench")
                 env = up.gva_thread(num_layers, h.FakeBackend())
                 _run_tasks(h, up, env, 50, num_layers, blocks)  # warm-up: attach, pools, caches
@@ -205,11 +231,12 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | No
     return counts[0] / tasks, counts[1] / tasks
 
 
-def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int) -> dict[str, list[tuple[float, float]]]:
+def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int,
+                modes: tuple[str, ...] = CPU_MODES) -> dict[str, list[tuple[float, float]]]:
     """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
 
     h = _load_harness()
-    out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in CPU_MODES}
+    out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-cpu-") as tmp:
         targets = up.binding.to_targets()
         for _ in range(rounds):
@@ -247,12 +274,45 @@ def _pct(values: list[int], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def commit_modes(args: Any) -> None:
+    """``--commit-modes``: latency and CPU of ``traced+agent`` under both ring commit modes, same rounds."""
+    import os
+
+    modes = COMMIT_MODES
+    print(f"load average {os.getloadavg()[0]:.2f} at start", flush=True)
+    results = measure(args.tasks, args.rounds, args.layers, args.blocks, modes)
+    round_medians = {mode: [statistics.median(r) for r in results[mode]] for mode in modes}
+    print(f"\nper-task latency, enqueue -> load event set; {args.rounds} rounds x {args.tasks} tasks per mode")
+    print(f"{'mode':20} {'median us':>10} {'added us':>9} {'added us range':>16}")
+    for mode in modes:
+        added = [m - b for m, b in zip(round_medians[mode], round_medians["untraced"], strict=True)]
+        pooled = [x for r in results[mode] for x in r]
+        print(f"{mode:20} {statistics.median(pooled) / 1e3:10.1f} {statistics.median(added) / 1e3:9.1f} "
+              f"{min(added) / 1e3:7.1f}..{max(added) / 1e3:<7.1f}")
+    latency_diff = [c - o for c, o in zip(round_medians["traced+agent:crc"], round_medians["traced+agent:order"],
+                                          strict=True)]
+    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks, modes)
+    print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK}), median over rounds of the "
+          "added CPU:")
+    for mode in modes[1:]:
+        enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        handle = statistics.median(t[1] - u[1] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
+        print(f"  {mode:20} add_request +{enq / 1e3:.2f} us, _handle_request +{handle / 1e3:.2f} us (probes + ring write)")
+    diff = [c[1] - o[1] for c, o in zip(cpu["traced+agent:crc"], cpu["traced+agent:order"], strict=True)]
+    print(f"crc - order, per round (recv CPU us): {' '.join(f'{d / 1e3:+.2f}' for d in diff)}")
+    print(f"load average {os.getloadavg()[0]:.2f} at end")
+    print(f"commit_crc_minus_order_cpu_us={statistics.median(diff) / 1e3:.2f} "
+          f"latency_crc_minus_order_us={statistics.median(latency_diff) / 1e3:.1f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=200, help="tasks per mode per round (default 200)")
     parser.add_argument("--rounds", type=int, default=15, help="interleaved rounds (default 15)")
     parser.add_argument("--layers", type=int, default=8, help="layers of the recv thread (default 8)")
     parser.add_argument("--blocks", type=int, default=16, help="blocks per task (default 16)")
+    parser.add_argument("--commit-modes", action="store_true",
+                        help="traced+agent under OTEL_KVTRACE_RING_COMMIT=order and =crc, side by side (see above)")
     parser.add_argument("--breakdown", action="store_true",
                         help="print the recv thread's added CPU per component instead (bench/recv_breakdown.py)")
     args = parser.parse_args()
@@ -266,6 +326,9 @@ def main() -> None:
             parser.error(f"--{name} must be >= 1")
     if args.layers < 2:
         parser.error("--layers must be >= 2 (layer l waits for the save of layer l-1)")
+    if args.commit_modes:
+        commit_modes(args)
+        return
     results = measure(args.tasks, args.rounds, args.layers, args.blocks)
     # The machine is shared: compare modes within each round (they ran back to back), then take the
     # median over rounds of those per-round figures.
