@@ -205,8 +205,7 @@ def main() -> None:
                 print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
                 continue
             for v in report.verdicts:
-                rows.extend((cell, {**c, "predicted_verdict": v.verdict,
-                                    "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]])}, cpu)
+                rows.extend((cell, {**c, "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]])}, cpu)
                             for c in v.extra.get("measured", []))
             print(f"# {cell}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     _print(rows, args.seeds, args.steps)
@@ -265,6 +264,9 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
               f"{c['calibrated_gain_ms']:7.3f} {c['dispatch_cost_us']:7.1f} {c['measured_gain_ms']:7.3f} {se:6.3f} "
               f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} {corr:5.2f} {c['trimmed_gain_ms']:6.3f} "
               f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict']}")
+    for cell, c, _ in rows:  # the verdicts with the rule that decided them (the table only has the verdicts)
+        print(f"# {cell} {c['policy']}: predicted {c['predicted_verdict']}: {c['predicted_reason']}")
+        print(f"# {cell} {c['policy']}: measured  {c['verdict']}: {c['reason']}")
     print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
 
