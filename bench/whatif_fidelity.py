@@ -23,12 +23,14 @@ not like-for-like with ``pred`` (the prediction is not trimmed).
 ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
-gives the worst error without that cost.
+gives the worst error without that cost. Before those: per cell the prediction of the same traces
+without the forward's GIL-lag model (``otel_kvtrace/whatif/gil.py``), the worst sampling floor, and the
+predicted and the measured verdict with the reason each rests on.
 
 Usage::
 
-    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 8 seeds x 50 steps (~2 min)
-    .venv/bin/python bench/whatif_fidelity.py --seeds 8 --steps 120 --cells hol upstream
+    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 48 seeds x 50 steps (~13 min)
+    .venv/bin/python bench/whatif_fidelity.py --seeds 8 --cells hol upstream   # iterating (~40 s)
     .venv/bin/python bench/whatif_fidelity.py --cells upstream --keep /tmp/fid   # traces kept for analysis
 """
 
@@ -52,6 +54,12 @@ CELLS: dict[str, tuple[str, ...]] = {
 }
 """Per configuration, the policies run live (the upstream threads cannot run gate_group)."""
 WARMUP_STEPS = 10
+SEEDS = 48
+"""Default seeds per cell and policy. When the measured gain is below noise the error is in % of the
+noise, and sampling alone gives about 100 x sqrt(2 (1 - corr) / seeds) % (``floor %``): 50 % at 8 seeds,
+20 % at 48 (corr 0). More steps per run do not lower it (noise and SE shrink together); only seeds do.
+A quiet 2-core machine records a seed of every cell in about 14 s (8 seeds: 1 min 51 s), so 48 seeds
+take about 11 min plus the replays: within the 15 minutes a full run may take."""
 
 
 def order(seed: int, policies: tuple[str, ...]) -> tuple[str, ...]:
@@ -180,7 +188,8 @@ def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=8)
+    ap.add_argument("--seeds", type=int, default=SEEDS,
+                    help=f"seeds per cell and policy (default {SEEDS}: about 13 min on a quiet 2-core machine)")
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     ap.add_argument("--keep", type=Path, default=None, help="keep the traces in this folder (default: a temporary one)")
@@ -201,12 +210,15 @@ def main() -> None:
             fifo = dirs.pop("fifo")
             try:
                 report = whatif([fifo], measured=list(dirs.values()), policies=list(dirs))
+                # the same traces predicted without the forward's GIL wait behind the recv thread (gil.py)
+                plain = whatif([fifo], measured=list(dirs.values()), policies=list(dirs), gil_lag=False)
             except ValueError as exc:  # the live queue stayed FIFO (e.g. a slot waiter it cannot read)
                 print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
                 continue
+            without = {c["policy"]: c for v in plain.verdicts for c in v.extra.get("measured", [])}
             for v in report.verdicts:
-                rows.extend((cell, {**c, "predicted_verdict": v.verdict,
-                                    "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]])}, cpu)
+                rows.extend((cell, {**c, "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]]),
+                                    "no_gil": without[c["policy"]]}, cpu)
                             for c in v.extra.get("measured", []))
             print(f"# {cell}: done at {time.perf_counter() - t0:.0f} s", flush=True)
     _print(rows, args.seeds, args.steps)
@@ -256,7 +268,7 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         policy = c["policy"]
         per_run = c["measured_verdict"]["gains"][policy]["ttft_gain_ms"]["per_run"]
         se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
-        floor = 100 * se / max(abs(c["measured_gain_ms"]), c["noise_ms"]) if c["noise_ms"] or c["measured_gain_ms"] else 0
+        floor = _floor(c)
         corr = _pair_correlation(c["fifo_measured"]["ttft_ms_mean"]["stdev"], c["measured"]["ttft_ms_mean"]["stdev"],
                                  statistics.stdev(per_run) if len(per_run) > 1 else float("nan"))
         worst, worst_plain = max(worst, c["calibrated_gain_error_pct"]), max(worst_plain, c["gain_error_pct"])
@@ -265,8 +277,28 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
               f"{c['calibrated_gain_ms']:7.3f} {c['dispatch_cost_us']:7.1f} {c['measured_gain_ms']:7.3f} {se:6.3f} "
               f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} {corr:5.2f} {c['trimmed_gain_ms']:6.3f} "
               f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict']}")
+    for cell, c, _ in rows:
+        g = c["no_gil"]
+        print(f"# {cell} {c['policy']}: without the GIL-lag model (gil.py): pred {g['predicted_gain_ms']:.3f} "
+              f"cal {g['calibrated_gain_ms']:.3f} err {g['gain_error_pct']:.1f} % cal {g['calibrated_gain_error_pct']:.1f} %")
+    floors = [(_floor(c), cell, c["policy"]) for cell, c, _ in rows]
+    if floors:
+        f, cell, policy = max(floors)
+        print(f"# sampling floor (100 x SE / max(|meas|, noise)): worst {f:.1f} % ({cell} {policy}) at {seeds} seeds; "
+              "a perfect model's error is about 0.8 x floor, below 2 x floor 95 % of the time")
+    for cell, c, _ in rows:  # the verdicts with the rule that decided them (the table only has the verdicts)
+        print(f"# {cell} {c['policy']}: predicted {c['predicted_verdict']}: {c['predicted_reason']}")
+        print(f"# {cell} {c['policy']}: measured  {c['verdict']}: {c['reason']}")
     print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
+
+
+def _floor(c: dict[str, Any]) -> float:
+    """The error that sampling alone gives: 100 x SE of the measured gain / max(|measured gain|, noise)."""
+    per_run = c["measured_verdict"]["gains"][c["policy"]]["ttft_gain_ms"]["per_run"]
+    se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
+    scale = max(abs(c["measured_gain_ms"]), c["noise_ms"])
+    return 100 * se / scale if scale else 0.0
 
 
 def _pair_correlation(sd_fifo: float, sd_policy: float, sd_paired: float) -> float:

@@ -92,6 +92,7 @@ def whatif(
     where: str | None = None,
     measured: Sequence[str | Path] | None = None,
     progress: Callable[[str], None] | None = None,
+    gil_lag: bool = True,
 ) -> VerdictReport:
     """Load recorded traces, replay every queue of every run under each policy, decide per configuration.
 
@@ -101,6 +102,8 @@ def whatif(
 
     ``measured``: traces recorded under another policy (``kvtrace.cfg.scheduler``); each configuration
     with such runs gets ``extra["measured"]``: predicted vs measured per policy (:mod:`.measured`).
+    ``gil_lag``: a policy's forward wake-up lags follow the recv thread's run after each load
+    (:mod:`.gil`); False replays FIFO's recorded lags (the model before 2026-12-02, for comparison).
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """
@@ -138,7 +141,8 @@ def whatif(
     replayed = []
     for label, runs in group_runs(tasks).items():
         say(f"replaying {label}: {len(runs)} run(s)")
-        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label, saves=saves)
+        done = [replay_run(ts, policies=policies, feedback=feedback, run_id=run_id, cfg_label=label, saves=saves,
+                           gil_lag=gil_lag)
                 for run_id, ts in runs.items()]
         summaries = [r.summary() for r in done]
         if tasks_csv is not None:
@@ -153,7 +157,7 @@ def whatif(
             for name, runs_p in sorted(by_policy[label].items()):
                 cost = dispatch_cost_ns(fifo_meas, runs_p)
                 calibrated = [replay_run(ts, policies=[name], feedback=feedback, run_id=run_id, cfg_label=label,
-                                         saves=saves, dispatch_ns={name: cost}).summary()
+                                         saves=saves, dispatch_ns={name: cost}, gil_lag=gil_lag).summary()
                               for run_id, ts in runs.items()] if cost else None
                 v.extra["measured"].append(compare(summaries, fifo_meas, name, runs_p, cfg_label=label,
                                                    calibrated=calibrated, dispatch_ns=cost).to_dict())

@@ -135,6 +135,10 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
                           f"({len(c['fifo_runs'])} FIFO / {len(c['policy_runs'])} {escape(c['policy'])} runs); "
                           f"measured verdict: [bold]{escape(c['verdict'])}[/bold]: {escape(c['reason'])}",
                           soft_wrap=True)
+            if c.get("predicted_verdict"):
+                console.print(f"predicted verdict ({escape(c['policy'])} alone): "
+                              f"[bold]{escape(c['predicted_verdict'])}[/bold]: {escape(c['predicted_reason'])}",
+                              soft_wrap=True)
 
 
 @click.command("sweep")

@@ -61,6 +61,11 @@ class QueueArrays:
     recorded completion); None without recorded saves (save times then move with the forward alone)."""
     send_index: list[int] | None = None
     """Per task, the index in ``send[step]`` of its save source, or -1."""
+    gap0: list[int] | None = None
+    """Per task, the recorded dispatch gap inside ``w0`` (the loop before its dequeue)."""
+    typical_wake: tuple[int, int, int] = (0, 0, 0)
+    """Per wait kind (save, gate, slot): the median recorded wake-up latency over the waits that blocked
+    (0 when none did): what a wait costs a task whose own recorded wait did not block."""
 
     @classmethod
     def from_tasks(cls, tasks: list[ReplayTask], saves: list[SaveTask] | None = None) -> QueueArrays:
@@ -100,6 +105,7 @@ class QueueArrays:
             gap=fwd.gap, lag=fwd.lag, step_count=[len(c) for c in fwd.chain],
             call_overhead_ns=estimate_call_overhead(tasks),
             send=send, send_index=send_index,
+            gap0=[t.dispatch_gap_ns for t in tasks], typical_wake=_typical_wake(tasks),
         )
 
 
@@ -145,6 +151,14 @@ class _ForwardChains:
             out.gap.append(gap)
             out.lag.append(lag)
         return out
+
+
+def _typical_wake(tasks: list[ReplayTask]) -> tuple[int, int, int]:
+    out = []
+    for kind in range(3):
+        lags = sorted(t.wake_ns[kind] for t in tasks if t.wake_ns[kind] > 0)
+        out.append(lags[len(lags) // 2] if lags else 0)
+    return out[0], out[1], out[2]
 
 
 def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _ForwardChains,

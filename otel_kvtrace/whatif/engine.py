@@ -50,6 +50,7 @@ class QueueState:
         "head_ptr",
         "held_final",
         "index",
+        "lags",
         "n",
         "n_arrived",
         "n_served",
@@ -67,7 +68,8 @@ class QueueState:
     )
 
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0,
-                 reference_end: list[int] | None = None, shift_steps: bool = True) -> None:
+                 reference_end: list[int] | None = None, shift_steps: bool = True,
+                 lag_ns: list[list[int]] | None = None) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
@@ -81,6 +83,9 @@ class QueueState:
         """Per step, the forward end the next step's recorded arrivals go with (the FIFO replay's in
         ``replay_run``, so FIFO's own small replay error does not compound from step to step)."""
         self.shift_steps = shift_steps
+        self.lags = lag_ns if lag_ns is not None else q.lag
+        """Per step and chain position, the forward's wake-up lag after the load (default: as recorded;
+        :mod:`otel_kvtrace.whatif.gil` adjusts it for a policy)."""
         n = q.n
         self.q = q
         self.n = n
@@ -145,6 +150,20 @@ class QueueState:
         for r in (self.eff_rs[i], self.eff_rg[i], q.rl[i]):
             t = max(t, r)
         return t
+
+    def sleep_lag(self, i: int) -> int:
+        """For a thread sleeping in ``get()`` until task ``i``'s last dependency is met: how much later than
+        that it starts ``i`` (``serve`` then adds ``i``'s recorded work, dispatch gap included). The
+        wake-up latency of that wait as recorded (the queue's typical one for the kind when ``i``'s own
+        wait did not block), less ``i``'s recorded dispatch gap: the loop before ``get()`` ran before the
+        sleep. Call after :meth:`ready_at`."""
+        q = self.q
+        r = max(self.eff_rs[i], self.eff_rg[i], q.rl[i])
+        if r == NONE or r <= self.arr[i]:
+            return 0
+        kind, own = ((0, q.ws[i]) if r == self.eff_rs[i] else (1, q.wg[i]) if r == self.eff_rg[i] else (2, q.wl[i]))
+        lag = own if own > 0 else q.typical_wake[kind]
+        return max(0, lag - (q.gap0[i] if q.gap0 is not None else 0))
 
     def waits_on_gate(self, i: int, now: int) -> bool:
         """Task ``i``'s save is met at ``now`` and its gate is not: it waits on device progress only (the
@@ -378,7 +397,7 @@ class QueueState:
         arrives = self.fwd_arrive[s]
         rec_arrive = q.rec_arrive[s]
         gaps = q.gap[s]
-        lags = q.lag[s]
+        lags = self.lags[s]
         complete = self.complete
         while p < len(chain) and complete[chain[p]] != NONE:
             g = gaps[p - 1] if p > 0 else None
@@ -438,7 +457,8 @@ class QueueReplay:
 
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
-                 reference_end: list[int] | None = None, shift_steps: bool = True) -> QueueReplay:
+                 reference_end: list[int] | None = None, shift_steps: bool = True,
+                 lag_ns: list[list[int]] | None = None) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
     ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
@@ -448,8 +468,10 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     Step arrivals: a step's tasks are enqueued by the forward after the previous step, so they move later
     by how much the previous step's forward ended after ``reference_end`` (per step; default the recorded
     ends; never earlier; ``shift_steps=False``: as recorded).
+    ``lag_ns``: per step and chain position, the forward's wake-up lag after the load (default
+    ``q.lag``, as recorded under FIFO).
     """
-    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps)
+    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps, lag_ns)
     n = q.n
     arr = q.arr
     select = policy.select

@@ -5,7 +5,9 @@ A measured run's figures come from its own recorded times (dequeue, completion, 
 load waits) through the same metric code the replay uses (:func:`queue_figures` on a
 :class:`QueueReplay` built from the recording), so predicted and measured numbers mean the same thing.
 The measured verdict applies the same rules (:func:`otel_kvtrace.whatif.verdict.decide`) to pairs
-(FIFO run k, policy run k) in run-id order; the FIFO runs' replay check and HOL counts are theirs.
+(FIFO run k, policy run k) in run-id order; the FIFO runs' replay check and HOL counts are theirs. The
+pairs are independent recordings, so the lower bound and the regressions are 95% confidence bounds of
+the mean over pairs (``independent=True``), not the worst pair.
 """
 
 from __future__ import annotations
@@ -99,6 +101,12 @@ class Comparison:
     verdict: str
     reason: str
     measured_verdict: dict[str, Any] = field(default_factory=dict)
+    predicted_verdict: str = ""
+    """The prediction's verdict for this policy alone against FIFO (same rules, the FIFO runs' replays)."""
+    predicted_reason: str = ""
+    predicted_evidence: dict[str, Any] = field(default_factory=dict)
+    """What the predicted verdict rests on: its ``gains[policy]`` (per-run gains, lower bound, p99 and
+    in-flight regression flags) and noise, like ``measured_verdict``."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -130,6 +138,7 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
     cal_gain = statistics.fmean(r.figures["fifo"]["ttft_ms_mean"] - r.figures[policy]["ttft_ms_mean"]
                                 for r in calibrated) if calibrated else pred_gain
     verdict = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label)
+    alone = _predicted_verdict(fifo_replayed, policy, cfg_label)
     layers = {
         "predicted": _mean_profile([r.layers.get(policy, {}) for r in fifo_replayed]),
         "measured": _mean_profile([r.layers.get(MEASURED, {}) for r in policy_measured]),
@@ -138,7 +147,19 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
                       predicted, measured, fifo_meas, pred_gain, meas_gain, noise,
                       gain_error_pct(pred_gain, meas_gain, noise), dispatch_ns / 1e3, cal_gain,
                       gain_error_pct(cal_gain, meas_gain, noise), layers, verdict.verdict, verdict.reason,
-                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms})
+                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms}, alone.verdict, alone.reason,
+                      {"gains": alone.gains, "noise_ms": alone.noise_ms})
+
+
+def _predicted_verdict(fifo_replayed: list[RunSummary], policy: str, cfg_label: str) -> ConfigVerdict:
+    """The prediction's verdict with ``policy`` as the only alternative (the configuration's verdict picks
+    the best of every replayed policy, so its reason may name another one)."""
+    runs = [RunSummary(run_id=r.run_id, cfg_label=cfg_label,
+                       figures={"fifo": r.figures["fifo"], policy: r.figures[policy]},
+                       fifo_errors_ns=r.fifo_errors_ns, service_ns=r.service_ns, hol_events=r.hol_events,
+                       hol_ms=r.hol_ms, layers={k: v for k, v in r.layers.items() if k in ("fifo", policy)})
+            for r in fifo_replayed]
+    return decide(runs, cfg_label=cfg_label)
 
 
 def _measured_verdict(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], policy: str,
@@ -153,7 +174,7 @@ def _measured_verdict(fifo_replayed: list[RunSummary], fifo_measured: list[RunSu
             figures={"fifo": f.figures[MEASURED], policy: p.figures[MEASURED]},
             fifo_errors_ns=rep.fifo_errors_ns, service_ns=rep.service_ns, hol_events=rep.hol_events,
             hol_ms=rep.hol_ms, layers={"fifo": f.layers[MEASURED], policy: p.layers[MEASURED]}))
-    return decide(pairs, cfg_label=cfg_label)
+    return decide(pairs, cfg_label=cfg_label, independent=True)
 
 
 def _mean_profile(profiles: list[dict[str, list[float]]]) -> dict[str, list[float]]:

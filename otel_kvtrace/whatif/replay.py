@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from otel_kvtrace.whatif import gil
 from otel_kvtrace.whatif.engine import (
     NONE,
     QueueArrays,
@@ -64,6 +65,8 @@ class RunReplay:
     figures: dict[str, RunFigures]
     validation: Validation
     hol: list[HolEvent] = field(default_factory=list)
+    gil: dict[str, gil.GilModel | None] = field(default_factory=dict)
+    """queue -> the forward wake-up model fitted on its FIFO recording (None: not fitted)."""
 
     @property
     def hol_ms(self) -> float:
@@ -163,13 +166,15 @@ def summarise(policy: str, figs: Sequence[QueueFigures]) -> RunFigures:
 
 def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = None, feedback: str = "full",
                run_id: str = "", cfg_label: str = "", saves: Mapping[str, list[SaveTask]] | None = None,
-               dispatch_ns: Mapping[str, int] | None = None) -> RunReplay:
+               dispatch_ns: Mapping[str, int] | None = None, gil_lag: bool = True) -> RunReplay:
     """Replay every queue of one run under each policy (``fifo`` always included, first).
 
     ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
     save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
     forward alone. ``dispatch_ns``: per policy, its own cost per dequeue on top of FIFO's
-    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one.
+    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one. ``gil_lag``: a policy's
+    forward wake-up lags follow the recv thread's run after each load (:mod:`.gil`, sized from the FIFO
+    recording); False = FIFO's recorded lags.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
@@ -181,6 +186,7 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     replays: dict[str, dict[str, QueueReplay]] = {}
     figs: dict[str, list[QueueFigures]] = {name: [] for name in names}
     hol: list[HolEvent] = []
+    models: dict[str, gil.GilModel | None] = {}
     for queue, qtasks in group_by_queue(tasks).items():
         arrays = QueueArrays.from_tasks(qtasks, (saves or {}).get(process_key(queue)))
         replays[queue] = {}
@@ -191,12 +197,24 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
                 # FIFO is the reference: as recorded; a policy's steps move by its forward's shift from it
                 rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra, reference_end=reference,
                                    shift_steps=name != "fifo")
+                if name != "fifo" and gil_model is not None:
+                    # the forward's wake-up behind the recv thread's run after each load (gil.py): read the
+                    # policy's runs off its replay, then replay again with the lags they give
+                    runs = gil.run_after(rep, release, extra, gil_model.loop_ns, policy.head_runs_while_waiting)
+                    rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra,
+                                       reference_end=reference, shift_steps=True,
+                                       lag_ns=gil.adjusted_lags(arrays, gil_model, fifo_runs, runs))
             except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
                 raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
                                     f"policy {name!r}: {exc}") from exc
             replays[queue][name] = rep
             if name == "fifo":
                 reference = [e[-1] if e else NONE for e in rep.fwd_end]
+                gil_model = gil.fit(arrays, rep) if gil_lag else None
+                if gil_model is not None:
+                    release = gil.release_points(arrays, gil_model.release)
+                    fifo_runs = gil.run_after(rep, release, 0, gil_model.loop_ns)
+                models[queue] = gil_model
             f = queue_figures(rep, with_hol=name == "fifo")
             hol.extend(f.hol)
             figs[name].append(f)
@@ -206,7 +224,7 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         run_id = run_id or first.run_id
         cfg_label = cfg_label or first.cfg_label
     figures = {name: summarise(name, figs[name]) for name in names}
-    return RunReplay(run_id, cfg_label, replays, figures, validation, hol)
+    return RunReplay(run_id, cfg_label, replays, figures, validation, hol, models)
 
 
 def config_key(cfg_label: str | None, path: str | None, scheduler: str | None = None) -> str:

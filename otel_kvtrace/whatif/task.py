@@ -75,6 +75,14 @@ class ReplayTask:
     recorded_slot_release_ns: int | None = None
     """The exact ``ts_dep_slot_release`` as recorded (``None`` when absent or bounded): what
     ``check_constraints`` checks H2 against, independently of how ``ready_slot_ns`` was derived."""
+    copy_at_ns: int | None = None
+    """Recv-thread work (as ``work_ns``: waits excluded, dispatch gap included) from the dequeue to the
+    start of the backend call, whose copy blocks the thread (``None``: no backend call recorded)."""
+    dispatch_gap_ns: int = 0
+    """The dispatch gap folded into ``work_ns[0]`` (:func:`add_dispatch_gaps`): the thread's loop from the
+    previous completion (or the arrival) to this dequeue."""
+    meta_at_ns: int | None = None
+    """The same offset to the start of the ``meta_build`` stage (``None``: not recorded)."""
     recorded_start_ns: int | None = None
     recorded_complete_ns: int | None = None
     consumer_wait_start_ns: int | None = None
@@ -185,6 +193,8 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         work[3] = max(0, complete - max([arrival, *(r for r in ready if r is not None)]))
     cstage = _stage(row, "completion")
     bstage = _stage(row, "backend_submit")
+    copy_at = _work_offset(bstage, dequeue, waits)
+    meta_at = _work_offset(_stage(row, "meta_build"), dequeue, waits)
     cwait = _stage(row, "consumer_wait")
     gate = _int(row.get("gate_id"))
     src = _int(row.get("wait_for_save_layer"))
@@ -206,6 +216,8 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         backend_submit_ns=(bstage[1] - bstage[0]) if bstage else 0,
         bytes=_int(row.get("bytes")) or 0,
         recorded_slot_release_ns=_int(_get(row, "ts_dep_slot_release")),
+        copy_at_ns=copy_at,
+        meta_at_ns=meta_at,
         recorded_start_ns=dequeue,
         recorded_complete_ns=complete,
         consumer_wait_start_ns=cwait[0] if cwait else None,
@@ -216,6 +228,19 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         path=str(row.get("path") or ""),
         scheduler=str(row.get("cfg_scheduler") or ""),
     )
+
+
+def _work_offset(stage: tuple[int, int] | None, dequeue: int | None,
+                 waits: list[tuple[int, int] | None]) -> int | None:
+    """Recv-thread work (waits excluded) from the dequeue to ``stage``'s start; None without either."""
+    if stage is None or dequeue is None or stage[0] < dequeue:
+        return None
+    cursor, total = dequeue, 0
+    for wait in waits:
+        if wait is not None and wait[0] <= stage[0]:
+            total += max(0, wait[0] - cursor)
+            cursor = max(cursor, wait[1])
+    return total + max(0, stage[0] - cursor)
 
 
 def add_dispatch_gaps(tasks: list[ReplayTask]) -> None:
@@ -232,6 +257,11 @@ def add_dispatch_gaps(tasks: list[ReplayTask]) -> None:
             if gap > 0:
                 w = t.work_ns
                 t.work_ns = (w[0] + gap, w[1], w[2], w[3])
+                t.dispatch_gap_ns = gap
+                if t.copy_at_ns is not None:
+                    t.copy_at_ns += gap
+                if t.meta_at_ns is not None:
+                    t.meta_at_ns += gap
         if t.recorded_complete_ns is not None:
             prev = t.recorded_complete_ns
 

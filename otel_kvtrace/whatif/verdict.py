@@ -13,6 +13,17 @@ Rules (design §5), checked in this order:
    FIFO's: a p99 over a few steps moves by that much with the order alone) or the peak in-flight task
    count (any run, no tolerance). The reasons state the tolerance.
 The best qualifying policy (largest lower bound) wins; otherwise "keep FIFO" with the reason.
+
+Independent pairs (``decide(..., independent=True)``: measured runs, FIFO run k against a policy run k
+recorded separately, ``kvtrace whatif --measured``). On replays a run's gain is the gain on that run's
+input, so the minimum over runs is the worst input and "any run regresses" is a fact about an input.
+A measured pair's difference also holds two runs' own noise (it is a sample, not the gain on an input):
+its minimum over n pairs is about ``mean - 1.4 sd`` at 8 pairs, falls with every pair added, and "any
+pair's p99 is 1% worse" becomes certain as pairs are added even when the policy's p99 is better. So for
+independent pairs the same rules ask the statistical question instead: the lower bound is the one-sided
+95% confidence bound of the mean paired gain (``mean - t95(n-1) * sd / sqrt(n)``), and a regression is one
+that the same bound does not exclude (upper 95% bound of the mean paired change of p99 TTFT above
+``P99_TOLERANCE`` of FIFO's, of peak in-flight above 0). Thresholds, noise and tolerance are unchanged.
 """
 
 from __future__ import annotations
@@ -74,9 +85,36 @@ class ConfigVerdict:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
 
+_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
+        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
+"""One-sided 95% quantiles of Student's t for 1..30 degrees of freedom."""
+
+
+def t95(df: int) -> float:
+    """One-sided 95% quantile of Student's t with ``df`` degrees of freedom (beyond 30: the first-order
+    Cornish-Fisher expansion around the normal's 1.645, within 0.002 of the exact value)."""
+    if df < 1:
+        return float("inf")
+    if df <= len(_T95):
+        return _T95[df - 1]
+    z = 1.6448536
+    return z + (z ** 3 + z) / (4 * df)
+
+
+def confidence_bounds(values: list[float]) -> tuple[float, float]:
+    """One-sided 95% lower and upper confidence bounds of the mean of independent ``values``."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return float("-inf"), float("inf")
+    half = t95(len(values) - 1) * statistics.stdev(values) / len(values) ** 0.5
+    return mean - half, mean + half
+
+
 def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any] | None = None,
-           reproduce: str = "") -> ConfigVerdict:
-    """Apply the verdict rules to the runs of one configuration."""
+           reproduce: str = "", independent: bool = False) -> ConfigVerdict:
+    """Apply the verdict rules to the runs of one configuration. ``independent``: each run is a pair of
+    separately recorded runs (measured A/B), not one input replayed twice: lower bound and regressions
+    are 95% confidence bounds of the mean over the pairs (module docstring)."""
     if not runs:
         raise ValueError("runs: need at least one run")
     names = list(runs[0].figures)
@@ -96,22 +134,29 @@ def decide(runs: list[RunSummary], *, cfg_label: str = "", config: dict[str, Any
         if name == "fifo":
             continue
         per_run = [r.figures["fifo"]["ttft_ms_mean"] - r.figures[name]["ttft_ms_mean"] for r in runs]
-        p99_regress = any(
-            r.figures[name]["ttft_ms_p99"] > r.figures["fifo"]["ttft_ms_p99"] * (1 + P99_TOLERANCE) + 1e-9
-            for r in runs)
-        inflight_regress = any(r.figures[name]["peak_inflight"] > r.figures["fifo"]["peak_inflight"] for r in runs)
-        lower = min(per_run)
+        p99_over = [r.figures[name]["ttft_ms_p99"] - r.figures["fifo"]["ttft_ms_p99"] * (1 + P99_TOLERANCE)
+                    for r in runs]
+        inflight_over = [float(r.figures[name]["peak_inflight"] - r.figures["fifo"]["peak_inflight"]) for r in runs]
+        if independent:
+            lower = confidence_bounds(per_run)[0]
+            p99_regress = confidence_bounds(p99_over)[1] > 1e-9
+            inflight_regress = confidence_bounds(inflight_over)[1] > 0
+        else:
+            lower = min(per_run)
+            p99_regress = any(d > 1e-9 for d in p99_over)
+            inflight_regress = any(d > 0 for d in inflight_over)
         gains[name] = {
             "ttft_gain_ms": spread(per_run),
             "lower_bound_ms": lower,
             "above_noise": lower > 0 and lower > noise,
             "p99_regression": p99_regress,
             "inflight_regression": inflight_regress,
+            "bound": "95% confidence bound over independent pairs" if independent else "worst run",
         }
     hol_events = [r.hol_events for r in runs]
     layers = _mean_layers(runs, names)
     hol_ms = [r.hol_ms for r in runs]
-    verdict, reason = _rule(runs, validated, med, (worst_id, worst), hol_events, gains, noise)
+    verdict, reason = _rule(runs, validated, med, (worst_id, worst), hol_events, gains, noise, independent)
     return ConfigVerdict(
         cfg_label=cfg_label or runs[0].cfg_label, config=config or {}, run_ids=[r.run_id for r in runs],
         fifo_median_error_pct=round(med, 3), fifo_p95_error_pct=round(p95, 3), validated=validated,
@@ -139,7 +184,10 @@ def _mean_layers(runs: list[RunSummary], names: list[str]) -> dict[str, dict[str
 
 
 def _rule(runs: list[RunSummary], validated: bool, med: float, worst: tuple[str, float], hol_events: list[int],
-          gains: dict[str, dict[str, Any]], noise: float) -> tuple[str, str]:
+          gains: dict[str, dict[str, Any]], noise: float, independent: bool = False) -> tuple[str, str]:
+    bound = "95% lower confidence bound of the mean paired gain" if independent else "gain lower bound"
+    where = f"over {len(runs)} independent run pairs" if independent else f"over {len(runs)} runs"
+    any_run = "(95% upper confidence bound of the mean paired change)" if independent else "in any run"
     if not validated:
         worst_id, worst_pct = worst
         return KEEP, (f"FIFO replay does not reproduce the recorded completions (worst: run {worst_id}, median "
@@ -156,7 +204,7 @@ def _rule(runs: list[RunSummary], validated: bool, med: float, worst: tuple[str,
     if not qualifying:
         best = max(gains, key=lambda n: gains[n]["lower_bound_ms"])
         lb = gains[best]["lower_bound_ms"]
-        return KEEP, (f"HOL present but gain below noise (best: {best}, gain lower bound {lb:.3f} ms, "
+        return KEEP, (f"HOL present but gain below noise (best: {best}, {bound} {lb:.3f} ms, "
                       f"noise {noise:.3f} ms)")
     clean = {n: g for n, g in qualifying.items() if not g["p99_regression"] and not g["inflight_regression"]}
     if not clean:
@@ -164,12 +212,12 @@ def _rule(runs: list[RunSummary], validated: bool, med: float, worst: tuple[str,
         what = [w for w, hit in ((f"p99 TTFT regression (> {_pct(P99_TOLERANCE)})",
                                   qualifying[name]["p99_regression"]),
                                  ("peak in-flight regression", qualifying[name]["inflight_regression"])) if hit]
-        return KEEP, f"gain above noise for {name} but {' and '.join(what)}"
+        return KEEP, f"gain above noise for {name} but {' and '.join(what)}" + (f" {any_run}" if independent else "")
     best = max(clean, key=lambda n: clean[n]["lower_bound_ms"])
     lb = clean[best]["lower_bound_ms"]
-    return f"switch to {best}", (f"TTFT gain lower bound {lb:.3f} ms over {len(runs)} runs > noise "
+    return f"switch to {best}", (f"TTFT {bound} {lb:.3f} ms {where} > noise "
                                  f"{noise:.3f} ms; no p99 TTFT regression beyond {_pct(P99_TOLERANCE)} "
-                                 f"and no peak in-flight increase in any run")
+                                 f"and no peak in-flight increase {any_run}")
 
 
 def _pct(fraction: float) -> str:

@@ -104,3 +104,53 @@ def test_whatif_help_states_every_rule() -> None:
 def test_summary_round_trips_through_json_dict() -> None:
     r = run(10.0, 9.0)
     assert RunSummary.from_dict(r.to_dict()) == r
+
+
+# Measured A/B pairs (``independent=True``): FIFO run k and policy run k are separate recordings. Shaped
+# like the upstream cell of bench/whatif_fidelity.py (16 seeds, 2026-12-02): mean gain 0.8 ms, paired
+# gains spread 0.1-1.5 ms, FIFO run-to-run stdev about 0.3 ms, the policy's p99 better on average but
+# worse in a few pairs (each run's p99 of 50 steps is its one or two slowest steps).
+FIFO_MEANS = [12.0, 12.4, 11.7, 12.3, 11.9, 12.5, 12.1, 11.8, 12.2, 12.6, 11.6, 12.0]
+GAINS = [0.8, 1.3, 0.1, 1.5, 0.6, 0.9, 1.1, 0.4, 0.7, 0.5, 1.2, 0.5]
+P99_CHANGE = [-2.0, 1.5, -3.0, -1.0, 1.2, -2.5, -0.5, 1.8, -3.5, -1.5, -2.0, -0.8]
+
+
+def pairs(n: int, *, gains: list[float] = GAINS, p99_change: list[float] = P99_CHANGE) -> list[RunSummary]:
+    out = []
+    for k in range(n):
+        f, g, d = FIFO_MEANS[k % 12], gains[k % 12], p99_change[k % 12]
+        out.append(RunSummary(run_id=f"f{k}|p{k}", cfg_label="cfg",
+                              figures={"fifo": figures(f, p99=16.0), "ready_queue": figures(f - g, p99=16.0 + d)},
+                              fifo_errors_ns=[10] * 10, service_ns=[1000] * 10, hol_events=2, hol_ms=2.0))
+    return out
+
+
+def test_independent_pairs_use_the_confidence_bound_not_the_worst_pair() -> None:
+    # the worst pair (0.1 ms) is below the noise (0.3 ms) and 3 of 12 pairs have a worse p99: the
+    # replay's rules (worst run) say keep FIFO whatever the mean; a mean gain of 0.8 +- 0.13 ms is shown
+    runs = pairs(12)
+    replay_rules = decide(runs)
+    assert replay_rules.verdict == "keep FIFO" and "gain below noise" in replay_rules.reason
+    v = decide(runs, independent=True)
+    assert v.verdict == "switch to ready_queue", v.reason
+    g = v.gains["ready_queue"]
+    assert 0.55 < g["lower_bound_ms"] < 0.7 and g["lower_bound_ms"] > v.noise_ms
+    assert not g["p99_regression"] and "independent run pairs" in v.reason
+
+
+def test_independent_pairs_do_not_get_stricter_with_more_pairs() -> None:
+    # the same distribution, 6 -> 24 pairs: the worst pair only falls, the confidence bound rises
+    bounds = [decide(pairs(n), independent=True).gains["ready_queue"]["lower_bound_ms"] for n in (6, 12, 24)]
+    assert bounds == sorted(bounds)
+    assert decide(pairs(24), independent=True).verdict == "switch to ready_queue"
+
+
+def test_independent_pairs_still_keep_fifo_on_a_gain_within_noise_or_a_p99_regression() -> None:
+    small = decide(pairs(12, gains=[g - 0.6 for g in GAINS]), independent=True)
+    assert small.verdict == "keep FIFO" and "gain below noise" in small.reason
+    worse = decide(pairs(12, p99_change=[abs(d) for d in P99_CHANGE]), independent=True)
+    assert worse.verdict == "keep FIFO" and "p99 TTFT regression" in worse.reason
+    more = [RunSummary(**{**r.to_dict(), "figures": {"fifo": r.figures["fifo"],
+                                                      "ready_queue": {**r.figures["ready_queue"], "peak_inflight": 5}}})
+            for r in pairs(12)]
+    assert "peak in-flight regression" in decide(more, independent=True).reason

@@ -18,6 +18,7 @@ from otel_kvtrace.whatif.policy import INF, Policy
 
 class GateGroup(Policy):
     name = "gate_group"
+    head_runs_while_waiting = True  # live: get() is FIFO, the head runs into its gate wait
 
     def select(self, state: QueueState, now: int) -> list[int] | int:
         head = state.head()

@@ -46,7 +46,10 @@ class ReadyQueue(Policy):
             r = state.ready_at(j)
             if r <= now:
                 return [j]
-            waits.append(r)
+            waits.append(r + state.sleep_lag(j))
         if not waits or state.waits_on_gate(head, now):
             return [head]  # nothing may pass, or the head waits on the device: it blocks in its own wait
-        return min(state.ready_at(head), *waits)
+        # the thread sleeps in get() until a wait is met; it runs again that wait's wake-up latency later
+        # (a save's set() notifies the queue's condition, as it sets the event a blocked head would wait on)
+        head_at = state.ready_at(head) + state.sleep_lag(head)
+        return min(head_at, *waits)
