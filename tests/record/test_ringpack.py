@@ -242,3 +242,70 @@ def test_python_is_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) ->
     assert R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))._packer is None
     monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "bogus")  # warns, auto
     assert R.pack_mode()[0] == ("native" if NATIVE is not None else "python")
+
+
+class _DeviceEvent:
+    """A completed device event whose elapsed time since the calibration event is ``at_ms``."""
+
+    def __init__(self, enable_timing: bool = True, at_ms: float = 0.0) -> None:
+        self.at_ms = at_ms
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "_DeviceEvent") -> float:
+        return other.at_ms - self.at_ms
+
+
+@pytest.mark.parametrize("pack", ["auto", "python"])
+def test_stream_bounds_are_applied_once_per_ship_with_device_timing(pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_task`` tightens the stream-order bounds, then hands the device-timing marks to the resolver
+    (``Runtime.resolve``), which tightened the same stream marks again before; now it sees none of them."""
+    from otel_kvtrace.instrument import runtime as runtime_mod
+    from otel_kvtrace.instrument import stream_order
+    from otel_kvtrace.instrument.npu_timing import NpuTiming
+    from otel_kvtrace.record.model import Dep
+    from otel_kvtrace.record.recorder import Recorder
+
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", pack)
+    applied: list[int] = []  # stream marks each tighten_bounds call walks (the real function does the work)
+
+    def counting(record: Any) -> bool:
+        applied.append(sum(type(m) is stream_order.StreamPosition for _, m in record.npu_marks))
+        return stream_order.tighten_bounds(record)
+
+    monkeypatch.setattr(R, "tighten_bounds", counting)
+    monkeypatch.setattr(runtime_mod, "tighten_bounds", counting)
+    recorder = Recorder(capacity=4, clock=lambda: 1_000_000)
+    runtime = runtime_mod.Runtime(recorder=recorder, run_id="once")
+    runtime.npu_timing = NpuTiming(_DeviceEvent, recorder.clock)  # calibration at host 1_000_000 ns
+    recorder.npu_resolver = runtime.resolve
+    writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
+    recorder.attach_ring(writer)
+    log = stream_order.StreamLog()
+    for _ in range(3):
+        log.append()
+    log.observe(0, 1_000_500)
+    log.observe(2, 1_000_400)  # recorded later, seen complete earlier: bounds position 0 at 1_000_400
+    rec = recorder.new_record()
+    rec.queue, rec.seq = QUEUE, 5
+    rec.dep_bounds(Dep.SAVE_NPU, 1_000_100, 1_000_900)
+    rec.dep_bounds(Dep.GATE_NPU, 1_000_000, 1_002_000)
+    rec.npu_marks[:] = [(int(Dep.SAVE_NPU), stream_order.StreamPosition(log, 0)),
+                        (int(Dep.GATE_NPU), _DeviceEvent(at_ms=0.0015))]  # device time 1_001_500
+    recorder.submit(rec)
+    assert recorder.enabled and recorder.submitted == 1
+    assert sum(applied) == 1  # the one stream mark, once (it was 2: once here, once in Runtime.resolve)
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(writer._mem).poll(10):
+        decoder.feed(msg, out)
+    (got,) = out
+    assert got.deps[2 * Dep.SAVE_NPU : 2 * Dep.SAVE_NPU + 2] == [1_000_100, 1_000_400]  # stream order
+    assert got.deps[2 * Dep.GATE_NPU : 2 * Dep.GATE_NPU + 2] == [1_001_500, 1_001_500]  # device time
