@@ -309,3 +309,12 @@ def test_stream_bounds_are_applied_once_per_ship_with_device_timing(pack: str, m
     (got,) = out
     assert got.deps[2 * Dep.SAVE_NPU : 2 * Dep.SAVE_NPU + 2] == [1_000_100, 1_000_400]  # stream order
     assert got.deps[2 * Dep.GATE_NPU : 2 * Dep.GATE_NPU + 2] == [1_001_500, 1_001_500]  # device time
+
+
+def test_doctor_names_the_packer_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_kvtrace.doctor import ring_pack
+
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    assert ring_pack() == "python: OTEL_KVTRACE_RING_PACK=python"
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
+    assert ring_pack() == ("native" if NATIVE is not None else f"python: native packer {R._NATIVE_MISSING}")
