@@ -67,7 +67,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from otel_kvtrace.instrument.stream_order import StreamPosition, tighten_bounds
-from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage
+from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage, TaskRecord
 
 MAGIC = 0x4B56545249524E47  # "KVTRIRNG"
 VERSION = 3  # 3: commit word stored last and alone, KIND_WRITTEN, crc mixes kind and length
@@ -252,7 +252,8 @@ class RingWriter:
         # The C task packer (``_ringpack.c``, same bytes; ``pack_mode``), or None: the Python path below.
         self._packer: Any = None
         if pack_mode()[0] == "native":
-            self._packer = _NATIVE.Packer(mem, self.nslots, self._limit, self._crc, self._claims, fold_stages)
+            self._packer = _NATIVE.Packer(mem, self.nslots, self._limit, self._crc, self._claims, fold_stages,
+                                          TaskRecord)
 
     # -- slots ------------------------------------------------------------------------------------
     def _claim(self) -> int:

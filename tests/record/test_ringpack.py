@@ -177,15 +177,55 @@ def test_inputs_left_to_python_claim_nothing_in_c() -> None:
 
 
 @needs_native
+def test_records_of_other_types_and_unset_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TaskRecord`` fields are read at their slot offsets; any other object through getattr, same bytes."""
+    native, python = _pair(128, R.COMMIT_STORE_ORDER, monkeypatch)
+    assert native._packer.record_type is TaskRecord
+
+    class Plain:  # not a TaskRecord: every field by getattr
+        def __init__(self, rec: TaskRecord) -> None:
+            for f in dataclasses.fields(TaskRecord):
+                setattr(self, f.name, getattr(rec, f.name))
+
+    class Sub(TaskRecord):  # a subclass may redefine a field: not read by offset either
+        __slots__ = ()
+
+        @property
+        def t_complete(self) -> int:  # type: ignore[override]
+            return 77
+
+        @t_complete.setter
+        def t_complete(self, value: int) -> None:
+            pass
+
+    rec = TaskRecord(queue=QUEUE, seq=9, t_enqueue=5_000_000_123, stages=[1, 2, 3], gate_id=4)
+    for make in (Plain, lambda r: Sub(**{f.name: getattr(r, f.name) for f in dataclasses.fields(TaskRecord)})):
+        for w in (native, python):
+            assert w.write_task(make(_copy(rec)), False) is True
+        assert native._mem[:] == python._mem[:]
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(native._mem).poll(10):
+        decoder.feed(msg, out)
+    assert [r.t_complete for r in out] == [NO_TIME, 77]
+    before = native._mem[:]
+    unset = TaskRecord(queue=QUEUE)
+    del unset.seq
+    with pytest.raises(AttributeError):
+        native._packer.write(native, unset, 0, 0, False)
+    assert native._mem[:] == before  # nothing claimed
+
+
+@needs_native
 def test_the_packer_never_takes_a_mapping_smaller_than_its_slots() -> None:
     mem = _ring(128, R.COMMIT_STORE_ORDER)
     with pytest.raises(ValueError):
-        NATIVE.Packer(mem, 129, 64, False, iter(range(10)), R.fold_stages)
+        NATIVE.Packer(mem, 129, 64, False, iter(range(10)), R.fold_stages, TaskRecord)
     with pytest.raises(ValueError):
-        NATIVE.Packer(memoryview(mem)[4:], 127, 64, False, iter(range(10)), R.fold_stages)  # misaligned
+        NATIVE.Packer(memoryview(mem)[4:], 127, 64, False, iter(range(10)), R.fold_stages, TaskRecord)  # misaligned
     with pytest.raises(BufferError):
-        NATIVE.Packer(bytes(R.ring_bytes(4)), 4, 1, False, iter(range(10)), R.fold_stages)  # read-only
-    packer = NATIVE.Packer(mem, 128, 64, False, iter(range(10)), R.fold_stages)
+        NATIVE.Packer(bytes(R.ring_bytes(4)), 4, 1, False, iter(range(10)), R.fold_stages, TaskRecord)  # read-only
+    packer = NATIVE.Packer(mem, 128, 64, False, iter(range(10)), R.fold_stages, TaskRecord)
     packer.release()
     with pytest.raises(ValueError):
         packer.write(None, TaskRecord(), 0, 0, False)
