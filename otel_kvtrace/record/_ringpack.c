@@ -230,11 +230,11 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
         Py_RETURN_NOTIMPLEMENTED;
 
     memset(&body, 0, sizeof(struct task_fixed)); /* padding bytes are 0, as struct writes them */
-#define FIELD(a, lo, hi, dst)                                   \
-    do {                                                        \
-        r = field(self, rec, a, lo, hi, &v);                          \
-        if (r <= 0) goto not_this;                              \
-        dst = v;                                                \
+#define FIELD(a, lo, hi, dst)                  \
+    do {                                       \
+        r = field(self, rec, a, lo, hi, &v);   \
+        if (r <= 0) goto not_this;             \
+        dst = v;                               \
     } while (0)
     FIELD(A_KIND, 0, 255, kind);
     FIELD(A_FINAL, 0, 255, final_layer);
