@@ -187,13 +187,19 @@ def packers(rounds: int, tasks: int) -> None:
     base = cpu["untraced"]
     print(f"\nreal recv thread, CPU per call on the calling thread, {rounds} rounds x {tasks} tasks; added = median over "
           f"rounds of (mode - untraced); untraced _handle_request {statistics.median(u[1] for u in base) / 1e3:.1f} us")
+    def spread(diffs: list[float]) -> str:
+        return f"{statistics.median(diffs) / 1e3:+5.1f} us ({min(diffs) / 1e3:+.1f}..{max(diffs) / 1e3:+.1f})"
+
     for name in list(cpu)[1:]:
         enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[name], base, strict=True))
-        handle = statistics.median(t[1] - u[1] for t, u in zip(cpu[name], base, strict=True))
-        print(f"  {name:22} _handle_request {handle / 1e3:+5.1f} us   add_request {enq / 1e3:+4.1f} us")
+        handle = [t[1] - u[1] for t, u in zip(cpu[name], base, strict=True)]
+        print(f"  {name:22} _handle_request {spread(handle)}   add_request {enq / 1e3:+4.1f} us")
     for pack in ("python", "native"):
-        ship = statistics.median(a[1] - t[1] for a, t in zip(cpu[f"agent, {pack} packer"], cpu["traced"], strict=True))
-        print(f"  the ship in context ({pack:6}: agent - traced)  _handle_request {ship / 1e3:+5.1f} us")
+        ship = [a[1] - t[1] for a, t in zip(cpu[f"agent, {pack} packer"], cpu["traced"], strict=True)]
+        print(f"  the ship in context ({pack:6}: agent - traced)  _handle_request {spread(ship)}")
+    gain = [p[1] - n[1] for p, n in zip(cpu["agent, python packer"], cpu["agent, native packer"], strict=True)]
+    print(f"  python packer - native packer, same round:   _handle_request {spread(gain)}")
+    print("  (median over rounds; in brackets the range over rounds)")
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
