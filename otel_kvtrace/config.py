@@ -106,6 +106,11 @@ publishes the slot; right only under total store order, i.e. native x86-64) or `
 ``platform.machine()`` is x86-64, else ``crc``). Set ``crc`` under x86 emulation on a weakly ordered host.
 The producer chooses; the agent (same host) obeys what the ring header says. Default: ``auto``."""
 
+OTEL_KVTRACE_RING_PACK = "OTEL_KVTRACE_RING_PACK"
+"""Who packs a task into its ring slot (docs/export.md, "Native task packer"): ``auto`` (the C extension
+``otel_kvtrace.record._ringpack`` when it was built, else Python), ``python`` (the pure-Python reference
+path, forced) or ``native`` (as ``auto``). Same bytes either way. Default: ``auto``."""
+
 DEFAULT_AGENT_NICE = 10
 EXPORTER_AGENT = "agent"
 EXPORTER_THREAD = "thread"

@@ -47,6 +47,7 @@ class DoctorReport:
             "flags": b.flags,
             "import_errors": b.errors,
             "recv_probes": self.probes,
+            "ring_pack": ring_pack(),
             "points": [
                 {
                     "id": p.point.id,
@@ -91,6 +92,14 @@ def probe_path(binding: UpstreamBinding) -> str:
     return "compiled" if reason is None else f"wrappers: {reason}"
 
 
+def ring_pack() -> str:
+    """``native`` (the C extension ``record/_ringpack``) or ``python: <why>``: who packs ring task slots."""
+    from otel_kvtrace.record.ring import pack_mode
+
+    mode, why = pack_mode()
+    return mode if not why else f"{mode}: {why}"
+
+
 def _print_report(report: DoctorReport) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -112,6 +121,7 @@ def _print_report(report: DoctorReport) -> None:
     console.print("feature flags: " + ", ".join(f"{k}={v}" for k, v in b.flags.items()))
     colour = "green" if report.probes == "compiled" else "yellow"
     console.print(f"recv probes (GVA _handle_request): [{colour}]{escape(report.probes)}[/]")
+    console.print(f"ring task packer: {escape(ring_pack())}")
     if b.ok:
         console.print("[green]all required patch points found: tracing can bind[/]")
     else:

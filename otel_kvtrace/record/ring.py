@@ -66,8 +66,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from otel_kvtrace.instrument.stream_order import tighten_bounds
-from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage
+from otel_kvtrace.instrument.stream_order import StreamPosition, tighten_bounds
+from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage, TaskRecord
 
 MAGIC = 0x4B56545249524E47  # "KVTRIRNG"
 VERSION = 3  # 3: commit word stored last and alone, KIND_WRITTEN, crc mixes kind and length
@@ -159,6 +159,42 @@ def slot_crc(body: Any, k: int, kind: int, length: int) -> int:
     return zlib.crc32(body, k & 0xFFFFFFFF) ^ (kind << 16 | length)
 
 
+def _load_native() -> tuple[Any, str]:
+    """The C task packer (``_ringpack.c``) if it was built and matches this layout: ``(module, why not)``."""
+    try:
+        from otel_kvtrace.record import _ringpack
+    except ImportError as exc:
+        return None, f"not built ({exc.msg})"
+    if (_ringpack.STAGES_AT, _ringpack.FIXED_SIZE) != (TASK_STAGES_AT, TASK_FIXED.size):
+        return None, "layout differs from TASK_FIXED (stale build)"
+    return _ringpack, ""
+
+
+_NATIVE, _NATIVE_MISSING = _load_native()
+
+
+def pack_mode(environ: Any = None) -> tuple[str, str]:
+    """Which task packer a new ``RingWriter`` uses: ``("native", "")``, or ``("python", why)``.
+
+    ``OTEL_KVTRACE_RING_PACK``: ``auto`` (default: native when the extension imports), ``python`` (the
+    reference path, forced), ``native`` (as ``auto``, but says so when the extension is missing)."""
+    from otel_kvtrace.config import OTEL_KVTRACE_RING_PACK
+
+    env = os.environ if environ is None else environ
+    want = env.get(OTEL_KVTRACE_RING_PACK, "").strip().lower() or "auto"
+    if want == "python":
+        return "python", f"{OTEL_KVTRACE_RING_PACK}=python"
+    if _NATIVE is None:
+        return "python", f"native packer {_NATIVE_MISSING}"
+    if want not in ("auto", "native"):
+        import logging
+
+        logging.getLogger("otel_kvtrace").warning(
+            "otel-kvtrace: %s=%r is not supported (use auto, native or python); using auto",
+            OTEL_KVTRACE_RING_PACK, want)
+    return "native", ""
+
+
 def ring_bytes(nslots: int) -> int:
     return HEADER_BYTES + nslots * SLOT_SIZE
 
@@ -213,6 +249,11 @@ class RingWriter:
         # ``npu_resolver``) before the task is written; stream-order bounds need no callback.
         self.resolver: Any = None
         self.overflow_logged = False
+        # The C task packer (``_ringpack.c``, same bytes; ``pack_mode``), or None: the Python path below.
+        self._packer: Any = None
+        if pack_mode()[0] == "native":
+            self._packer = _NATIVE.Packer(mem, self.nslots, self._limit, self._crc, self._claims, fold_stages,
+                                          TaskRecord)
 
     # -- slots ------------------------------------------------------------------------------------
     def _claim(self) -> int:
@@ -296,6 +337,9 @@ class RingWriter:
 
     def release(self) -> None:
         """Unmap the ring (after the agent is done with it, or in a forked child for the parent's ring)."""
+        if self._packer is not None:
+            self._packer.release()  # its buffer export would keep the mapping open
+            self._packer = None
         self.hdr.release()
         self._buf.release()
         self._mem.close()
@@ -318,7 +362,11 @@ class RingWriter:
         if rec.error is not None:
             self._write_error(qidx, rec.seq, rec.error)
         if rec.npu_marks and tighten_bounds(rec) and self.resolver is not None:
-            self.resolver(rec)  # device-timing marks (opt-in): exact times, clamped into the bounds
+            # Device-timing marks (opt-in): exact times, clamped into the bounds. The stream-order marks
+            # were applied just now; the resolver (``Runtime.resolve``) would apply them again.
+            marks = rec.npu_marks
+            marks[:] = [m for m in marks if type(m[1]) is not StreamPosition]
+            self.resolver(rec)
         slot = rec.kind & 1
         if summary is not None:
             sidx = self._summary_index(None, slot, None, summary)
@@ -342,6 +390,11 @@ class RingWriter:
                     sidx = self._summary_index(tt, slot, (shared, req_ids, blocks, group), None)
         if sidx < 0:
             return False  # as for the queue: never a task pointing at a summary the agent lacks
+        packer = self._packer
+        if packer is not None:  # claim, body, tail, commit in C; NotImplemented: an input left to the code below
+            done = packer.write(self, rec, qidx, sidx, awaiting)
+            if done is not NotImplemented:
+                return done
         flags = 0
         # One snapshot when the forward may still append its consumer wait; without a consumer hold this
         # thread is the record's only writer, and the ``*stages`` below copies it once anyway.

@@ -49,6 +49,7 @@ class DroppedCommit:
 @pytest.mark.parametrize("mode", MODES.values(), ids=MODES.keys())
 def test_nothing_but_the_commit_word_publishes_a_slot(mode: int, make_record, monkeypatch) -> None:
     """Every store but the commit word's landed: the reader must not see a message yet (task and side tables)."""
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")  # the store held back is the Python path's _COMMIT
     writer, reader = _ring(256, mode)
     dropped = DroppedCommit()
     monkeypatch.setattr(R, "_COMMIT", dropped)

@@ -1,0 +1,427 @@
+/* Optional accelerator of RingWriter.write_task (otel_kvtrace/record/ring.py): the task slot's claim,
+ * body, tail and commit word in one C call instead of ~45 Python ints copied into a struct.pack_into.
+ *
+ * ring.py is the reference and the fallback; the bytes written here are the same (tests/record/
+ * test_ringpack.py compares them over generated records). This file only handles the common case: every
+ * field an int (a Python int or a subclass: bool, IntEnum) in range of its slot field, deps a list of 10,
+ * stages a list. Anything else returns NotImplemented BEFORE a slot is claimed, and ring.py's Python path
+ * then writes (or raises) exactly as it always did. So no input can make this code write a different
+ * slot than the reference, and nothing here can fail between the claim and the commit.
+ *
+ * The GIL is held throughout and no Python code runs between reading the record and the commit (the
+ * stage list cannot change under us; only fold_stages, a Python callable, runs, before the claim).
+ *
+ * Layout (ring.py TASK_FIXED = "@IBBBBnniiniinnnnnnI10nIH", native sizes and alignment): struct
+ * task_fixed below has the same offsets (checked at import by ring.py against struct.calcsize); stage
+ * int64s start at 192, and the body length is 192 + 8 * n also with no stage (TASK_LAYOUTS[0] is
+ * TASK_FIXED + "0n", which pads to 8). Padding bytes are 0 (struct.pack_into zeroes its whole size);
+ * bytes past the length are not touched (by struct.pack_into neither).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#define HEADER_BYTES 128
+#define SLOT_SIZE 1024
+#define SLOT_HEAD 16 /* commit q, crc I, kind H, length H */
+#define BODY_BYTES (SLOT_SIZE - SLOT_HEAD)
+#define H_HEAD 4
+#define H_READ 5
+#define MAX_STAGE_INTS 66
+#define NUM_DEP_INTS 10
+#define TASK_KIND (3 | 0x8000) /* MSG_TASK | KIND_WRITTEN */
+#define F_SRC 1
+#define F_GATE 2
+#define F_AWAITING 4
+#define F_STAGES_FOLDED 8
+
+struct task_fixed { /* the C compiler's natural alignment is struct's "@" alignment */
+    uint32_t qidx;
+    uint8_t kind, final_layer, outcome, flags;
+    int64_t seq, step;
+    int32_t layer_id, src;
+    int64_t gate;
+    int32_t qdepth, inflight;
+    int64_t t_enqueue, t_dequeue, t_backend_return, t_complete, nbytes, backend_result;
+    uint32_t has_dep;
+    int64_t deps[NUM_DEP_INTS];
+    uint32_t summary;
+    uint16_t n_stage_ints;
+};
+#define FIXED_SIZE (offsetof(struct task_fixed, n_stage_ints) + 2) /* 190: struct.calcsize, no tail pad */
+#define STAGES_AT 192
+_Static_assert(FIXED_SIZE == 190, "TASK_FIXED layout");
+_Static_assert(sizeof(struct task_fixed) == STAGES_AT, "stage ints start 8-aligned after TASK_FIXED");
+_Static_assert(STAGES_AT + 8 * MAX_STAGE_INTS <= BODY_BYTES, "a task fits a slot");
+
+/* zlib.crc32 (the reflected 0xEDB88320 polynomial), for COMMIT_CRC: table built at import. */
+static uint32_t crc_table[256];
+
+static uint32_t crc32_of(const unsigned char *p, size_t n, uint32_t seed) {
+    uint32_t c = ~seed;
+    while (n--) c = crc_table[(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return ~c;
+}
+
+/* Attribute names of TaskRecord, interned once. */
+enum { A_KIND, A_FINAL, A_OUTCOME, A_SEQ, A_STEP, A_LAYER, A_SRC, A_GATE, A_QDEPTH, A_INFLIGHT, A_TENQ,
+       A_TDEQ, A_TRET, A_TCOMP, A_NBYTES, A_RESULT, A_HASDEP, A_DEPS, A_STAGES, N_ATTRS };
+static const char *attr_names[N_ATTRS] = {
+    "kind", "final_layer", "outcome", "seq", "step", "layer_id", "wait_for_save_layer", "gate_id",
+    "queue_depth_at_enqueue", "inflight_at_enqueue", "t_enqueue", "t_dequeue", "t_backend_return",
+    "t_complete", "nbytes", "backend_result", "has_dep", "deps", "stages"};
+static PyObject *attrs[N_ATTRS];
+static PyObject *str_head; /* "_head": the writer's claim hint, kept as ring.py's _claim keeps it */
+
+/* 1 and *out set when o is an int within [lo, hi]; 0 (no exception) when it is not: the caller then
+ * returns NotImplemented and the Python path decides (it packs an __index__ object, raises on a float). */
+static int as_int(PyObject *o, long long lo, long long hi, long long *out) {
+    int overflow;
+    long long v;
+    if (!PyLong_Check(o)) return 0; /* PyLong_AsLongLong would call __index__, i.e. Python code */
+    v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (overflow || (v == -1 && PyErr_Occurred())) {
+        PyErr_Clear();
+        return 0;
+    }
+    if (v < lo || v > hi) return 0;
+    *out = v;
+    return 1;
+}
+
+#define I64_MIN (-0x7FFFFFFFFFFFFFFFLL - 1)
+#define I64_MAX 0x7FFFFFFFFFFFFFFFLL
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;   /* the ring mapping, writable; held until release() */
+    int have_view;
+    Py_ssize_t nslots;
+    long long limit;  /* nslots - CLAIM_MARGIN */
+    int crc;          /* COMMIT_CRC */
+    PyObject *claims; /* the writer's itertools.count: claims shared with its Python _claim */
+    PyObject *fold;   /* ring.fold_stages */
+    /* TaskRecord is a slots dataclass: each field is a member descriptor reading the object pointer at a
+     * fixed offset. For records of exactly that type the fields are read there (what the descriptor does,
+     * without one attribute lookup per field: ~3,000 instructions per task); other objects use getattr. */
+    PyTypeObject *rec_type; /* NULL: no fast path */
+    Py_ssize_t offset[N_ATTRS];
+} Packer;
+
+static void packer_release_view(Packer *self) {
+    if (self->have_view) {
+        self->have_view = 0;
+        PyBuffer_Release(&self->view);
+    }
+}
+
+static void Packer_dealloc(Packer *self) {
+    packer_release_view(self);
+    Py_XDECREF(self->claims);
+    Py_XDECREF(self->fold);
+    Py_XDECREF(self->rec_type);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The slot offsets of rec_type's fields, or 0 when one of them is not a plain object slot. */
+static int find_offsets(Packer *self, PyObject *rec_type) {
+    int a;
+    for (a = 0; a < N_ATTRS; a++) {
+        PyObject *d = PyObject_GetAttr(rec_type, attrs[a]); /* on the class: the descriptor itself */
+        PyMemberDef *m;
+        if (d == NULL) {
+            PyErr_Clear();
+            return 0;
+        }
+        m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
+        Py_DECREF(d);
+        if (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
+            m->offset + (Py_ssize_t)sizeof(PyObject *) > ((PyTypeObject *)rec_type)->tp_basicsize)
+            return 0;
+        self->offset[a] = m->offset;
+    }
+    return 1;
+}
+
+/* The field a of rec, a new reference (NULL with an exception when it is missing). */
+static PyObject *get(Packer *self, PyObject *rec, int a) {
+    if (Py_TYPE(rec) == self->rec_type) {
+        PyObject *o = *(PyObject **)((char *)rec + self->offset[a]);
+        if (o != NULL) {
+            Py_INCREF(o);
+            return o;
+        } /* an unset slot: getattr raises the AttributeError */
+    }
+    return PyObject_GetAttr(rec, attrs[a]);
+}
+
+/* Packer(mem, nslots, limit, crc, claims, fold_stages, record_type) */
+static int Packer_init(Packer *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
+    PyObject *mem, *claims, *fold, *rec_type;
+    Py_ssize_t nslots;
+    long long limit;
+    int crc;
+    if (!PyArg_ParseTuple(args, "OnLpOOO", &mem, &nslots, &limit, &crc, &claims, &fold, &rec_type)) return -1;
+    Py_CLEAR(self->rec_type);
+    if (PyType_Check(rec_type) && find_offsets(self, rec_type)) {
+        Py_INCREF(rec_type);
+        self->rec_type = (PyTypeObject *)rec_type;
+    }
+    if (nslots <= 0) {
+        PyErr_SetString(PyExc_ValueError, "nslots must be positive");
+        return -1;
+    }
+    packer_release_view(self);
+    if (PyObject_GetBuffer(mem, &self->view, PyBUF_WRITABLE) < 0) return -1;
+    self->have_view = 1;
+    if (self->view.len < HEADER_BYTES + (Py_ssize_t)nslots * SLOT_SIZE ||
+        ((uintptr_t)self->view.buf & 7) != 0) { /* the header and commit words are aligned int64 stores */
+        packer_release_view(self);
+        PyErr_SetString(PyExc_ValueError, "ring mapping smaller than its slots, or not 8-byte aligned");
+        return -1;
+    }
+    self->nslots = nslots;
+    self->limit = limit;
+    self->crc = crc;
+    Py_INCREF(claims);
+    Py_XSETREF(self->claims, claims);
+    Py_INCREF(fold);
+    Py_XSETREF(self->fold, fold);
+    return 0;
+}
+
+/* One int field of rec into *out, or 0: NotImplemented (or -1 with an exception from getattr). */
+static int field(Packer *self, PyObject *rec, int a, long long lo, long long hi, long long *out) {
+    PyObject *o = get(self, rec, a);
+    int ok;
+    if (o == NULL) return -1;
+    ok = as_int(o, lo, hi, out);
+    Py_DECREF(o);
+    return ok;
+}
+
+/* write(writer, rec, qidx, sidx, awaiting) -> True (written), False (ring full: nothing claimed) or
+ * NotImplemented (an input the Python path must handle: nothing claimed). */
+static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    /* The body is assembled here first, then copied into the slot: the slot sees only whole writes. */
+    union { struct task_fixed f; unsigned char raw[BODY_BYTES]; } body;
+    long long v, qidx, sidx, kind, final_layer, outcome, src, gate, flags;
+    PyObject *writer, *rec, *o, *stages = NULL;
+    Py_ssize_t n, i;
+    size_t length;
+    int awaiting, r = 1;
+
+    if (nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "write(writer, rec, qidx, sidx, awaiting)");
+        return NULL;
+    }
+    if (!self->have_view) {
+        PyErr_SetString(PyExc_ValueError, "packer released");
+        return NULL;
+    }
+    writer = args[0];
+    rec = args[1];
+    awaiting = PyObject_IsTrue(args[4]);
+    if (awaiting < 0) return NULL;
+    if (!as_int(args[2], 0, UINT32_MAX, &qidx) || !as_int(args[3], 0, UINT32_MAX, &sidx))
+        Py_RETURN_NOTIMPLEMENTED;
+
+    memset(&body, 0, sizeof(struct task_fixed)); /* padding bytes are 0, as struct writes them */
+#define FIELD(a, lo, hi, dst)                  \
+    do {                                       \
+        r = field(self, rec, a, lo, hi, &v);   \
+        if (r <= 0) goto not_this;             \
+        dst = v;                               \
+    } while (0)
+    FIELD(A_KIND, 0, 255, kind);
+    FIELD(A_FINAL, 0, 255, final_layer);
+    FIELD(A_OUTCOME, 0, 255, outcome);
+    FIELD(A_SEQ, I64_MIN, I64_MAX, body.f.seq);
+    FIELD(A_STEP, I64_MIN, I64_MAX, body.f.step);
+    FIELD(A_LAYER, INT32_MIN, INT32_MAX, body.f.layer_id);
+    FIELD(A_QDEPTH, INT32_MIN, INT32_MAX, body.f.qdepth);
+    FIELD(A_INFLIGHT, INT32_MIN, INT32_MAX, body.f.inflight);
+    FIELD(A_TENQ, I64_MIN, I64_MAX, body.f.t_enqueue);
+    FIELD(A_TDEQ, I64_MIN, I64_MAX, body.f.t_dequeue);
+    FIELD(A_TRET, I64_MIN, I64_MAX, body.f.t_backend_return);
+    FIELD(A_TCOMP, I64_MIN, I64_MAX, body.f.t_complete);
+    FIELD(A_NBYTES, I64_MIN, I64_MAX, body.f.nbytes);
+    FIELD(A_RESULT, I64_MIN, I64_MAX, body.f.backend_result);
+    FIELD(A_HASDEP, 0, UINT32_MAX, body.f.has_dep);
+    flags = awaiting ? F_AWAITING : 0;
+    /* wait_for_save_layer / gate_id: None means absent (0 and no flag), as in ring.py */
+    o = get(self, rec, A_SRC);
+    if (o == NULL) return NULL;
+    r = o == Py_None ? (src = 0, 1) : (flags |= F_SRC, as_int(o, INT32_MIN, INT32_MAX, &src));
+    Py_DECREF(o);
+    if (!r) Py_RETURN_NOTIMPLEMENTED;
+    o = get(self, rec, A_GATE);
+    if (o == NULL) return NULL;
+    r = o == Py_None ? (gate = 0, 1) : (flags |= F_GATE, as_int(o, I64_MIN, I64_MAX, &gate));
+    Py_DECREF(o);
+    if (!r) Py_RETURN_NOTIMPLEMENTED;
+
+    o = get(self, rec, A_DEPS);
+    if (o == NULL) return NULL;
+    if (!PyList_CheckExact(o) || PyList_GET_SIZE(o) != NUM_DEP_INTS) {
+        Py_DECREF(o);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    for (i = 0; i < NUM_DEP_INTS; i++) {
+        if (!as_int(PyList_GET_ITEM(o, i), I64_MIN, I64_MAX, &v)) {
+            Py_DECREF(o);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        body.f.deps[i] = v;
+    }
+    Py_DECREF(o);
+
+    stages = get(self, rec, A_STAGES);
+    if (stages == NULL) return NULL;
+    if (!PyList_CheckExact(stages) && !PyTuple_CheckExact(stages)) goto not_this;
+    if (PySequence_Fast_GET_SIZE(stages) > MAX_STAGE_INTS) { /* repeated stages folded, by ring.py's rule */
+        Py_SETREF(stages, PyObject_CallOneArg(self->fold, stages));
+        if (stages == NULL) return NULL;
+        if (!PyList_CheckExact(stages) || PyList_GET_SIZE(stages) > MAX_STAGE_INTS) goto not_this;
+        flags |= F_STAGES_FOLDED;
+    }
+    n = PySequence_Fast_GET_SIZE(stages);
+    for (i = 0; i < n; i++) {
+        if (!as_int(PySequence_Fast_GET_ITEM(stages, i), I64_MIN, I64_MAX, &v)) goto not_this;
+        memcpy(body.raw + STAGES_AT + 8 * i, &v, 8);
+    }
+    Py_CLEAR(stages);
+    body.f.qidx = (uint32_t)qidx;
+    body.f.kind = (uint8_t)kind;
+    body.f.final_layer = (uint8_t)final_layer;
+    body.f.outcome = (uint8_t)outcome;
+    body.f.flags = (uint8_t)flags;
+    body.f.src = (int32_t)src;
+    body.f.gate = gate;
+    body.f.summary = (uint32_t)sidx;
+    body.f.n_stage_ints = (uint16_t)n;
+    length = STAGES_AT + 8 * (size_t)n;
+
+    /* The claim (ring.py _claim, same rule). From here on nothing can fail before the commit but the
+     * claim counter itself, and a failed next() claims nothing. */
+    {
+        int64_t *hdr = (int64_t *)self->view.buf;
+        long long head, k;
+        unsigned char *slot;
+        uint32_t crc = 0;
+        uint16_t tail_kind = TASK_KIND, tail_len = (uint16_t)length;
+        PyObject *kobj, *head_obj;
+
+        o = PyObject_GetAttr(writer, str_head);
+        if (o == NULL) return NULL;
+        if (!as_int(o, I64_MIN, I64_MAX, &head)) {
+            Py_DECREF(o);
+            Py_RETURN_NOTIMPLEMENTED;
+        }
+        Py_DECREF(o);
+        if (head - __atomic_load_n(&hdr[H_READ], __ATOMIC_RELAXED) >= self->limit) Py_RETURN_FALSE;
+        kobj = PyIter_Next(self->claims);
+        if (kobj == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "claim counter exhausted");
+            return NULL;
+        }
+        k = PyLong_AsLongLong(kobj);
+        Py_DECREF(kobj);
+        if (k == -1 && PyErr_Occurred()) return NULL; /* 2^63 claims: not reachable */
+        head_obj = PyLong_FromLongLong(k + 1);
+        if (head_obj == NULL || PyObject_SetAttr(writer, str_head, head_obj) < 0) {
+            /* Claimed but not written: commit it as MSG_VOID (ring.py does the same), then raise. */
+            Py_XDECREF(head_obj);
+            slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
+            tail_kind = 0x8000;
+            tail_len = 0;
+            crc = self->crc ? crc32_of(slot, 0, (uint32_t)k) ^ ((uint32_t)tail_kind << 16) : 0;
+            memcpy(slot + 8, &crc, 4);
+            memcpy(slot + 12, &tail_kind, 2);
+            memcpy(slot + 14, &tail_len, 2);
+            __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
+            return NULL;
+        }
+        Py_DECREF(head_obj);
+        if (k >= hdr[H_HEAD]) __atomic_store_n(&hdr[H_HEAD], (int64_t)(k + 1), __ATOMIC_RELAXED);
+
+        /* k % nslots < nslots and the mapping holds nslots slots (checked in __init__): in bounds. */
+        slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
+        memcpy(slot + SLOT_HEAD, body.raw, length);
+        if (self->crc) crc = crc32_of(slot + SLOT_HEAD, length, (uint32_t)k) ^ ((uint32_t)tail_kind << 16 | tail_len);
+        memcpy(slot + 8, &crc, 4);
+        memcpy(slot + 12, &tail_kind, 2);
+        memcpy(slot + 14, &tail_len, 2);
+        /* Last and alone, one aligned 8-byte store; release: the body and tail stores above are not moved
+         * after it by the compiler (x86-64 keeps program order itself; elsewhere this is a release store,
+         * though COMMIT_CRC is what the reader relies on there). */
+        __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
+    }
+    Py_RETURN_TRUE;
+
+not_this:
+    Py_XDECREF(stages);
+    if (r < 0 || PyErr_Occurred()) return NULL;
+    Py_RETURN_NOTIMPLEMENTED;
+#undef FIELD
+}
+
+static PyObject *Packer_release(Packer *self, PyObject *Py_UNUSED(unused)) {
+    packer_release_view(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Packer_methods[] = {
+    {"write", (PyCFunction)(void (*)(void))Packer_write, METH_FASTCALL,
+     "write(writer, rec, qidx, sidx, awaiting): True, False (ring full) or NotImplemented (use Python)"},
+    {"release", (PyCFunction)Packer_release, METH_NOARGS, "drop the ring mapping's buffer"},
+    {NULL, NULL, 0, NULL}};
+
+static PyMemberDef Packer_members[] = {
+    {"record_type", T_OBJECT, offsetof(Packer, rec_type), READONLY, "the type read by slot offsets, or None"},
+    {NULL, 0, 0, 0, NULL}};
+
+static PyTypeObject PackerType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.record._ringpack.Packer",
+    .tp_basicsize = sizeof(Packer),
+    .tp_dealloc = (destructor)Packer_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Packer(mem, nslots, limit, crc, claims, fold_stages, record_type): the task slot writer of one ring",
+    .tp_methods = Packer_methods,
+    .tp_members = Packer_members,
+    .tp_init = (initproc)Packer_init,
+    .tp_new = PyType_GenericNew,
+};
+
+static struct PyModuleDef ringpack_module = {
+    PyModuleDef_HEAD_INIT, "_ringpack", "Native task-slot writer of otel_kvtrace.record.ring", -1, NULL, NULL, NULL, NULL, NULL};
+
+PyMODINIT_FUNC PyInit__ringpack(void) {
+    PyObject *m;
+    uint32_t i, c;
+    int j;
+    for (i = 0; i < 256; i++) {
+        c = i;
+        for (j = 0; j < 8; j++) c = c & 1 ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[i] = c;
+    }
+    for (j = 0; j < N_ATTRS; j++)
+        if ((attrs[j] = PyUnicode_InternFromString(attr_names[j])) == NULL) return NULL;
+    if ((str_head = PyUnicode_InternFromString("_head")) == NULL) return NULL;
+    if (PyType_Ready(&PackerType) < 0) return NULL;
+    m = PyModule_Create(&ringpack_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&PackerType);
+    if (PyModule_AddObject(m, "Packer", (PyObject *)&PackerType) < 0 ||
+        PyModule_AddIntConstant(m, "STAGES_AT", STAGES_AT) < 0 ||
+        PyModule_AddIntConstant(m, "FIXED_SIZE", (long)FIXED_SIZE) < 0) {
+        Py_DECREF(&PackerType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,360 @@
+"""The C task packer (``otel_kvtrace/record/_ringpack.c``) against the pure-Python reference in ``ring.py``.
+
+Two rings are driven with the same generated records, one by each packer; after every write the two
+mappings (header words and every slot byte) must be equal, and what the real ``RingReader`` and the agent's
+``Decoder`` read back must be equal too. Inputs the C code does not take (a non-int, an int out of a field's
+range) go to the Python path, so even the failing writes leave identical rings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import shutil
+import struct
+import sysconfig
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from otel_kvtrace.export.agent import Decoder
+from otel_kvtrace.export.spans import TransferSummary
+from otel_kvtrace.record import ring as R
+from otel_kvtrace.record.model import NO_TIME, NUM_DEPS, QueueInfo, TaskRecord
+
+NATIVE = R._NATIVE
+needs_native = pytest.mark.skipif(NATIVE is None, reason=f"native packer {R._NATIVE_MISSING}")
+QUEUE = QueueInfo(run_id="pack", path="gva", thread_name="KVCacheRecvThread", pid=7, tp=1, num_layers=8)
+I64 = (-(1 << 63), (1 << 63) - 1)
+
+
+def _ring(nslots: int, commit: int) -> Any:
+    fd, mem = R.create_memfd(nslots, commit)
+    os.close(fd)
+    return mem
+
+
+def _pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """(native writer, Python writer) over two fresh rings of the same shape."""
+    native = R.RingWriter(_ring(nslots, commit))
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    python = R.RingWriter(_ring(nslots, commit))
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
+    assert native._packer is not None and python._packer is None
+    return native, python
+
+
+# -- generated records -------------------------------------------------------------------------------------
+stamp = st.one_of(st.just(NO_TIME), st.integers(0, 1 << 62), st.integers(*I64))
+
+
+@st.composite
+def records(draw: Any) -> tuple[TaskRecord, bool, Any]:
+    rec = TaskRecord()
+    rec.queue = QUEUE
+    rec.kind = draw(st.integers(0, 1))
+    rec.seq = draw(st.integers(*I64))
+    rec.step = draw(st.integers(0, 1 << 40))
+    rec.layer_id = draw(st.integers(-(1 << 31), (1 << 31) - 1))
+    rec.final_layer = draw(st.booleans())
+    rec.wait_for_save_layer = draw(st.one_of(st.none(), st.integers(-(1 << 31), (1 << 31) - 1)))
+    rec.gate_id = draw(st.one_of(st.none(), st.integers(*I64)))
+    rec.queue_depth_at_enqueue = draw(st.integers(0, 1 << 31 - 1))
+    rec.inflight_at_enqueue = draw(st.integers(0, 100))
+    rec.t_enqueue, rec.t_dequeue, rec.t_backend_return, rec.t_complete = (draw(stamp) for _ in range(4))
+    n_triples = draw(st.one_of(st.integers(0, 22), st.integers(23, 40)))  # above 22: folded
+    for _ in range(n_triples):
+        rec.stages.extend((draw(st.integers(0, 8)), draw(stamp), draw(stamp)))
+    rec.deps[:] = [draw(stamp) for _ in range(2 * NUM_DEPS)]
+    rec.has_dep = draw(st.integers(0, 31))
+    rec.outcome = draw(st.integers(0, 2))
+    rec.nbytes = draw(st.integers(0, 1 << 40))
+    rec.backend_result = draw(st.integers(*I64))
+    if draw(st.integers(0, 9)) == 0:
+        rec.error = ValueError("boom")
+    # A few inputs the C path leaves to Python: that path raises (struct.error), both rings get MSG_VOID.
+    bad = draw(st.integers(0, 19))
+    if bad == 0:
+        rec.t_complete = 1 << 63  # int64 overflow
+    elif bad == 1:
+        rec.kind = 256  # out of its byte
+    elif bad == 2:
+        rec.stages.append(1.5)  # not an int (and not a whole triple)
+    elif bad == 3:
+        rec.layer_id = 1 << 31
+    summary = None
+    if draw(st.booleans()):
+        summary = TransferSummary(group_ids=[draw(st.integers(0, 3))], request_ids=["a", "b"],
+                                  num_blocks=draw(st.integers(0, 64)))
+    return rec, draw(st.booleans()), summary
+
+
+def _copy(rec: TaskRecord) -> TaskRecord:
+    return dataclasses.replace(rec, stages=list(rec.stages), deps=list(rec.deps), npu_marks=[], holds=[])
+
+
+def _write(writer: Any, rec: TaskRecord, awaiting: bool, summary: Any) -> Any:
+    try:
+        return writer.write_task(rec, awaiting, summary)
+    except Exception as exc:  # noqa: BLE001 - the recorder turns it into "tracing disabled"
+        return type(exc)
+
+
+def _decoded(reader: Any, decoder: Decoder) -> list[Any]:
+    out: list[Any] = []
+    for msg in reader.poll(10_000):
+        decoder.feed(msg, out)
+    reader.consumed()
+    return [(r.seq, r.kind, r.step, r.layer_id, r.final_layer, r.wait_for_save_layer, r.gate_id, r.t_enqueue,
+             r.t_dequeue, r.t_backend_return, r.t_complete, list(r.stages), list(r.deps), r.has_dep, r.outcome,
+             r.nbytes, r.backend_result, type(r.error).__name__) for r in out]
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(records(), st.booleans()), min_size=1, max_size=40))
+def test_both_packers_write_the_same_bytes(commit: int, batch: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    nslots = 128  # laps within one example: stale bytes of earlier laps must be left alike too
+    native, python = _pair(nslots, commit, monkeypatch)
+    readers = [R.RingReader(native._mem), R.RingReader(python._mem)]
+    decoders = [Decoder(), Decoder()]
+    for (rec, awaiting, summary), consume in batch:
+        results = [_write(w, _copy(rec), awaiting, summary) for w in (native, python)]
+        assert results[0] == results[1]
+        assert native._mem[:] == python._mem[:]  # header words and every slot
+        assert native._head == python._head
+        if consume:  # else the rings fill up: both drop alike (False)
+            assert _decoded(readers[0], decoders[0]) == _decoded(readers[1], decoders[1])
+            assert native._mem[:] == python._mem[:]
+    assert decoders[0].malformed == decoders[1].malformed == 0
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_every_stage_count_round_trips(commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """0..MAX_STAGE_INTS + 9 stage ints (folding above the cap), both packers, decoded by the agent."""
+    native, python = _pair(256, commit, monkeypatch)
+    readers = [R.RingReader(w._mem) for w in (native, python)]
+    decoders = [Decoder(), Decoder()]
+    for n in range(0, R.MAX_STAGE_INTS + 10, 3):
+        rec = TaskRecord(queue=QUEUE, seq=n, t_enqueue=5_000_000_000 + n, gate_id=n)
+        rec.stages.extend(x for i in range(n // 3) for x in (i % 9, 10 * i, 10 * i + 5))
+        for w in (native, python):
+            assert w.write_task(_copy(rec), False)  # (an awaiting task waits in the decoder for its cwait)
+        assert native._mem[:] == python._mem[:]
+        got = [_decoded(r, d) for r, d in zip(readers, decoders)]
+        assert got[0] == got[1] and len(got[0]) == 1
+        expected = rec.stages if n <= R.MAX_STAGE_INTS else R.fold_stages(rec.stages)
+        assert got[0][0][11] == expected
+
+
+@needs_native
+def test_inputs_left_to_python_claim_nothing_in_c() -> None:
+    """What the C code does not take it returns as NotImplemented before any claim (ring untouched)."""
+    writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
+    before = writer._mem[:]
+    for change in ({"t_enqueue": 1 << 63}, {"t_enqueue": 1.0}, {"kind": -1}, {"seq": "3"}, {"gate_id": 1 << 64},
+                   {"deps": [0] * 9}, {"deps": (0,) * 10}, {"stages": [1, 2, 3.0]}, {"stages": {1, 2, 3}},
+                   {"wait_for_save_layer": 1 << 31}, {"has_dep": -1}, {"final_layer": None}):
+        rec = TaskRecord(queue=QUEUE)
+        for name, value in change.items():
+            setattr(rec, name, value)
+        assert writer._packer.write(writer, rec, 0, R.NO_SUMMARY, False) is NotImplemented, change
+    assert writer._packer.write(writer, TaskRecord(), 1 << 32, 0, False) is NotImplemented  # qidx not u32
+    assert writer._mem[:] == before
+    with pytest.raises(AttributeError):
+        writer._packer.write(writer, object(), 0, 0, False)
+    assert writer._mem[:] == before
+    # Through write_task the Python path then raises as it always did (the recorder disables tracing).
+    rec = TaskRecord(queue=QUEUE, t_enqueue=1 << 63)
+    with pytest.raises(struct.error):
+        writer.write_task(rec, False)
+
+
+@needs_native
+def test_records_of_other_types_and_unset_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``TaskRecord`` fields are read at their slot offsets; any other object through getattr, same bytes."""
+    native, python = _pair(128, R.COMMIT_STORE_ORDER, monkeypatch)
+    assert native._packer.record_type is TaskRecord
+
+    class Plain:  # not a TaskRecord: every field by getattr
+        def __init__(self, rec: TaskRecord) -> None:
+            for f in dataclasses.fields(TaskRecord):
+                setattr(self, f.name, getattr(rec, f.name))
+
+    class Sub(TaskRecord):  # a subclass may redefine a field: not read by offset either
+        __slots__ = ()
+
+        @property
+        def t_complete(self) -> int:  # type: ignore[override]
+            return 77
+
+        @t_complete.setter
+        def t_complete(self, value: int) -> None:
+            pass
+
+    rec = TaskRecord(queue=QUEUE, seq=9, t_enqueue=5_000_000_123, stages=[1, 2, 3], gate_id=4)
+    for make in (Plain, lambda r: Sub(**{f.name: getattr(r, f.name) for f in dataclasses.fields(TaskRecord)})):
+        for w in (native, python):
+            assert w.write_task(make(_copy(rec)), False) is True
+        assert native._mem[:] == python._mem[:]
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(native._mem).poll(10):
+        decoder.feed(msg, out)
+    assert [r.t_complete for r in out] == [NO_TIME, 77]
+    before = native._mem[:]
+    unset = TaskRecord(queue=QUEUE)
+    del unset.seq
+    with pytest.raises(AttributeError):
+        native._packer.write(native, unset, 0, 0, False)
+    assert native._mem[:] == before  # nothing claimed
+
+
+@needs_native
+def test_the_packer_never_takes_a_mapping_smaller_than_its_slots() -> None:
+    mem = _ring(128, R.COMMIT_STORE_ORDER)
+    with pytest.raises(ValueError):
+        NATIVE.Packer(mem, 129, 64, False, iter(range(10)), R.fold_stages, TaskRecord)
+    with pytest.raises(ValueError):
+        NATIVE.Packer(memoryview(mem)[4:], 127, 64, False, iter(range(10)), R.fold_stages, TaskRecord)  # misaligned
+    with pytest.raises(BufferError):
+        NATIVE.Packer(bytes(R.ring_bytes(4)), 4, 1, False, iter(range(10)), R.fold_stages, TaskRecord)  # read-only
+    packer = NATIVE.Packer(mem, 128, 64, False, iter(range(10)), R.fold_stages, TaskRecord)
+    packer.release()
+    with pytest.raises(ValueError):
+        packer.write(None, TaskRecord(), 0, 0, False)
+
+
+@needs_native
+def test_full_ring_claims_nothing_and_release_unmaps() -> None:
+    writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
+    rec = TaskRecord(queue=QUEUE, t_enqueue=1)
+    written = 0
+    while writer.write_task(rec, True):
+        written += 1
+    assert written == 128 - R.CLAIM_MARGIN - 1  # the queue definition took one slot
+    assert writer.hdr[R.H_HEAD] == writer._head == 128 - R.CLAIM_MARGIN
+    writer.release()  # the packer's buffer is released first, or the mapping could not close
+    assert writer._mem.closed
+
+
+def test_the_native_packer_is_in_use_when_it_can_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So the suite cannot silently test only the Python path: where a compiler and the Python headers
+    exist (this machine, CI) the extension must have been built by ``pip install -e .`` and be chosen."""
+    built = importlib.util.find_spec("otel_kvtrace.record._ringpack") is not None
+    can_build = shutil.which(os.environ.get("CC", "gcc")) is not None and (
+        Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
+    if not (built or can_build):
+        pytest.skip("no compiler or Python headers here: the Python path is the one in use")
+    assert built, "a compiler is here but otel_kvtrace/record/_ringpack*.so is not: pip install -e ."
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    assert R.pack_mode() == ("native", "")
+    writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
+    assert type(writer._packer).__module__ == "otel_kvtrace.record._ringpack"
+    calls = []
+    real = writer._packer
+
+    class Spy:  # counts the calls, the real packer writes
+        def write(self, *args: Any) -> Any:
+            calls.append(args[1])
+            return real.write(*args)
+
+    writer._packer = Spy()
+    rec = TaskRecord(queue=QUEUE, seq=11, t_enqueue=5)
+    assert writer.write_task(rec, False)
+    assert calls == [rec]
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(writer._mem).poll(10):
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [11]
+
+
+def test_python_is_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    assert R.pack_mode() == ("python", "OTEL_KVTRACE_RING_PACK=python")
+    assert R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))._packer is None
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "bogus")  # warns, auto
+    assert R.pack_mode()[0] == ("native" if NATIVE is not None else "python")
+
+
+class _DeviceEvent:
+    """A completed device event whose elapsed time since the calibration event is ``at_ms``."""
+
+    def __init__(self, enable_timing: bool = True, at_ms: float = 0.0) -> None:
+        self.at_ms = at_ms
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: "_DeviceEvent") -> float:
+        return other.at_ms - self.at_ms
+
+
+@pytest.mark.parametrize("pack", ["auto", "python"])
+def test_stream_bounds_are_applied_once_per_ship_with_device_timing(pack: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``write_task`` tightens the stream-order bounds, then hands the device-timing marks to the resolver
+    (``Runtime.resolve``), which tightened the same stream marks again before; now it sees none of them."""
+    from otel_kvtrace.instrument import runtime as runtime_mod
+    from otel_kvtrace.instrument import stream_order
+    from otel_kvtrace.instrument.npu_timing import NpuTiming
+    from otel_kvtrace.record.model import Dep
+    from otel_kvtrace.record.recorder import Recorder
+
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", pack)
+    applied: list[int] = []  # stream marks each tighten_bounds call walks (the real function does the work)
+
+    def counting(record: Any) -> bool:
+        applied.append(sum(type(m) is stream_order.StreamPosition for _, m in record.npu_marks))
+        return stream_order.tighten_bounds(record)
+
+    monkeypatch.setattr(R, "tighten_bounds", counting)
+    monkeypatch.setattr(runtime_mod, "tighten_bounds", counting)
+    recorder = Recorder(capacity=4, clock=lambda: 1_000_000)
+    runtime = runtime_mod.Runtime(recorder=recorder, run_id="once")
+    runtime.npu_timing = NpuTiming(_DeviceEvent, recorder.clock)  # calibration at host 1_000_000 ns
+    recorder.npu_resolver = runtime.resolve
+    writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
+    recorder.attach_ring(writer)
+    log = stream_order.StreamLog()
+    for _ in range(3):
+        log.append()
+    log.observe(0, 1_000_500)
+    log.observe(2, 1_000_400)  # recorded later, seen complete earlier: bounds position 0 at 1_000_400
+    rec = recorder.new_record()
+    rec.queue, rec.seq = QUEUE, 5
+    rec.dep_bounds(Dep.SAVE_NPU, 1_000_100, 1_000_900)
+    rec.dep_bounds(Dep.GATE_NPU, 1_000_000, 1_002_000)
+    rec.npu_marks[:] = [(int(Dep.SAVE_NPU), stream_order.StreamPosition(log, 0)),
+                        (int(Dep.GATE_NPU), _DeviceEvent(at_ms=0.0015))]  # device time 1_001_500
+    recorder.submit(rec)
+    assert recorder.enabled and recorder.submitted == 1
+    assert sum(applied) == 1  # the one stream mark, once (it was 2: once here, once in Runtime.resolve)
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(writer._mem).poll(10):
+        decoder.feed(msg, out)
+    (got,) = out
+    assert got.deps[2 * Dep.SAVE_NPU : 2 * Dep.SAVE_NPU + 2] == [1_000_100, 1_000_400]  # stream order
+    assert got.deps[2 * Dep.GATE_NPU : 2 * Dep.GATE_NPU + 2] == [1_001_500, 1_001_500]  # device time
+
+
+def test_doctor_names_the_packer_in_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    from otel_kvtrace.doctor import ring_pack
+
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    assert ring_pack() == "python: OTEL_KVTRACE_RING_PACK=python"
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
+    assert ring_pack() == ("native" if NATIVE is not None else f"python: native packer {R._NATIVE_MISSING}")
