@@ -751,36 +751,31 @@ def check(cls: type) -> str | None:
     return None
 
 
-def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
-    """Patch-point factory (``points.py`` P4): compiled probes, else the wrapper (one log line why)."""
+def _compiled_or_wrapper(original: Callable, rt: Runtime, tree: Callable, wrapper: Callable, what: str) -> Callable:
+    """The compiled ``original`` (``tree``: the rewrite of its AST), else ``wrapper(original, rt)`` with one
+    log line saying why (``OTEL_KVTRACE_PROBES=wrappers``, not a plain function, the proof refused)."""
     try:
         if config.probes_mode() == "wrappers":
             raise NotRewritable(f"{config.OTEL_KVTRACE_PROBES}=wrappers")
         if not inspect.isfunction(original):
             raise NotRewritable("not a plain function")
-        fn = build(original, rt)
-    except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrappers instead
+        return build(original, rt, tree)
+    except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrapper instead
         reason = str(exc) if isinstance(exc, NotRewritable) else f"{type(exc).__name__}: {exc}"
-        logger.info("otel-kvtrace: %s uses the wrapper path (compiled probes off): %s",
-                    getattr(original, "__qualname__", original), reason)
-        return wrappers.wrap_handle_request(original, rt)
-    return fn
+        logger.info("otel-kvtrace: %s uses %s: %s", getattr(original, "__qualname__", original), what, reason)
+        return wrapper(original, rt)
+
+
+def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
+    """Patch-point factory (``points.py`` P4): compiled probes, else the wrapper (one log line why)."""
+    return _compiled_or_wrapper(original, rt, rewrite_tree, wrappers.wrap_handle_request,
+                                "the wrapper path (compiled probes off)")
 
 
 def compile_add_request(original: Callable, rt: Runtime) -> Callable:
     """Patch-point factory (``points.py`` P3): the compiled enqueue, else the wrapper (one log line why)."""
-    try:
-        if config.probes_mode() == "wrappers":
-            raise NotRewritable(f"{config.OTEL_KVTRACE_PROBES}=wrappers")
-        if not inspect.isfunction(original):
-            raise NotRewritable("not a plain function")
-        fn = build(original, rt, rewrite_add_request_tree)
-    except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrapper instead
-        reason = str(exc) if isinstance(exc, NotRewritable) else f"{type(exc).__name__}: {exc}"
-        logger.info("otel-kvtrace: %s uses the enqueue wrapper (compiled enqueue off): %s",
-                    getattr(original, "__qualname__", original), reason)
-        return wrappers.wrap_add_request(original, rt)
-    return fn
+    return _compiled_or_wrapper(original, rt, rewrite_add_request_tree, wrappers.wrap_add_request,
+                                "the enqueue wrapper (compiled enqueue off)")
 
 
 def is_compiled(fn: object) -> bool:
