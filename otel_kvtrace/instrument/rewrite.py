@@ -14,8 +14,11 @@ stage.
 Semantics are proved at install, not trusted: the source must compile to the running ``fn.__code__`` (not
 a file edited after import, not the inner function of a wrapper); the inserted statements (all marked)
 are stripped from the rewritten tree, which must then dump equal to the original
-(``ast.dump(include_attributes=False)``); the inserted nodes may only store ``__kvtrace_*`` state and never
-return, raise, break, continue or yield (but the prelude's fallback and the handler's re-raise); and every
+(``ast.dump(include_attributes=False)``); the inserted nodes may only store ``__kvtrace_*`` state (and our
+``_kvtrace*`` attributes on upstream's ``self``/task), call no method of an upstream object (but reading our
+own ``_kvtrace*`` attribute through ``__dict__``), hand upstream values only to a listed few functions of
+ours, and never return, raise, break, continue or yield (but the prelude's fallback and the handler's
+re-raise; :func:`_check_inserted` says exactly what is checked); and every
 call of a stamped method must sit in a recognised statement. Otherwise (another upstream version, a
 patched method) :func:`compile_handle_request` logs ONE line with the reason and returns the
 wrapper of ``wrappers.wrap_handle_request`` (the other wrappers then stay on, see ``patches.install``).
@@ -70,7 +73,7 @@ _PRELUDE = f"""
 if {_T}recorder.enabled and DATA is not None:
     try:
         {_T}t = {_T}clock()
-        {_T}st = SELF.__dict__.get({_T}STATE) or {_T}queue_state(SELF, {_T}rt)
+        {_T}st = SELF.__dict__.get({attach.STATE_ATTR!r}) or {_T}queue_state(SELF, {_T}rt)
         try:
             {_T}rec = DATA.__dict__.pop("_kvtrace", None)
         except {_T}AttributeError:
@@ -524,31 +527,126 @@ def _check_loaded(fn: Callable, filename: str) -> None:
 
 
 _ALLOWED_STMTS = (ast.Assign, ast.AugAssign, ast.Expr, ast.If, ast.Try, ast.Pass)
+_FORBIDDEN_EXPRS = (ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.NamedExpr, ast.ListComp, ast.SetComp,
+                    ast.DictComp, ast.GeneratorExp)
+_OWN_RESULT = frozenset({"clock", "queue_state", "new_record", "id", "len", "type"})
+"""Our closure functions whose result is ours (never an upstream object), whatever their arguments."""
+UPSTREAM_ARG_CALLS = frozenset({"getattr", "setattr", "len", "id", "type", "list", "queue_state", "slot_done",
+                                "npu_done", "total_bytes", "fail", "original"})
+"""The only functions of ours (``__kvtrace_<name>``) the inserted code may hand an upstream object (or a value
+read from one); they read it (``setattr``: only with a constant ``_kvtrace*`` name, ``original``: upstream's
+own function)."""
+
+
+def _own_attr_dict_call(node: ast.AST) -> bool:
+    """``<name>.__dict__.get("_kvtrace…"[, None])`` or ``.pop(...)``: our own attribute of an upstream object."""
+    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("get", "pop")):
+        return False
+    d = node.func.value
+    args = node.args
+    return (isinstance(d, ast.Attribute) and d.attr == "__dict__" and isinstance(d.value, ast.Name)
+            and not node.keywords and 1 <= len(args) <= 2 and all(isinstance(a, ast.Constant) for a in args)
+            and isinstance(args[0].value, str) and args[0].value.startswith(OWN_ATTR))
+
+
+def _bound_names(targets: list[ast.expr]) -> list[str]:
+    """The names an assignment binds (``a = ...``, ``a, b = ...``; not the ``a`` of ``a.x = ...``)."""
+    out: list[str] = []
+    for t in targets:
+        if isinstance(t, ast.Name):
+            out.append(t.id)
+        elif isinstance(t, (ast.Tuple, ast.List)):
+            out.extend(_bound_names(t.elts))
+        elif isinstance(t, ast.Starred):
+            out.extend(_bound_names([t.value]))
+    return out
+
+
+class _Upstream:
+    """Which inserted expressions may be an upstream object (or a value read from one): upstream's names, the
+    ``__kvtrace_*`` names ever bound to such a value (``aliases``, flow-insensitive, to a fixpoint; every
+    handler's exception name), and attributes, items and (most) call results of those. Ours: constants, our
+    own attributes read through ``__dict__`` (``_own_attr_dict_call``) and the results of ``_OWN_RESULT``."""
+
+    def __init__(self, nodes: list[ast.AST]) -> None:
+        self.aliases: set[str] = {n.name for n in nodes if isinstance(n, ast.ExceptHandler) and n.name}
+        assigns = [n for n in nodes if isinstance(n, ast.Assign)]
+        while True:
+            before = len(self.aliases)
+            for a in assigns:
+                if self(a.value):
+                    self.aliases.update(_bound_names(a.targets))
+            if len(self.aliases) == before:
+                return
+
+    def __call__(self, e: ast.AST) -> bool:
+        if isinstance(e, ast.Name):
+            return not e.id.startswith(PREFIX) or e.id in self.aliases
+        if isinstance(e, ast.Constant):
+            return False
+        if isinstance(e, (ast.Attribute, ast.Subscript)):  # an item of our container is ours
+            return self(e.value)
+        if isinstance(e, ast.Call):
+            if _own_attr_dict_call(e):
+                return False
+            if isinstance(e.func, ast.Name) and e.func.id.startswith(PREFIX) and \
+                    e.func.id[len(PREFIX):] in _OWN_RESULT:
+                return False
+            return any(self(c) for c in [e.func, *e.args, *(k.value for k in e.keywords)])
+        return any(self(c) for c in ast.iter_child_nodes(e) if isinstance(c, ast.expr))
 
 
 def _check_inserted(fn: ast.FunctionDef, own: set[int], allowed_loads: set[str]) -> None:
-    """The inserted nodes touch only ``__kvtrace_*`` state and never change upstream's control flow: they
-    store only ``__kvtrace_*`` names (or attributes/items of them), read only those and the upstream names we
-    substituted, and return/raise only where we put it (``own``: the prelude's fallback return, the handler's
-    bare ``raise``)."""
-    for node in ast.walk(fn):
-        if not getattr(node, _MARK, False) or id(node) in own:
+    """The inserted nodes touch only our own state and never change upstream's control flow:
+    - they store only ``__kvtrace_*`` names and attributes/items of our own objects (an object reached from a
+      ``__kvtrace_*`` name that never holds an upstream value, see :class:`_Upstream`), plus ``_kvtrace*``
+      attributes on upstream's own ``self``/task parameter (``task._kvtrace = rec``);
+    - they read only ``__kvtrace_*`` names and the upstream names substituted into the templates;
+    - they call no method of an upstream object but ``<name>.__dict__.get/pop("_kvtrace…")`` (our own
+      attribute), call no upstream callable, hand upstream values only to ``UPSTREAM_ARG_CALLS``, and
+      ``setattr`` only with a constant ``_kvtrace*`` name;
+    - they return/raise only where we put it (``own``: the prelude's fallback return, the handler's bare
+      ``raise``): no other return, raise, break, continue, yield, await, lambda, walrus or comprehension."""
+    mine = [n for n in ast.walk(fn) if getattr(n, _MARK, False)]
+    up = _Upstream(mine)
+    self_data = {fn.args.args[0].arg, fn.args.args[1].arg}
+    for node in mine:
+        if id(node) in own:
             continue
         if isinstance(node, ast.stmt) and not isinstance(node, _ALLOWED_STMTS):
             raise NotRewritable(f"inserted {type(node).__name__} at line {node.lineno}")
-        if isinstance(node, (ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.NamedExpr)):
+        if isinstance(node, _FORBIDDEN_EXPRS):
             raise NotRewritable(f"inserted {type(node).__name__} at line {node.lineno}")
         if isinstance(node, ast.Name) and not node.id.startswith(PREFIX) and \
                 (not isinstance(node.ctx, ast.Load) or node.id not in allowed_loads):
             raise NotRewritable(f"inserted code uses upstream's name {node.id!r}")
-        if isinstance(node, ast.Attribute) and not isinstance(node.ctx, ast.Load) and node.attr.startswith(OWN_ATTR):
-            continue  # our own attribute on an upstream object (the enqueue's ``task._kvtrace``)
         if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
+            if isinstance(node, ast.Attribute) and node.attr.startswith(OWN_ATTR) and \
+                    isinstance(node.value, ast.Name) and node.value.id in self_data:
+                continue  # our own attribute on upstream's task (the enqueue's ``task._kvtrace``)
             root = node
             while isinstance(root, (ast.Attribute, ast.Subscript)):
                 root = root.value
-            if not (isinstance(root, ast.Name) and root.id.startswith(PREFIX)):
+            if not (isinstance(root, ast.Name) and root.id.startswith(PREFIX)) or up(node.value):
                 raise NotRewritable(f"inserted code stores into {ast.unparse(node)!r}")
+        if isinstance(node, ast.Call):
+            _check_call(node, up)
+
+
+def _check_call(node: ast.Call, up: _Upstream) -> None:
+    func = node.func
+    if _own_attr_dict_call(node):
+        return
+    if up(func.value if isinstance(func, ast.Attribute) else func):
+        raise NotRewritable(f"inserted code calls {ast.unparse(func)!r} of an upstream object")
+    if not isinstance(func, ast.Name):
+        return  # a method of our own object (``__kvtrace_st.send_fifo.append``)
+    name = func.id[len(PREFIX):]
+    if name == "setattr" and not (len(node.args) == 3 and isinstance(node.args[1], ast.Constant) and
+                                  str(node.args[1].value).startswith(OWN_ATTR)):
+        raise NotRewritable(f"inserted {ast.unparse(node)!r}: setattr only with a constant {OWN_ATTR}* name")
+    if name not in UPSTREAM_ARG_CALLS and any(up(a) for a in [*node.args, *(k.value for k in node.keywords)]):
+        raise NotRewritable(f"inserted code hands an upstream value to {func.id!r}")
 
 
 def _check_upstream_shape(fn: ast.FunctionDef) -> None:
@@ -677,7 +775,7 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
     return {
         "clock": getattr(recorder, "clock", None), "recorder": recorder, "rt": rt, "fail": getattr(rt, "fail", None),
         "original": original,
-        "queue_state": attach.queue_state, "STATE": attach.STATE_ATTR, "release_recv": wrappers.release_recv,
+        "queue_state": attach.queue_state, "release_recv": wrappers.release_recv,
         "total_bytes": total_bytes, "BackendResultError": BackendResultError,
         "npu_done": _npu_done, "slot_done": _slot_done,
         "pool": getattr(recorder, "_pool", None), "new_record": TaskRecord,

@@ -158,6 +158,9 @@ def test_every_inserted_call_is_guarded(upstream: Upstream) -> None:
     ("_SAVE_RESTART", "continue", "inserted Continue"),
     ("_STAGGER_AFTER", "SELF.request_queue = None", "stores into"),
     ("_LOAD_SET_BEFORE", "return None", "inserted Return"),
+    ("_BUILD_AFTER", "SELF.request_queue.task_done()", "calls 'self.request_queue.task_done' of an upstream"),
+    ("_STAGGER_AFTER", "__kvtrace_q = SELF.request_queue\n__kvtrace_q.task_done()", "calls '__kvtrace_q.task_done'"),
+    ("_STAGGER_AFTER", "SELF.request_queue._kvtrace = 1", "stores into 'self.request_queue._kvtrace'"),
 ])
 def test_the_proof_refuses_a_stamp_that_touches_upstream_state_or_flow(
         upstream: Upstream, monkeypatch: Any, template: str, code: str, reason: str) -> None:
@@ -230,4 +233,38 @@ def test_the_enqueue_prelude_is_proved_like_the_stamps(upstream: Upstream, monke
         rewrite.rewrite_add_request_tree(fn)
     monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE", "return None\n")
     with pytest.raises(rewrite.NotRewritable, match="inserted Return"):
+        rewrite.rewrite_add_request_tree(fn)
+
+
+# Each of these passed the proof before it checked calls and aliases (review 5, finding 7).
+ENQUEUE_REFUSED = {
+    "a method of upstream's task": ("DATA.transfer_tasks.clear()", "calls 'req_meta.transfer_tasks.clear'"),
+    "a method of upstream's queue": ("SELF.request_queue.put(DATA)", "calls 'self.request_queue.put'"),
+    "our attribute on another upstream object": ("SELF.request_queue._kvtrace = None",
+                                                 "stores into 'self.request_queue._kvtrace'"),
+    "setattr of upstream's attribute": ("__kvtrace_setattr(DATA, 'layer_id', 0)", "setattr only with a constant"),
+    "setattr with a computed name": ("__kvtrace_setattr(DATA, '_kvtrace' + 'x', 0)", "setattr only with a constant"),
+    "a store through an alias": ("__kvtrace_t = DATA.transfer_tasks\n__kvtrace_t[0] = None",
+                                 "stores into '__kvtrace_t[0]'"),
+    "a method through an alias": ("__kvtrace_t = DATA.transfer_tasks\n__kvtrace_u = __kvtrace_t\n__kvtrace_u.clear()",
+                                  "calls '__kvtrace_u.clear'"),
+    "a method through getattr": ("__kvtrace_getattr(DATA.transfer_tasks, 'clear')()", "of an upstream object"),
+    "our attribute dict of another object": ("DATA.transfer_tasks.__dict__.pop('_kvtrace', None)",
+                                             "calls 'req_meta.transfer_tasks.__dict__.pop'"),
+    "upstream's attribute through __dict__": ("DATA.__dict__.pop('layer_id', None)", "calls 'req_meta.__dict__.pop'"),
+    "an upstream value to another function of ours": ("__kvtrace_release_recv(__kvtrace_rt, DATA)",
+                                                      "hands an upstream value to '__kvtrace_release_recv'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ENQUEUE_REFUSED))
+def test_the_enqueue_prelude_may_not_call_or_store_into_upstream_objects(
+        upstream: Upstream, monkeypatch: Any, case: str) -> None:
+    """The enqueue prelude plus one statement that would change upstream's task or queue: refused."""
+    code, reason = ENQUEUE_REFUSED[case]
+    fn = upstream.binding.classes["recv_gva"].add_request
+    fn = getattr(fn, "__kvtrace_wrapped__", fn)
+    rewrite.rewrite_add_request_tree(fn)  # as it is: proved
+    monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE", rewrite._ENQUEUE_PRELUDE + code + "\n")
+    with pytest.raises(rewrite.NotRewritable, match=re.escape(reason)):
         rewrite.rewrite_add_request_tree(fn)
