@@ -738,6 +738,7 @@ _ENQUEUE_PRELUDE = f"""
 {_T}st = None
 if {_T}recorder.enabled and DATA is not None:
     try:
+        {_T}item = DATA  # the handler's undo must not read the parameter after upstream's body
 """ + wrappers._indent(wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
     except {_T}Exception as {_T}e:
         {_T}fail({_T}e)
@@ -745,7 +746,7 @@ if {_T}recorder.enabled and DATA is not None:
 """
 _ENQUEUE_RAISE = f"""
 try:
-""" + wrappers._indent(wrappers.send_fifo_undo(_T, "DATA"), 4) + f"""
+""" + wrappers._indent(wrappers.enqueue_undo(_T, _T + "item"), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """

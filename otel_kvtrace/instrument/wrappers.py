@@ -166,11 +166,37 @@ if {p}st is not None:
 """
 
 
-def send_fifo_undo(p: str, item_name: str) -> str:
-    """When the upstream enqueue raised: the task was never queued, keep the send FIFO's pairing right."""
+def enqueue_undo(p: str, item_name: str) -> str:
+    """THE undo of :func:`enqueue_rule` when upstream's enqueue raised (its ``put`` refused the task), over
+    the same names: the task was never queued, so nothing of it may stay. The record is taken back only if
+    no dequeue took it first (``deque.pop`` / ``dict.pop`` are atomic: exactly one side gets it): then the
+    send FIFO entry, the consumer's ``step_records`` entry and the task's ``_kvtrace`` attribute are removed,
+    ``st.enqueued`` rolled back (the next task's seq, queue depth and in-flight count are as if the refused
+    one never came) and the record recycled. Not undone: the step / seen-layer inference of a worker without
+    ``start_load_kv`` and a gate id handed out (both keep their meaning). Both paths are generated from it."""
     return f"""
-if {p}st is not None and {p}st.send_fifo and {p}st.send_fifo[-1][0] == {p}id({item_name}):
-    {p}st.send_fifo.pop()
+if {p}st is not None:
+    {p}mine = False
+    if {p}st.is_send:
+        try:
+            {p}last = {p}st.send_fifo.pop()
+        except {p}IndexError:  # the sender took it: it was queued after all
+            {p}last = None
+        if {p}last is not None:
+            if {p}last[1] is {p}rec:
+                {p}mine = True
+            else:
+                {p}st.send_fifo.append({p}last)
+    else:
+        try:
+            {p}mine = {item_name}.__dict__.pop({"_kvtrace"!r}, None) is {p}rec
+        except {p}AttributeError:
+            {p}mine = False
+        if {p}mine and {p}worker.step_records.get({p}layer_id) is {p}rec:
+            {p}worker.step_records.pop({p}layer_id)
+    if {p}mine:
+        {p}st.enqueued -= 1
+        {p}recorder.recycle([{p}rec])
 """
 
 
@@ -189,7 +215,10 @@ def make(original, rt, recorder, clock, pool, new_record, queue_state):
                 return original(self, item, *args, **kwargs)
             return original(self, item)  # the upstream call: no ``*``/``**`` re-packing (half this frame's cost)
         except BaseException:
-{_indent(send_fifo_undo("", "item"), 12)}
+            try:
+{_indent(enqueue_undo("", "item"), 16)}
+            except Exception as exc:
+                rt.fail(exc)
             raise
     return add_request
 """

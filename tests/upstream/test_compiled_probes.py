@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from otel_kvtrace.api import start_tracing
-from otel_kvtrace.instrument import patches, rewrite
+from otel_kvtrace.instrument import attach, patches, rewrite
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS
 
 from .harness import FakeBackend, Upstream
@@ -80,9 +80,16 @@ def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
     assert not rewrite.is_compiled(upstream.binding.classes["recv_gva"].__dict__["add_request"])
 
 
-def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(upstream: Upstream) -> None:
-    """Upstream's ``request_queue.put`` raising inside the compiled ``add_request``: the same exception object
-    reaches the caller, tracing stays on, the next enqueue is traced."""
+@pytest.mark.parametrize("path", ["compiled", "wrappers"])
+def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(
+        upstream: Upstream, monkeypatch: Any, path: str) -> None:
+    """Upstream's ``request_queue.put`` raising inside the compiled ``add_request`` (and the wrapper): the same
+    exception object reaches the caller, tracing stays on, and nothing of the refused task stays
+    (``wrappers.enqueue_undo``): no ``_kvtrace`` on it, no ``step_records`` entry, its record back in the pool,
+    and the next task's seq, queue depth and in-flight count as if it never came. (Until review 5 this test
+    pinned the refused task taking seq 0 and its record leaking.)"""
+    if path == "wrappers":
+        monkeypatch.setenv("OTEL_KVTRACE_PROBES", "wrappers")
 
     class Refusing:
         def __init__(self, inner: Any) -> None:
@@ -91,25 +98,41 @@ def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(upstream: Up
         def put(self, item: Any) -> None:
             raise OverflowError("queue refused")
 
-    def enqueue(env: Any) -> BaseException:
+    def enqueue(env: Any, task: Any) -> BaseException:
         env.thread.request_queue = Refusing(env.thread.request_queue)
         with pytest.raises(OverflowError) as info:
-            env.thread.add_request(upstream.gva_task(0, [upstream.request("r1", 3)]))
+            env.thread.add_request(task)
+        env.thread.request_queue = env.thread.request_queue.inner
         return info.value
 
-    untraced = enqueue(upstream.gva_thread(N_LAYERS, FakeBackend(), start=False))
+    untraced = enqueue(upstream.gva_thread(N_LAYERS, FakeBackend(), start=False),
+                       upstream.gva_task(0, [upstream.request("r1", 3)]))
     session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="refuse")
     try:
+        cls = upstream.binding.classes["recv_gva"]
+        assert rewrite.is_compiled(cls.__dict__["add_request"]) is (path == "compiled")
         env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
-        traced = enqueue(env)
+        env.thread.add_request(upstream.gva_task(0, [upstream.request("r0", 3)]))
+        env.thread._handle_request(env.thread.request_queue.get())
+        (first,) = session.recorder.drain(10)
+        assert first.seq == 0
+        session.recorder.recycle([first])
+        st = env.thread.__dict__[attach.STATE_ATTR]
+        st.consumer_tracking = True  # as attach_worker sets it: the forward's consumer wait is tracked
+        pool = len(session.recorder._pool)
+        refused_task = upstream.gva_task(1, [upstream.request("r1", 3)])
+        traced = enqueue(env, refused_task)
         assert (type(traced), str(traced)) == (type(untraced), str(untraced))
         assert traced.__traceback__.tb_next is not None  # raised in put(), through upstream's own line
         assert session.recorder.disabled_reason is None
-        env.thread.request_queue = env.thread.request_queue.inner
-        env.thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)]))
-        env.thread._handle_request(env.thread.request_queue.get())
-        recs = session.recorder.drain(10)
-        assert [r.layer_id for r in recs] == [1] and recs[0].seq == 1  # the refused task took seq 0
+        assert not hasattr(refused_task, "_kvtrace")
+        assert st.worker.step_records == {}
+        assert len(session.recorder._pool) == pool  # the record went back
+        assert (st.enqueued, st.dequeued, st.completed) == (1, 1, 1)
+        env.thread.add_request(upstream.gva_task(2, [upstream.request("r2", 3)]))
+        rec = env.thread.request_queue.get()._kvtrace
+        assert (rec.layer_id, rec.seq, rec.queue_depth_at_enqueue, rec.inflight_at_enqueue) == (2, 1, 0, 0)
+        assert st.worker.step_records == {2: rec}
     finally:
         session.shutdown()
 
