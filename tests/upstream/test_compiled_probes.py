@@ -137,6 +137,37 @@ def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(
         session.shutdown()
 
 
+def test_a_raising_send_enqueue_takes_its_record_back(upstream: Upstream) -> None:
+    """The send thread's enqueue (the wrapper, ``wrappers.enqueue_undo`` too): upstream's ``put`` raising
+    leaves the send FIFO, the counters and the record pool as they were."""
+    from .harness import pool_worker
+
+    class Refusing:
+        def put(self, item: Any) -> None:
+            raise OverflowError("queue refused")
+
+    session = start_tracing(upstream.binding.to_targets(), exporter=None, run_id="refuse-send")
+    try:
+        worker = pool_worker(upstream, 2, 0, FakeBackend())
+        send = worker.kv_send_thread
+        if send is None:
+            pytest.skip("no send thread in this layout")
+        st = send.__dict__[attach.STATE_ATTR]
+        assert st.is_send
+        before = (list(st.send_fifo), st.enqueued, len(session.recorder._pool))
+        real, send.request_queue = send.request_queue, Refusing()
+        try:
+            with pytest.raises(OverflowError, match="queue refused"):
+                send.add_request([])
+        finally:
+            send.request_queue = real
+        # the record went back (a new one, when the pool was empty)
+        assert (list(st.send_fifo), st.enqueued, len(session.recorder._pool)) == (*before[:2], max(before[2], 1))
+        assert session.recorder.disabled_reason is None
+    finally:
+        session.shutdown()
+
+
 def _modified_class(upstream: Upstream, tmp_path: Path, edit: Any) -> type:
     """A subclass whose ``_handle_request`` is upstream's source with ``edit`` applied, loaded from a file
     (so ``inspect`` can read it back) in upstream's module globals."""
