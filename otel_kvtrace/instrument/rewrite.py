@@ -784,16 +784,20 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
     }
 
 
-_COMPILED: weakref.WeakKeyDictionary[Callable, Any] = weakref.WeakKeyDictionary()
-"""Per upstream function: (closure names, the proved and compiled factory code); a session start re-runs
-only the exec."""
+_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...]], Any]] = \
+    weakref.WeakKeyDictionary()
+"""Per upstream function, per (rewrite, closure names): the proved and compiled factory code; a session start
+re-runs only the exec."""
 
 
 def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = rewrite_tree) -> Any:
-    cached = _COMPILED.get(original)
-    if cached is None or cached[0] != names:
-        cached = _COMPILED[original] = (names, _compile_factory(original, names, tree))
-    return cached[1]
+    per_fn = _COMPILED.get(original)
+    if per_fn is None:
+        per_fn = _COMPILED[original] = {}
+    code = per_fn.get((tree, names))
+    if code is None:
+        code = per_fn[(tree, names)] = _compile_factory(original, names, tree)
+    return code
 
 
 def _compile_factory(original: Callable, names: tuple[str, ...], tree: Callable = rewrite_tree) -> Any:

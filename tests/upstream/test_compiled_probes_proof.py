@@ -268,3 +268,23 @@ def test_the_enqueue_prelude_may_not_call_or_store_into_upstream_objects(
     monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE", rewrite._ENQUEUE_PRELUDE + code + "\n")
     with pytest.raises(rewrite.NotRewritable, match=re.escape(reason)):
         rewrite.rewrite_add_request_tree(fn)
+
+
+def test_the_compiled_cache_keys_on_the_rewrite_too(upstream: Upstream) -> None:
+    """One function compiled with both rewrites (``_handle_request`` is a ``(self, data)`` body the enqueue
+    rewrite accepts too) gets each its own factory, not the one cached first (review 5, finding 13)."""
+    fn = upstream.binding.classes["recv_gva"]._handle_request
+    fn = getattr(fn, "__kvtrace_wrapped__", fn)
+    names = tuple(rewrite._closure(fn, None))
+    rewrite._COMPILED.pop(fn, None)
+    try:
+        stamps = rewrite._factory_code(fn, names, rewrite.rewrite_tree)
+        enqueue = rewrite._factory_code(fn, names, rewrite.rewrite_add_request_tree)
+        assert enqueue is not stamps
+        assert rewrite._factory_code(fn, names, rewrite.rewrite_tree) is stamps
+        (factory,) = [c for c in enqueue.co_consts if hasattr(c, "co_consts")]
+        (compiled,) = [c for c in factory.co_consts if hasattr(c, "co_varnames")]
+        assert rewrite.PREFIX + "mine" in compiled.co_varnames  # the enqueue undo, not the stamps
+        assert rewrite.PREFIX + "pend" not in compiled.co_varnames
+    finally:
+        rewrite._COMPILED.pop(fn, None)
