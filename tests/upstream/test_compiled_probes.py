@@ -168,6 +168,43 @@ def test_a_raising_send_enqueue_takes_its_record_back(upstream: Upstream) -> Non
         session.shutdown()
 
 
+def test_the_enqueue_undo_uses_the_task_not_the_rebound_parameter(upstream: Upstream, tmp_path: Path) -> None:
+    """An upstream ``add_request`` that rebinds its own parameter before ``put`` raises: the compiled
+    handler's undo works on the task the prelude saw (captured there), not on what the name holds after
+    upstream's body (review 5, finding 12)."""
+    base = upstream.binding.classes["recv_gva"]
+    fn = getattr(base.add_request, "__kvtrace_wrapped__", base.add_request)
+    source = inspect.getsource(fn)
+    param = list(inspect.signature(fn).parameters)[1]
+    put = f"        self.request_queue.put({param})\n"
+    assert put in source
+    edited = source.replace(put, f"        queued, {param} = {param}, None\n        self.request_queue.put(queued)\n")
+    path = tmp_path / "modified_add.py"
+    path.write_text("class Modified(_Base):\n" + edited)
+    namespace = dict(vars(sys.modules[base.__module__]), _Base=base)
+    exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the test's own edit
+    modified = namespace["Modified"]
+
+    class Refusing:
+        def put(self, item: Any) -> None:
+            raise OverflowError("queue refused")
+
+    session = start_tracing(_targets_with(upstream, modified), exporter=None, run_id="rebind")
+    try:
+        assert rewrite.is_compiled(modified.__dict__["add_request"])
+        thread = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False).thread
+        thread.__class__ = modified
+        thread.request_queue = Refusing()
+        task = upstream.gva_task(0, [upstream.request("r1", 3)])
+        with pytest.raises(OverflowError):
+            thread.add_request(task)
+        assert not hasattr(task, "_kvtrace")
+        assert thread.__dict__[attach.STATE_ATTR].enqueued == 0
+        assert session.recorder.disabled_reason is None
+    finally:
+        session.shutdown()
+
+
 def _modified_class(upstream: Upstream, tmp_path: Path, edit: Any) -> type:
     """A subclass whose ``_handle_request`` is upstream's source with ``edit`` applied, loaded from a file
     (so ``inspect`` can read it back) in upstream's module globals."""
