@@ -35,6 +35,7 @@ class DoctorReport:
     binding: UpstreamBinding
     exit_code: int
     probes: str = ""  # how the GVA recv _handle_request would be instrumented: compiled, or wrappers (why)
+    enqueue: str = ""  # how the GVA recv add_request would be: compiled, or wrapper: <why>
 
     def as_dict(self) -> dict[str, object]:
         b = self.binding
@@ -47,6 +48,7 @@ class DoctorReport:
             "flags": b.flags,
             "import_errors": b.errors,
             "recv_probes": self.probes,
+            "gva_enqueue": self.enqueue,
             "ring_pack": ring_pack(),
             "points": [
                 {
@@ -70,11 +72,11 @@ def doctor(source: str | Path | None = None) -> DoctorReport:
     """
     if source is None:
         binding = resolve_installed()
-        probes = probe_path(binding)
+        probes, enqueue = probe_path(binding), enqueue_path(binding)
     else:
-        with source_tree(source) as binding:
-            probes = probe_path(binding)  # the binding keeps the report; the stubbed modules are removed on exit
-    return DoctorReport(binding, EXIT_OK if binding.ok else EXIT_MISSING_REQUIRED, probes)
+        with source_tree(source) as binding:  # the binding keeps the report; the stubbed modules go on exit
+            probes, enqueue = probe_path(binding), enqueue_path(binding)
+    return DoctorReport(binding, EXIT_OK if binding.ok else EXIT_MISSING_REQUIRED, probes, enqueue)
 
 
 def probe_path(binding: UpstreamBinding) -> str:
@@ -90,6 +92,21 @@ def probe_path(binding: UpstreamBinding) -> str:
         return f"wrappers: {config.OTEL_KVTRACE_PROBES}=wrappers"
     reason = rewrite.check(cls)
     return "compiled" if reason is None else f"wrappers: {reason}"
+
+
+def enqueue_path(binding: UpstreamBinding) -> str:
+    """``compiled`` when the GVA recv thread's ``add_request`` takes the compiled enqueue (the record set-up
+    inline, ``rewrite.rewrite_add_request_tree``), else ``wrapper: <reason>``."""
+    from otel_kvtrace import config
+    from otel_kvtrace.instrument import rewrite
+
+    cls = binding.classes.get("recv_gva")
+    if cls is None:
+        return "wrapper: no GVA recv class"
+    if config.probes_mode() == "wrappers":
+        return f"wrapper: {config.OTEL_KVTRACE_PROBES}=wrappers"
+    reason = rewrite.check(cls, "add_request")
+    return "compiled" if reason is None else f"wrapper: {reason}"
 
 
 def ring_pack() -> str:
@@ -121,6 +138,8 @@ def _print_report(report: DoctorReport) -> None:
     console.print("feature flags: " + ", ".join(f"{k}={v}" for k, v in b.flags.items()))
     colour = "green" if report.probes == "compiled" else "yellow"
     console.print(f"recv probes (GVA _handle_request): [{colour}]{escape(report.probes)}[/]")
+    colour = "green" if report.enqueue == "compiled" else "yellow"
+    console.print(f"GVA enqueue: [{colour}]{escape(report.enqueue)}[/]")
     console.print(f"ring task packer: {escape(ring_pack())}")
     if b.ok:
         console.print("[green]all required patch points found: tracing can bind[/]")

@@ -33,7 +33,8 @@ from otel_kvtrace.record.model import QueueInfo
 STATE_ATTR = "_kvtrace_state"
 GATE_ID_ATTR = "_kvtrace_gate_id"  # on an attention gate: the forward layer that created it
 WORKER_ATTR = "_kvtrace_worker"
-COMPILED_ATTR = "__kvtrace_compiled__"  # on a _handle_request built by instrument/rewrite.py
+COMPILED_ATTR = "__kvtrace_compiled__"  # on a _handle_request / add_request built by instrument/rewrite.py
+FALLBACK_ATTR = "__kvtrace_fallback__"  # on the wrapper installed instead of a compiled method: why
 
 
 def thread_path(thread: Any) -> str:

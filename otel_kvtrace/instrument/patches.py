@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from otel_kvtrace.instrument import rewrite, wrappers
+from otel_kvtrace.instrument import attach, rewrite, wrappers
 from otel_kvtrace.instrument.points import TARGET_ROLES, PatchPoint, class_path, wrapped_points
 from otel_kvtrace.instrument.runtime import Runtime
 from otel_kvtrace.instrument.targets import Targets
@@ -110,9 +110,24 @@ def _deferred(owner: type, point: PatchPoint, rt: Runtime, installed: list[Insta
 
 
 def probe_paths(targets: Targets) -> dict[str, str]:
-    """Per recv class: ``compiled`` or ``wrappers`` (what an install did; for doctor and the tests)."""
-    return {c.__qualname__: "compiled" if rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None))
-            else "wrappers" for c in targets.recv_thread_classes}
+    """What an install did (for the tests and benches): per recv class ``compiled`` or ``wrappers`` (its
+    ``_handle_request``), and per GVA recv class ``<class>.add_request``: ``compiled``, ``wrapper: <why>``
+    (the reason the install logged) or ``not installed``."""
+    paths = {c.__qualname__: "compiled" if rewrite.is_compiled(inspect.getattr_static(c, "_handle_request", None))
+             else "wrappers" for c in targets.recv_thread_classes}
+    for c in classes_for("recv_gva", targets):
+        paths[f"{c.__qualname__}.add_request"] = enqueue_path(c)
+    return paths
+
+
+def enqueue_path(cls: type) -> str:
+    """``compiled``, ``wrapper: <why>`` or ``not installed``: how ``cls.add_request`` is instrumented now."""
+    fn = inspect.getattr_static(cls, "add_request", None)
+    if rewrite.is_compiled(fn):
+        return "compiled"
+    if is_wrapped(fn):
+        return f"wrapper: {getattr(fn, attach.FALLBACK_ATTR, None) or 'not compiled'}"
+    return "not installed"
 
 
 def is_wrapped(obj: object) -> bool:

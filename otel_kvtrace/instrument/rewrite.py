@@ -838,15 +838,19 @@ def build(original: Callable, rt: Runtime, tree: Callable = rewrite_tree) -> Cal
     return fn
 
 
-def check(cls: type) -> str | None:
-    """``None`` when ``cls._handle_request`` takes compiled probes, else the reason (for doctor): the same
-    proof and compile as :func:`build`."""
-    fn = inspect.getattr_static(cls, "_handle_request", None)
+TREES: dict[str, Callable] = {"_handle_request": rewrite_tree, "add_request": rewrite_add_request_tree}
+"""The rewrite of each compiled member (``points.py`` P4, P3)."""
+
+
+def check(cls: type, member: str = "_handle_request") -> str | None:
+    """``None`` when ``cls.<member>`` (``_handle_request`` or ``add_request``) would be compiled, else the
+    reason (for doctor): the same proof and compile as :func:`build`."""
+    fn = inspect.getattr_static(cls, member, None)
     fn = getattr(fn, "__kvtrace_wrapped__", fn)
     if not inspect.isfunction(fn):
-        return "no plain _handle_request function"
+        return f"no plain {member} function"
     try:
-        _prepared(fn, None)
+        _prepared(fn, None, TREES[member])
     except NotRewritable as exc:
         return str(exc)
     except Exception as exc:  # noqa: BLE001 - what install would log before falling back
@@ -866,7 +870,9 @@ def _compiled_or_wrapper(original: Callable, rt: Runtime, tree: Callable, wrappe
     except Exception as exc:  # noqa: BLE001 - NotRewritable, or any failure to compile: the wrapper instead
         reason = str(exc) if isinstance(exc, NotRewritable) else f"{type(exc).__name__}: {exc}"
         logger.info("otel-kvtrace: %s uses %s: %s", getattr(original, "__qualname__", original), what, reason)
-        return wrapper(original, rt)
+        fallback = wrapper(original, rt)
+        setattr(fallback, attach.FALLBACK_ATTR, reason)  # for probe_paths
+        return fallback
 
 
 def compile_handle_request(original: Callable, rt: Runtime) -> Callable:
@@ -882,5 +888,5 @@ def compile_add_request(original: Callable, rt: Runtime) -> Callable:
 
 
 def is_compiled(fn: object) -> bool:
-    """True for a ``_handle_request`` built by :func:`build`."""
+    """True for a ``_handle_request`` or ``add_request`` built by :func:`build`."""
     return getattr(fn, attach.COMPILED_ATTR, False) is True

@@ -42,6 +42,7 @@ def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
     try:
         paths = patches.probe_paths(targets)
         assert paths[upstream.binding.classes["recv_gva"].__qualname__] == "compiled", paths
+        assert paths[upstream.binding.classes["recv_gva"].__qualname__ + ".add_request"] == "compiled", paths
         compiled = upstream.binding.classes["recv_gva"].__dict__["_handle_request"]
         # compiled under upstream's future flags: the annotations stay unevaluated strings, as upstream's
         assert compiled.__annotations__ == compiled.__kvtrace_wrapped__.__annotations__
@@ -77,6 +78,8 @@ def test_the_compiled_path_is_the_one_in_use(upstream: Upstream) -> None:
     finally:
         session.shutdown()
     assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__] == "wrappers"
+    assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__ + ".add_request"] == \
+        "not installed"
     assert not rewrite.is_compiled(upstream.binding.classes["recv_gva"].__dict__["add_request"])
 
 
@@ -111,6 +114,8 @@ def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(
     try:
         cls = upstream.binding.classes["recv_gva"]
         assert rewrite.is_compiled(cls.__dict__["add_request"]) is (path == "compiled")
+        assert patches.probe_paths(upstream.binding.to_targets())[cls.__qualname__ + ".add_request"] == (
+            "compiled" if path == "compiled" else "wrapper: OTEL_KVTRACE_PROBES=wrappers")
         env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
         env.thread.add_request(upstream.gva_task(0, [upstream.request("r0", 3)]))
         env.thread._handle_request(env.thread.request_queue.get())
@@ -168,22 +173,40 @@ def test_a_raising_send_enqueue_takes_its_record_back(upstream: Upstream) -> Non
         session.shutdown()
 
 
-def test_the_enqueue_undo_uses_the_task_not_the_rebound_parameter(upstream: Upstream, tmp_path: Path) -> None:
-    """An upstream ``add_request`` that rebinds its own parameter before ``put`` raises: the compiled
-    handler's undo works on the task the prelude saw (captured there), not on what the name holds after
-    upstream's body (review 5, finding 12)."""
+def _modified_add_request(upstream: Upstream, tmp_path: Path, body: str) -> type:
+    """A subclass whose ``add_request`` is upstream's with its ``put`` line replaced by ``body`` (``{p}``: the
+    task parameter's name), loaded from a file in upstream's module globals."""
     base = upstream.binding.classes["recv_gva"]
     fn = getattr(base.add_request, "__kvtrace_wrapped__", base.add_request)
     source = inspect.getsource(fn)
     param = list(inspect.signature(fn).parameters)[1]
     put = f"        self.request_queue.put({param})\n"
     assert put in source
-    edited = source.replace(put, f"        queued, {param} = {param}, None\n        self.request_queue.put(queued)\n")
     path = tmp_path / "modified_add.py"
-    path.write_text("class Modified(_Base):\n" + edited)
+    path.write_text("class Modified(_Base):\n" + source.replace(put, body.format(p=param)))
     namespace = dict(vars(sys.modules[base.__module__]), _Base=base)
     exec(compile(path.read_text(), str(path), "exec"), namespace)  # noqa: S102 - the test's own edit
-    modified = namespace["Modified"]
+    return namespace["Modified"]
+
+
+def test_probe_paths_say_why_the_enqueue_is_the_wrapper(upstream: Upstream, tmp_path: Path) -> None:
+    modified = _modified_add_request(upstream, tmp_path, "        super().add_request({p})\n")
+    targets = _targets_with(upstream, modified)
+    session = start_tracing(targets, exporter=None, run_id="enqueue-path")
+    try:
+        path = patches.probe_paths(targets)["Modified.add_request"]
+        assert path.startswith("wrapper: line ") and path.endswith("uses 'super'"), path
+        assert patches.probe_paths(targets)["Modified"] == "compiled"
+    finally:
+        session.shutdown()
+
+
+def test_the_enqueue_undo_uses_the_task_not_the_rebound_parameter(upstream: Upstream, tmp_path: Path) -> None:
+    """An upstream ``add_request`` that rebinds its own parameter before ``put`` raises: the compiled
+    handler's undo works on the task the prelude saw (captured there), not on what the name holds after
+    upstream's body (review 5, finding 12)."""
+    modified = _modified_add_request(
+        upstream, tmp_path, "        queued, {p} = {p}, None\n        self.request_queue.put(queued)\n")
 
     class Refusing:
         def put(self, item: Any) -> None:

@@ -43,6 +43,7 @@ def test_doctor_cli_reports_every_point_found_with_version_and_layout(upstream_r
     points = _points(report)
     assert report["ok"] and all(p["status"] == "found" for p in points.values() if p["required"])
     assert report["recv_probes"] == "compiled"
+    assert report["gva_enqueue"] == "compiled"
     if report["layout"] == "main":
         assert report["flags"]["recv_save_npu_sync"] and points["P6"]["status"] == "found"
         assert report["modules"]["gate"].endswith(".attention_fence")
@@ -59,6 +60,7 @@ def test_doctor_table_output_names_points(upstream_root: Path) -> None:
     assert "P11" in result.output and "_batch_copy_with_limits" in result.output
     assert "tracing can bind" in result.output
     assert "recv probes (GVA _handle_request): compiled" in result.output
+    assert "GVA enqueue: compiled" in result.output
 
 
 def test_doctor_says_when_the_recv_thread_would_use_the_wrappers(upstream_root: Path, tmp_path: Path) -> None:
@@ -73,6 +75,26 @@ def test_doctor_says_when_the_recv_thread_would_use_the_wrappers(upstream_root: 
     report = doctor(tree)
     assert report.exit_code == EXIT_OK  # every patch point is there: tracing binds, on the wrapper path
     assert report.probes.startswith("wrappers: expected one gate wait, stagger and batch copy"), report.probes
+
+
+def test_doctor_says_when_the_enqueue_would_use_the_wrapper(upstream_root: Path, tmp_path: Path) -> None:
+    """An ``add_request`` the compiled enqueue refuses (zero-argument ``super()``): the GVA enqueue line says
+    ``wrapper`` and why, the recv probes stay compiled (review 5, finding 10)."""
+    tree = _copy_kv_pool(upstream_root, tmp_path / "edited")
+    kv_transfer = tree / KV_POOL / "kv_transfer.py"
+    text = kv_transfer.read_text()
+    start = text.index("class KVCacheStoreLayerRecvingThread")
+    at = text.index("def add_request(", start)
+    put = text.index("        self.request_queue.put(", at)
+    end = text.index("\n", put)
+    kv_transfer.write_text(text[:put] + "        super().add_request" + text[put + len("        self.request_queue.put"):])
+    assert "super().add_request" in kv_transfer.read_text()[at:end + 10]
+    report = doctor(tree)
+    assert report.exit_code == EXIT_OK
+    assert report.probes == "compiled"
+    assert report.enqueue == "wrapper: line %d: uses 'super'" % (text[:put].count("\n") + 1), report.enqueue
+    result = CliRunner().invoke(main, ["doctor", "--source", str(tree)])
+    assert "GVA enqueue: wrapper: line" in result.output, result.output
 
 
 def test_doctor_fails_on_a_missing_required_point(upstream_root: Path, tmp_path: Path) -> None:
