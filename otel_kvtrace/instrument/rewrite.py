@@ -169,7 +169,7 @@ try:
         {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
     except {_T}AttributeError:
         {_T}gstamp = None
-""" + wrappers._indent(wrappers.gate_rule(_T), 4) + f"""
+""" + wrappers.indent_rule(wrappers.gate_rule(_T), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
@@ -739,14 +739,14 @@ _ENQUEUE_PRELUDE = f"""
 if {_T}recorder.enabled and DATA is not None:
     try:
         {_T}item = DATA  # the handler's undo must not read the parameter after upstream's body
-""" + wrappers._indent(wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
+""" + wrappers.indent_rule(wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
     except {_T}Exception as {_T}e:
         {_T}fail({_T}e)
         {_T}st = None
 """
 _ENQUEUE_RAISE = f"""
 try:
-""" + wrappers._indent(wrappers.enqueue_undo(_T, _T + "item"), 4) + f"""
+""" + wrappers.indent_rule(wrappers.enqueue_undo(_T, _T + "item"), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """

@@ -9,6 +9,7 @@ exception, ``task_done()``, shutdown and ``_fatal_error`` semantics identical wi
 from __future__ import annotations
 
 import functools
+import linecache
 from collections.abc import Callable
 from threading import get_ident
 from typing import Any
@@ -41,20 +42,26 @@ def _mark(wrapper: Callable, original: Callable) -> Callable:
     return wrapper
 
 
-def _indent(text: str, spaces: int) -> str:
+def indent_rule(text: str, spaces: int) -> str:
+    """A rule's text (:func:`enqueue_rule`, :func:`gate_rule`, ...) indented to sit in a block ``spaces`` deep."""
     return "".join(" " * spaces + line if line.strip() else line for line in text.strip("\n").splitlines(True))
 
 
 _GENERATED: dict[str, Any] = {}
 
 
-def _generated(name: str) -> Callable:
-    """The factory ``make`` of a wrapper generated from a rule's text (``_<NAME>_SOURCE``), compiled once."""
+def generated(name: str) -> Callable:
+    """The factory ``make`` of a wrapper generated from a rule's text (``_<NAME>_SOURCE``), compiled once
+    under the file name ``wrappers.py:<name>``, whose text is registered in ``linecache`` so tracebacks,
+    pdb and ``inspect`` show the generated lines."""
+    source = globals()[f"_{name.upper()}_SOURCE"]
+    filename = f"{__file__}:{name}"
+    # at every install (a linecache.clearcache() drops it); mtime None: checkcache keeps it
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     make = _GENERATED.get(name)
     if make is None:
         ns: dict[str, Any] = {}
-        source = globals()[f"_{name.upper()}_SOURCE"]
-        exec(compile(source, f"{__file__}:{name}", "exec"), ns)  # noqa: S102 - our own rule's text
+        exec(compile(source, filename, "exec"), ns)  # noqa: S102 - our own rule's text
         make = _GENERATED[name] = ns["make"]
     return make
 
@@ -206,7 +213,7 @@ def make(original, rt, recorder, clock, pool, new_record, queue_state):
         st = None
         if item is not None and recorder.enabled:
             try:
-{_indent(enqueue_rule("", "self", "item"), 16)}
+{indent_rule(enqueue_rule("", "self", "item"), 16)}
             except Exception as exc:
                 rt.fail(exc)
                 st = None
@@ -216,7 +223,7 @@ def make(original, rt, recorder, clock, pool, new_record, queue_state):
             return original(self, item)  # the upstream call: no ``*``/``**`` re-packing (half this frame's cost)
         except BaseException:
             try:
-{_indent(enqueue_undo("", "item"), 16)}
+{indent_rule(enqueue_undo("", "item"), 16)}
             except Exception as exc:
                 rt.fail(exc)
             raise
@@ -227,7 +234,7 @@ def make(original, rt, recorder, clock, pool, new_record, queue_state):
 def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
     """The enqueue wrapper (:func:`enqueue_rule`), for a class whose ``add_request`` is not compiled."""
     recorder = rt.recorder
-    add_request = _generated("add_request")(original, rt, recorder, recorder.clock, recorder._pool, TaskRecord,
+    add_request = generated("add_request")(original, rt, recorder, recorder.clock, recorder._pool, TaskRecord,
                                             attach.queue_state)
     return _mark(add_request, original)
 
@@ -466,7 +473,7 @@ def make(original, clock, state_by_thread, get_ident, rt):
                         gstamp = self.__dict__.get({GATE_STAMP_ATTR!r})
                     except AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing
                         gstamp = None
-{_indent(gate_rule(""), 20)}
+{indent_rule(gate_rule(""), 20)}
         except Exception as exc:
             rt.fail(exc)
         return ok
@@ -476,7 +483,7 @@ def make(original, clock, state_by_thread, get_ident, rt):
 
 def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
     """Stages and dependencies of one gate ``wait()`` (:func:`gate_rule`) on a recv thread of the wrapper path."""
-    wait = _generated("gate_wait")(original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
+    wait = generated("gate_wait")(original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
     return _mark(wait, original)
 
 

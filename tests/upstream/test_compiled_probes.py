@@ -129,6 +129,9 @@ def test_a_raising_enqueue_raises_the_same_with_and_without_tracing(
         traced = enqueue(env, refused_task)
         assert (type(traced), str(traced)) == (type(untraced), str(untraced))
         assert traced.__traceback__.tb_next is not None  # raised in put(), through upstream's own line
+        if path == "wrappers":  # the generated wrapper's frame shows its line (linecache)
+            (frame,) = [f for f in traceback.extract_tb(traced.__traceback__) if f.filename.endswith(":add_request")]
+            assert frame.line and "original(self, item)" in frame.line, frame
         assert session.recorder.disabled_reason is None
         assert not hasattr(refused_task, "_kvtrace")
         assert st.worker.step_records == {}
