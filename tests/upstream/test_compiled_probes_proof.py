@@ -288,3 +288,27 @@ def test_the_compiled_cache_keys_on_the_rewrite_too(upstream: Upstream) -> None:
         assert rewrite.PREFIX + "pend" not in compiled.co_varnames
     finally:
         rewrite._COMPILED.pop(fn, None)
+
+
+TEMPLATES = ("_PRELUDE", "_SAVE_BEFORE", "_SAVE_TIMED_OUT", "_SAVE_RESTART", "_SAVE_AFTER", "_GATE_BEFORE",
+             "_GATE_TIMED_OUT", "_GATE_RESTART", "_GATE_AFTER", "_SPAN_BEFORE", "_BUILD_AFTER", "_PENDING",
+             "_STAGGER_AFTER", "_SLOT_BEFORE", "_SLOT_AFTER", "_COPY_AFTER", "_LOAD_SET_BEFORE", "_NPU_AFTER",
+             "_ON_RAISE", "_ON_EXIT", "_ENQUEUE_PRELUDE", "_ENQUEUE_RAISE")
+
+
+def test_every_template_passes_the_inserted_code_checks() -> None:
+    """Main's stamps too (slot release, NPU sync), which the 0.23 sources here never insert; and which names
+    the checks take for holders of upstream values (only those: our records and state stay ours)."""
+    fn = ast.parse("def f(self, data):\n    pass\n").body[0]
+    rw = rewrite._Rewriter(fn)
+    body: list[ast.stmt] = []
+    for name in TEMPLATES:
+        body += rw.stmts(getattr(rewrite, name), fn.body[0], guard=False, ARG=ast.Name("layer_id", ast.Load()),
+                         STAGE=ast.Constant(1), RESULT=ast.Name("result", ast.Load()))
+    fn.body = body
+    returns = {id(n) for s in body for n in ast.walk(s) if isinstance(n, ast.Return)}
+    rewrite._check_inserted(fn, returns, rw.loads)
+    aliases = rewrite._Upstream([n for n in ast.walk(fn) if getattr(n, rewrite._MARK, False)]).aliases
+    p = rewrite.PREFIX
+    assert {p + "tasks", p + "gate", p + "layer_id", p + "item", p + "slot_arg", p + "set_ns"} <= aliases
+    assert not {p + "rec", p + "st", p + "worker", p + "stages", p + "deps", p + "gstamp", p + "glog"} & aliases
