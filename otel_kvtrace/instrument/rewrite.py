@@ -205,6 +205,8 @@ _COPY_AFTER = f"""
 {_T}rec.t_backend_return = {_T}b1
 if {_T}type(RESULT) is {_T}int:
     {_T}rec.backend_result = RESULT
+"""
+_BYTES_AFTER = f"""
 try:
     {_T}rec.nbytes += {_T}total_bytes(ARG)
 except {_T}Exception as {_T}e:
@@ -382,7 +384,7 @@ class _Rewriter:
             self._hit("batch copy", value)
             result = ast.Name(s.targets[0].id, ast.Load())
             return (self.stmts(_PENDING, s, STAGE=ast.Constant(_S["BACKEND_SUBMIT"])),
-                    self.stmts(_COPY_AFTER, s, RESULT=result, ARG=value.args[2]))
+                    self.stmts(_COPY_AFTER, s, RESULT=result) + self.stmts(_BYTES_AFTER, s, ARG=value.args[2]))
         if isinstance(s, ast.Expr):
             arg = _event_call(value, sn, "layer_load_finished_events", "set")
             if arg is not None:

@@ -292,8 +292,8 @@ def test_the_compiled_cache_keys_on_the_rewrite_too(upstream: Upstream) -> None:
 
 TEMPLATES = ("_PRELUDE", "_SAVE_BEFORE", "_SAVE_TIMED_OUT", "_SAVE_RESTART", "_SAVE_AFTER", "_GATE_BEFORE",
              "_GATE_TIMED_OUT", "_GATE_RESTART", "_GATE_AFTER", "_SPAN_BEFORE", "_BUILD_AFTER", "_PENDING",
-             "_STAGGER_AFTER", "_SLOT_BEFORE", "_SLOT_AFTER", "_COPY_AFTER", "_LOAD_SET_BEFORE", "_NPU_AFTER",
-             "_ON_RAISE", "_ON_EXIT", "_ENQUEUE_PRELUDE", "_ENQUEUE_RAISE")
+             "_STAGGER_AFTER", "_SLOT_BEFORE", "_SLOT_AFTER", "_COPY_AFTER", "_BYTES_AFTER", "_LOAD_SET_BEFORE",
+             "_NPU_AFTER", "_ON_RAISE", "_ON_EXIT", "_ENQUEUE_PRELUDE", "_ENQUEUE_RAISE")
 
 
 def test_every_template_passes_the_inserted_code_checks() -> None:
