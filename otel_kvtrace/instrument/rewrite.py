@@ -534,7 +534,7 @@ _FORBIDDEN_EXPRS = (ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.NamedEx
 _OWN_RESULT = frozenset({"clock", "queue_state", "new_record", "id", "len", "type"})
 """Our closure functions whose result is ours (never an upstream object), whatever their arguments."""
 UPSTREAM_ARG_CALLS = frozenset({"getattr", "setattr", "len", "id", "type", "list", "queue_state", "slot_done",
-                                "npu_done", "total_bytes", "fail", "original"})
+                                "npu_done", "total_bytes", "fail", "original", "BackendResultError"})
 """The only functions of ours (``__kvtrace_<name>``) the inserted code may hand an upstream object (or a value
 read from one); they read it (``setattr``: only with a constant ``_kvtrace*`` name, ``original``: upstream's
 own function)."""
@@ -572,13 +572,16 @@ class _Upstream:
 
     def __init__(self, nodes: list[ast.AST]) -> None:
         self.aliases: set[str] = {n.name for n in nodes if isinstance(n, ast.ExceptHandler) and n.name}
-        assigns = [n for n in nodes if isinstance(n, ast.Assign)]
+        self.fields: set[str] = set()  # attributes of our objects that get an upstream value (``rec.error``)
+        assigns = [(n.targets if isinstance(n, ast.Assign) else [n.target], n.value)
+                   for n in nodes if isinstance(n, (ast.Assign, ast.AugAssign))]
         while True:
-            before = len(self.aliases)
-            for a in assigns:
-                if self(a.value):
-                    self.aliases.update(_bound_names(a.targets))
-            if len(self.aliases) == before:
+            before = len(self.aliases) + len(self.fields)
+            for targets, value in assigns:
+                if self(value):
+                    self.aliases.update(_bound_names(targets))
+                    self.fields.update(t.attr for t in targets if isinstance(t, ast.Attribute))
+            if len(self.aliases) + len(self.fields) == before:
                 return
 
     def __call__(self, e: ast.AST) -> bool:
@@ -586,7 +589,9 @@ class _Upstream:
             return not e.id.startswith(PREFIX) or e.id in self.aliases
         if isinstance(e, ast.Constant):
             return False
-        if isinstance(e, (ast.Attribute, ast.Subscript)):  # an item of our container is ours
+        if isinstance(e, ast.Attribute):
+            return e.attr in self.fields or self(e.value)
+        if isinstance(e, ast.Subscript):  # an item of our container is ours
             return self(e.value)
         if isinstance(e, ast.Call):
             if _own_attr_dict_call(e):
@@ -622,6 +627,8 @@ def _check_inserted(fn: ast.FunctionDef, own: set[int], allowed_loads: set[str])
         if isinstance(node, ast.Name) and not node.id.startswith(PREFIX) and \
                 (not isinstance(node.ctx, ast.Load) or node.id not in allowed_loads):
             raise NotRewritable(f"inserted code uses upstream's name {node.id!r}")
+        if isinstance(node, ast.AugAssign) and isinstance(node.target, ast.Name) and up(node.target):
+            raise NotRewritable(f"inserted code updates {node.target.id!r} in place, an upstream value")
         if isinstance(node, (ast.Attribute, ast.Subscript)) and not isinstance(node.ctx, ast.Load):
             if isinstance(node, ast.Attribute) and node.attr.startswith(OWN_ATTR) and \
                     isinstance(node.value, ast.Name) and node.value.id in self_data:

@@ -248,6 +248,11 @@ ENQUEUE_REFUSED = {
                                  "stores into '__kvtrace_t[0]'"),
     "a method through an alias": ("__kvtrace_t = DATA.transfer_tasks\n__kvtrace_u = __kvtrace_t\n__kvtrace_u.clear()",
                                   "calls '__kvtrace_u.clear'"),
+    "an in-place update through an alias": ("__kvtrace_t = DATA.transfer_tasks\n__kvtrace_t += [None]",
+                                            "updates '__kvtrace_t' in place"),
+    "a method through our record's field": ("__kvtrace_x = __kvtrace_new_record()\n"
+                                            "__kvtrace_x.tasks = DATA.transfer_tasks\n__kvtrace_x.tasks.clear()",
+                                            "calls '__kvtrace_x.tasks.clear'"),
     "a method through getattr": ("__kvtrace_getattr(DATA.transfer_tasks, 'clear')()", "of an upstream object"),
     "our attribute dict of another object": ("DATA.transfer_tasks.__dict__.pop('_kvtrace', None)",
                                              "calls 'req_meta.transfer_tasks.__dict__.pop'"),
