@@ -384,7 +384,8 @@ class _Rewriter:
             self._hit("batch copy", value)
             result = ast.Name(s.targets[0].id, ast.Load())
             return (self.stmts(_PENDING, s, STAGE=ast.Constant(_S["BACKEND_SUBMIT"])),
-                    self.stmts(_COPY_AFTER, s, RESULT=result) + self.stmts(_BYTES_AFTER, s, ARG=value.args[2]))
+                    self.stmts(_COPY_AFTER, s, RESULT=result) +
+                    self.stmts(_BYTES_AFTER, s, guard=False, ARG=value.args[2]))  # has its own try
         if isinstance(s, ast.Expr):
             arg = _event_call(value, sn, "layer_load_finished_events", "set")
             if arg is not None:
