@@ -16,7 +16,7 @@ regressions are 95% confidence bounds of the mean, not the worst pair:
   when the counts differ. The reason says why the runs were not paired (and logs a warning when the
   counts differ).
 
-The same measured pairs are also judged by the replays' rule (``measured_verdict_worst``: worst pair,
+The same measured pairs are also judged by the replays' rule (``verdict_worst``: worst pair,
 any pair regresses), so the prediction's verdict and the measurement's can be compared under one rule;
 without seed pairs there is no worst pair and that verdict says so.
 """

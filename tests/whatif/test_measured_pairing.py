@@ -140,3 +140,23 @@ def test_welch_bound_and_fractional_degrees_of_freedom() -> None:
     assert df == pytest.approx(2.0) and lo == pytest.approx(1.0 - 2.920 * (1 / 3) ** 0.5)
     assert hi == pytest.approx(1.0 + 2.920 * (1 / 3) ** 0.5)
     assert welch_bounds([2.0, 2.0], [1.0, 1.0]) == (1.0, 1.0, float("inf"))
+
+
+def test_unpaired_regressions_use_the_welch_upper_bound() -> None:
+    def runs(name: str, ttft: list[float], p99: list[float], inflight: int = 4) -> list[RunSummary]:
+        return [RunSummary(run_id=f"{name}{k}", cfg_label="cfg", figures={name: figures(t, p99=q, inflight=inflight)},
+                           fifo_errors_ns=[10] * 10, service_ns=[1000] * 10, hol_events=2, hol_ms=2.0)
+                for k, (t, q) in enumerate(zip(ttft, p99, strict=True))]
+
+    fifo = runs("fifo", [12.0, 12.2, 11.8, 12.1], [16.0, 16.5, 15.5, 16.0])
+    better = decide(fifo, policy_runs={POLICY: runs(POLICY, [9.0, 9.1, 8.9, 9.0], [15.0, 15.8, 14.8, 15.1])})
+    assert better.verdict == f"switch to {POLICY}", better.reason
+    assert "Welch 95% lower confidence bound" in better.reason and "4 FIFO and 4 ready_queue runs" in better.reason
+    # p99 1 ms better on average above; 1 ms worse here: the upper bound of the mean change is above 0
+    worse = decide(fifo, policy_runs={POLICY: runs(POLICY, [9.0, 9.1, 8.9, 9.0], [17.0, 17.5, 16.8, 17.2])})
+    assert worse.verdict == "keep FIFO" and "p99 TTFT regression" in worse.reason
+    assert "(Welch 95% upper confidence bound of the mean change)" in worse.reason
+    more = decide(fifo, policy_runs={POLICY: runs(POLICY, [9.0, 9.1, 8.9, 9.0], [15.0] * 4, inflight=5)})
+    assert "peak in-flight regression" in more.reason
+    few = decide(fifo, policy_runs={POLICY: runs(POLICY, [9.0, 9.1], [15.0, 15.0])})
+    assert few.verdict == "keep FIFO" and "only 4 FIFO and 2 ready_queue runs; need >= 3 of each" in few.reason
