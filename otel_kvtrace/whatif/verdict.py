@@ -14,8 +14,8 @@ Rules (design §5), checked in this order:
    count (any run, no tolerance). The reasons state the tolerance.
 The best qualifying policy (largest lower bound) wins; otherwise "keep FIFO" with the reason.
 
-Independent pairs (``decide(..., independent=True)``: measured runs, FIFO run k against a policy run k
-recorded separately, ``kvtrace whatif --measured``). On replays a run's gain is the gain on that run's
+Independent pairs (``decide(..., independent=True)``: measured runs, the FIFO run of seed k against the
+policy run of seed k recorded separately, ``kvtrace whatif --measured``). On replays a run's gain is the gain on that run's
 input, so the minimum over runs is the worst input and "any run regresses" is a fact about an input.
 A measured pair's difference also holds two runs' own noise (it is a sample, not the gain on an input):
 its minimum over n pairs is about ``mean - 1.4 sd`` at 8 pairs, falls with every pair added, and "any
@@ -30,7 +30,8 @@ Pairing a measured FIFO run with a measured policy run only means something when
 (``decide(fifo_runs, policy_runs={name: runs})``): the bounds are then Welch's two-sample bounds (difference
 of the means, standard error ``sqrt(sA^2/nA + sB^2/nB)``, Welch-Satterthwaite degrees of freedom), over
 every run of both sets, so renaming runs or unequal counts change nothing. ``gains[name]["bound"]`` says
-which bound was used (``WORST``, ``PAIRED``, ``WELCH``), and so does the reason.
+which bound was used (``WORST``, ``PAIRED``, ``WELCH``), and so does the reason. Each policy is tested at
+95% on its own and the best qualifying one wins: no correction for the number of policies compared.
 """
 
 from __future__ import annotations
