@@ -25,7 +25,12 @@ with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
 gives the worst error without that cost. Before those: per cell the prediction of the same traces
 without the forward's GIL-lag model (``otel_kvtrace/whatif/gil.py``), the worst sampling floor, and the
-predicted and the measured verdict with the reason each rests on.
+predicted and the measured verdict with the reason each rests on. The measured verdict is given under
+both rules: the worst-pair rule the prediction uses (worst run, any run regresses; the runs are paired by
+seed) and the 95% confidence bound of the mean paired gain (``kvtrace whatif --measured``'s verdict).
+Agreement is counted under one rule (``# verdicts agree``): the two measured rules answer different
+questions, and agreement counts from before b20d9a3 (2026-12-02, when the measured verdict became the
+confidence bound) are not comparable with the confidence-bound column.
 
 Usage::
 
@@ -262,7 +267,8 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
     print(f"# {seeds} seeds x {steps} steps per policy; gains and noise in ms; cal = with the policy's cost per "
           "dequeue from the measured runs")
     print(f"{'config':10} {'policy':11} {'FIFO':>7} {'pred':>7} {'cal':>7} {'cost us':>7} {'meas':>7} {'SE':>6} "
-          f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'corr':>5} {'trim':>6} {'CPU ms/step':>12}  verdict predicted / measured")
+          f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'corr':>5} {'trim':>6} {'CPU ms/step':>12}  "
+          "verdict predicted (worst run) / measured (worst pair) / measured (95% bound)")
     worst = worst_plain = 0.0
     for cell, c, cpu in rows:
         policy = c["policy"]
@@ -276,7 +282,7 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         print(f"{cell:10} {policy:11} {c['fifo_measured']['ttft_ms_mean']['mean']:7.3f} {c['predicted_gain_ms']:7.3f} "
               f"{c['calibrated_gain_ms']:7.3f} {c['dispatch_cost_us']:7.1f} {c['measured_gain_ms']:7.3f} {se:6.3f} "
               f"{c['noise_ms']:6.3f} {c['gain_error_pct']:6.1f} {c['calibrated_gain_error_pct']:6.1f} {floor:7.1f} {corr:5.2f} {c['trimmed_gain_ms']:6.3f} "
-              f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict']}")
+              f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict_worst']} / {c['verdict']}")
     for cell, c, _ in rows:
         g = c["no_gil"]
         print(f"# {cell} {c['policy']}: without the GIL-lag model (gil.py): pred {g['predicted_gain_ms']:.3f} "
@@ -288,7 +294,13 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
               "a perfect model's error is about 0.8 x floor, below 2 x floor 95 % of the time")
     for cell, c, _ in rows:  # the verdicts with the rule that decided them (the table only has the verdicts)
         print(f"# {cell} {c['policy']}: predicted {c['predicted_verdict']}: {c['predicted_reason']}")
-        print(f"# {cell} {c['policy']}: measured  {c['verdict']}: {c['reason']}")
+        print(f"# {cell} {c['policy']}: measured, worst pair {c['verdict_worst']}: {c['reason_worst']}")
+        print(f"# {cell} {c['policy']}: measured, 95% bound {c['verdict']}: {c['reason']}")
+    if rows:
+        same_rule = sum(c["predicted_verdict"] == c["verdict_worst"] for _, c, _ in rows)
+        mixed = sum(c["predicted_verdict"] == c["verdict"] for _, c, _ in rows)
+        print(f"# verdicts agree: {same_rule} of {len(rows)} cells under one rule (predicted worst run, measured "
+              f"worst pair); {mixed} of {len(rows)} predicted (worst run) vs measured (95% bound), two rules")
     print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
 

@@ -79,6 +79,10 @@ def whatif_command(paths: tuple[Path, ...], json_path: Path | None, md_path: Pat
     whose lower bound over runs is above run-to-run noise, and in every run p99 TTFT no more than
     1% above FIFO's and no increase of peak in-flight tasks.
 
+    With --measured, the measured verdict's bounds are 95% confidence bounds of the mean: paired
+    when the run ids name the same seeds (...-s<seed>), else Welch's two-sample bound over every
+    run; it is printed also by the worst-pair rule of the prediction (seed pairs only).
+
     \b
     Example:
       kvtrace demo --out kvtrace-data
@@ -133,11 +137,16 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
                               "from the measured runs", soft_wrap=True)
             console.print(f"noise {c['noise_ms']:.3f} ms; gain error {c['gain_error_pct']:.1f}% "
                           f"({len(c['fifo_runs'])} FIFO / {len(c['policy_runs'])} {escape(c['policy'])} runs); "
-                          f"measured verdict: [bold]{escape(c['verdict'])}[/bold]: {escape(c['reason'])}",
+                          f"measured verdict (95% confidence bound): [bold]{escape(c['verdict'])}[/bold]: "
+                          f"{escape(c['reason'])}",
                           soft_wrap=True)
             if c.get("predicted_verdict"):
-                console.print(f"predicted verdict ({escape(c['policy'])} alone): "
+                console.print(f"predicted verdict ({escape(c['policy'])} alone, worst-run rule): "
                               f"[bold]{escape(c['predicted_verdict'])}[/bold]: {escape(c['predicted_reason'])}",
+                              soft_wrap=True)
+            if c.get("verdict_worst"):  # the measurement under the prediction's rule: agreement under one rule
+                console.print(f"measured verdict, worst-pair rule (as the prediction's): "
+                              f"[bold]{escape(c['verdict_worst'])}[/bold]: {escape(c['reason_worst'])}",
                               soft_wrap=True)
 
 

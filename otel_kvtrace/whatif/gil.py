@@ -144,8 +144,10 @@ def fit(q: QueueArrays, fifo: QueueReplay) -> GilModel | None:
         if len(xs) < MIN_POINTS or max(xs) == min(xs):
             continue
         a, b = lad_line(xs, ys)
+        if b < 0:  # a lag that falls with the run is no GIL wait: a flat line, at the lags' median
+            a, b = statistics.median(ys), 0.0
         res = statistics.median(abs(y - a - b * x) for x, y in zip(xs, ys, strict=True))
-        model = GilModel(max(0.0, b), a, release, len(xs), loop, res)
+        model = GilModel(b, a, release, len(xs), loop, res)
         if best is None or res < best.residual_ns:
             best = model
     return best

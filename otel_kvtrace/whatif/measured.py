@@ -4,14 +4,27 @@ predicted for that policy from FIFO runs of the same configuration (``kvtrace wh
 A measured run's figures come from its own recorded times (dequeue, completion, the forward's recorded
 load waits) through the same metric code the replay uses (:func:`queue_figures` on a
 :class:`QueueReplay` built from the recording), so predicted and measured numbers mean the same thing.
-The measured verdict applies the same rules (:func:`otel_kvtrace.whatif.verdict.decide`) to pairs
-(FIFO run k, policy run k) in run-id order; the FIFO runs' replay check and HOL counts are theirs. The
-pairs are independent recordings, so the lower bound and the regressions are 95% confidence bounds of
-the mean over pairs (``independent=True``), not the worst pair.
+The measured verdict applies the same rules (:func:`otel_kvtrace.whatif.verdict.decide`); the FIFO runs'
+replay check and HOL counts are theirs. The runs are independent recordings, so the lower bound and the
+regressions are 95% confidence bounds of the mean, not the worst pair:
+
+- paired (``verdict.PAIRED``) when every run of both sets carries a seed label (:func:`seed_label`: a
+  run id ending in ``-s<seed>``, as ``kvtrace demo`` and the fidelity bench write them) and the two sets
+  have the same seeds, each once: FIFO run of seed k against the policy run of seed k;
+- otherwise unpaired (``verdict.WELCH``, Welch's two-sample bound) over every run of both sets: pairing
+  run k with run k in run-id order would make the verdict depend on the runs' names, and would drop runs
+  when the counts differ. The reason says why the runs were not paired (and logs a warning when the
+  counts differ).
+
+The same measured pairs are also judged by the replays' rule (``verdict_worst``: worst pair,
+any pair regresses), so the prediction's verdict and the measurement's can be compared under one rule;
+without seed pairs there is no worst pair and that verdict says so.
 """
 
 from __future__ import annotations
 
+import logging
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +35,8 @@ from otel_kvtrace.whatif.metrics import queue_figures, validation_from
 from otel_kvtrace.whatif.replay import RunReplay, RunSummary, summarise
 from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
 from otel_kvtrace.whatif.verdict import METRICS, ConfigVerdict, decide, spread
+
+logger = logging.getLogger(__name__)
 
 MEASURED = "measured"
 DISPATCH = "dispatch_ns"
@@ -107,6 +122,15 @@ class Comparison:
     predicted_evidence: dict[str, Any] = field(default_factory=dict)
     """What the predicted verdict rests on: its ``gains[policy]`` (per-run gains, lower bound, p99 and
     in-flight regression flags) and noise, like ``measured_verdict``."""
+    pairing: str = ""
+    """``seed`` (FIFO and policy run of one seed paired) or ``none`` (Welch over both sets)."""
+    pairing_note: str = ""
+    """Why the runs were (not) paired, with the run counts; also appended to ``reason``."""
+    verdict_worst: str = ""
+    """The measured verdict by the replays' rule (worst pair; any pair regresses): comparable with
+    ``predicted_verdict``. Only with seed pairs (else ``n/a``)."""
+    reason_worst: str = ""
+    measured_evidence_worst: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
@@ -137,7 +161,10 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
     noise = max(fifo_meas["ttft_ms_mean"]["stdev"], measured["ttft_ms_mean"]["stdev"])
     cal_gain = statistics.fmean(r.figures["fifo"]["ttft_ms_mean"] - r.figures[policy]["ttft_ms_mean"]
                                 for r in calibrated) if calibrated else pred_gain
-    verdict = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label)
+    pairs, note = pair_by_seed(fifo_measured, policy_measured)
+    verdict = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label, pairs)
+    worst = _measured_verdict(fifo_replayed, fifo_measured, policy, policy_measured, cfg_label, pairs,
+                              worst_pair=True) if pairs else None
     alone = _predicted_verdict(fifo_replayed, policy, cfg_label)
     layers = {
         "predicted": _mean_profile([r.layers.get(policy, {}) for r in fifo_replayed]),
@@ -146,9 +173,14 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
     return Comparison(cfg_label, policy, [r.run_id for r in fifo_replayed], [r.run_id for r in policy_measured],
                       predicted, measured, fifo_meas, pred_gain, meas_gain, noise,
                       gain_error_pct(pred_gain, meas_gain, noise), dispatch_ns / 1e3, cal_gain,
-                      gain_error_pct(cal_gain, meas_gain, noise), layers, verdict.verdict, verdict.reason,
-                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms}, alone.verdict, alone.reason,
-                      {"gains": alone.gains, "noise_ms": alone.noise_ms})
+                      gain_error_pct(cal_gain, meas_gain, noise), layers, verdict.verdict,
+                      f"{verdict.reason} [{note}]",
+                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms, "pairing": note}, alone.verdict,
+                      alone.reason, {"gains": alone.gains, "noise_ms": alone.noise_ms},
+                      "seed" if pairs else "none", note,
+                      worst.verdict if worst else "n/a",
+                      worst.reason if worst else "no worst pair: the runs are not paired by seed",
+                      {"gains": worst.gains, "noise_ms": worst.noise_ms} if worst else {})
 
 
 def _predicted_verdict(fifo_replayed: list[RunSummary], policy: str, cfg_label: str) -> ConfigVerdict:
@@ -162,19 +194,62 @@ def _predicted_verdict(fifo_replayed: list[RunSummary], policy: str, cfg_label: 
     return decide(runs, cfg_label=cfg_label)
 
 
+_SEED = re.compile(r"(?:^|[-_.])s(\d+)$")
+
+
+def seed_label(run_id: str) -> int | None:
+    """The seed a run id names (``...-s<seed>``: ``kvtrace demo``'s ``demo-hol-<stamp>-s3``, the
+    fidelity bench's ``up-fifo-s003``), or None. Runs of the same seed ran the same input."""
+    m = _SEED.search(run_id)
+    return int(m.group(1)) if m else None
+
+
+def pair_by_seed(fifo: list[RunSummary], policy: list[RunSummary]
+                 ) -> tuple[list[tuple[RunSummary, RunSummary]] | None, str]:
+    """(FIFO run, policy run) of the same seed, in seed order, when every run of both sets carries a seed
+    label, each seed once, and both sets have the same seeds; else None. Second: the note saying which."""
+    counts = f"{len(fifo)} FIFO / {len(policy)} policy runs"
+    f_seed = {seed_label(r.run_id): r for r in fifo}
+    p_seed = {seed_label(r.run_id): r for r in policy}
+    if None in f_seed or None in p_seed:
+        why = "run ids carry no seed label (-s<seed>)"
+    elif len(f_seed) < len(fifo) or len(p_seed) < len(policy):
+        why = "a seed label repeats"
+    elif set(f_seed) != set(p_seed):
+        why = "the seed labels of the two sets differ"
+    else:
+        return [(f_seed[k], p_seed[k]) for k in sorted(f_seed)], f"paired by seed: {len(fifo)} pairs"  # type: ignore[type-var]
+    note = f"not paired ({why}): Welch two-sample bound over all {counts}"
+    if len(fifo) != len(policy):
+        logger.warning("--measured: %s; unequal counts, every run used", note)
+    return None, note
+
+
 def _measured_verdict(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], policy: str,
-                      policy_measured: list[RunSummary], cfg_label: str) -> ConfigVerdict:
+                      policy_measured: list[RunSummary], cfg_label: str,
+                      pairs: list[tuple[RunSummary, RunSummary]] | None, *, worst_pair: bool = False
+                      ) -> ConfigVerdict:
+    """The measured verdict: on seed pairs by the paired confidence bound (``worst_pair``: by the replays'
+    worst-run rule), else by Welch's bound over both sets (no run dropped, names do not matter)."""
     by_id = {r.run_id: r for r in fifo_replayed}
-    pairs = []
-    for f, p in zip(sorted(fifo_measured, key=lambda r: r.run_id), sorted(policy_measured, key=lambda r: r.run_id),
-                    strict=False):
+
+    def fifo_side(f: RunSummary, figures: dict[str, Any], layers: dict[str, Any], run_id: str) -> RunSummary:
         rep = by_id[f.run_id]
-        pairs.append(RunSummary(
-            run_id=f"{f.run_id}|{p.run_id}", cfg_label=cfg_label,
-            figures={"fifo": f.figures[MEASURED], policy: p.figures[MEASURED]},
-            fifo_errors_ns=rep.fifo_errors_ns, service_ns=rep.service_ns, hol_events=rep.hol_events,
-            hol_ms=rep.hol_ms, layers={"fifo": f.layers[MEASURED], policy: p.layers[MEASURED]}))
-    return decide(pairs, cfg_label=cfg_label, independent=True)
+        return RunSummary(run_id=run_id, cfg_label=cfg_label, figures=figures, fifo_errors_ns=rep.fifo_errors_ns,
+                          service_ns=rep.service_ns, hol_events=rep.hol_events, hol_ms=rep.hol_ms, layers=layers)
+
+    if pairs is not None:
+        runs = [fifo_side(f, {"fifo": f.figures[MEASURED], policy: p.figures[MEASURED]},
+                          {"fifo": f.layers.get(MEASURED, {}), policy: p.layers.get(MEASURED, {})},
+                          f"{f.run_id}|{p.run_id}") for f, p in pairs]
+        return decide(runs, cfg_label=cfg_label, independent=not worst_pair)
+    fifo = [fifo_side(f, {"fifo": f.figures[MEASURED]}, {"fifo": f.layers.get(MEASURED, {})}, f.run_id)
+            for f in sorted(fifo_measured, key=lambda r: r.run_id)]
+    pol = [RunSummary(run_id=p.run_id, cfg_label=cfg_label, figures={policy: p.figures[MEASURED]},
+                      fifo_errors_ns=[], service_ns=[], hol_events=0, hol_ms=0.0,
+                      layers={policy: p.layers.get(MEASURED, {})})
+           for p in sorted(policy_measured, key=lambda r: r.run_id)]
+    return decide(fifo, cfg_label=cfg_label, policy_runs={policy: pol})
 
 
 def _mean_profile(profiles: list[dict[str, list[float]]]) -> dict[str, list[float]]:

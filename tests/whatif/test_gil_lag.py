@@ -22,7 +22,7 @@ BASE_LAG = 20_000
 CPU = 60_000  # layer 2's CPU work before its copy (ns)
 
 
-def recording(*, meta_first: bool = False) -> list[ReplayTask]:
+def recording(*, meta_first: bool = False, falling: bool = False) -> list[ReplayTask]:
     """A FIFO recording, ``STEPS`` steps of 4 layers (times in ns, step s starts at s * 1 ms):
 
     - L0: no dependency, 100 us; the forward waits on it from +10 us and wakes ``BASE_LAG + x`` after it
@@ -33,7 +33,7 @@ def recording(*, meta_first: bool = False) -> list[ReplayTask]:
     - L3: final layer, 100 us. The forward does not wait on L1-L3 (they completed before it came).
     ``meta_first``: L1's x holds a sleeping metadata build starting ``meta`` (0-9 us, unrelated to x) into
     it: the recv thread releases the GIL there, the lag is 20 us + meta, and only the release set with
-    ``meta_build`` explains it.
+    ``meta_build`` explains it. ``falling``: the lag falls with x (20 us + 50 us - x), which no GIL wait does.
     """
     out = []
     seq = 0
@@ -42,6 +42,8 @@ def recording(*, meta_first: bool = False) -> list[ReplayTask]:
         x = 10_000 + (s * 7919) % 40_000
         meta = (s * 3217) % 9_000  # where L1's sleeping metadata build starts (``meta_first``)
         lag = BASE_LAG + (meta if meta_first else x)
+        if falling:
+            lag = BASE_LAG + 50_000 - x
         rows = [
             dict(layer_id=0, work_ns=(0, 0, 0, 100_000), start=b, complete=b + 100_000, copy_at_ns=0,
                  consumer_wait_start_ns=b + 10_000, consumer_wait_end_ns=b + 100_000 + lag),
@@ -97,6 +99,19 @@ def test_the_release_points_are_chosen_by_the_fit() -> None:
     model = replay_run(recording(meta_first=True), policies=["ready_queue"]).gil["q"]
     assert model is not None and model.release == "meta+copy"
     assert model.slope == pytest.approx(1.0, abs=1e-3) and model.intercept == pytest.approx(BASE_LAG, abs=50)
+
+
+def test_a_falling_lag_fits_a_flat_line_at_the_median_lag() -> None:
+    # the LAD slope is -1 here: clamped to 0, the intercept must be the lags' median, not the
+    # unclamped line's intercept (20 + 50 us), which would add about 20 us to every fitted lag
+    import statistics
+
+    tasks = recording(falling=True)
+    model = replay_run(tasks, policies=["ready_queue"]).gil["q"]
+    lags = [t.consumer_wait_end_ns - t.recorded_complete_ns for t in tasks if t.layer_id == 0]  # type: ignore[operator]
+    assert model is not None and model.slope == 0.0
+    assert model.intercept == pytest.approx(statistics.median(lags))
+    assert model.residual_ns == pytest.approx(statistics.median(abs(y - statistics.median(lags)) for y in lags))
 
 
 def test_the_lad_line_is_not_pulled_by_a_stall_tail() -> None:

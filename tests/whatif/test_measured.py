@@ -64,11 +64,15 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     res = CliRunner().invoke(whatif_command, [str(fifo), "--measured", str(rq), "--policy", "ready_queue",
                                               "--json", str(out)])
     assert res.exit_code == 0, res.output
-    assert "predicted vs measured" in res.output and "measured verdict:" in res.output
+    assert "predicted vs measured" in res.output and "measured verdict (95% confidence bound):" in res.output
+    # the demo's run ids name their seeds (-s1..-s3): paired by seed, and judged by the worst-pair rule too
+    assert "paired by seed: 3 pairs" in res.output
+    assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]
-    assert c["policy"] == "ready_queue"
+    assert c["policy"] == "ready_queue" and c["pairing"] == "seed" and c["verdict_worst"] != "n/a"
+    assert c["measured_verdict"]["gains"]["ready_queue"]["bound"] == "95% confidence bound, paired"
     assert c["dispatch_cost_us"] >= 0 and "calibrated_gain_ms" in c and "calibrated_gain_error_pct" in c
 
 
