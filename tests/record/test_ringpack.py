@@ -38,11 +38,12 @@ def _ring(nslots: int, commit: int) -> Any:
     return mem
 
 
-def _pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+def _pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch, cls: Any = R.RingWriter) -> tuple[Any, Any]:
     """(native writer, Python writer) over two fresh rings of the same shape."""
-    native = R.RingWriter(_ring(nslots, commit))
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)  # a CI environment's =python must not fail this
+    native = cls(_ring(nslots, commit))
     monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
-    python = R.RingWriter(_ring(nslots, commit))
+    python = cls(_ring(nslots, commit))
     monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
     assert native._packer is not None and python._packer is None
     return native, python
@@ -151,6 +152,114 @@ def test_every_stage_count_round_trips(commit: int, monkeypatch: pytest.MonkeyPa
         assert got[0] == got[1] and len(got[0]) == 1
         expected = rec.stages if n <= R.MAX_STAGE_INTS else R.fold_stages(rec.stages)
         assert got[0][0][11] == expected
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_an_awaiting_fold_packs_a_snapshot_of_the_stages(commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward may append its consumer-wait triple while an awaiting task is folded (``fold_stages`` is
+    Python code: the GIL can switch). The Python path folds ``tuple(rec.stages)``, so the triple is only in
+    the later ``MSG_CWAIT``; the C path must fold a snapshot too, or the body would carry it as well."""
+    live: list[TaskRecord] = []
+
+    def appending_fold(stages: Any) -> list[int]:  # the forward's append, made to happen mid-fold
+        live[0].stages.extend((int(R.Stage.CONSUMER_WAIT), 7, 9))
+        return real_fold(stages)
+
+    real_fold = R.fold_stages
+    monkeypatch.setattr(R, "fold_stages", appending_fold)  # before the writers: the packer holds it
+    native, python = _pair(128, commit, monkeypatch)
+    for awaiting in (True, False):
+        rec = TaskRecord(queue=QUEUE, seq=3, t_enqueue=5_000_000_000)
+        rec.stages.extend(x for i in range(30) for x in (i % 4, 10 * i, 10 * i + 5))  # > 22 triples: folded
+        for w in (native, python):
+            copy = _copy(rec)
+            live[:] = [copy]
+            assert w.write_task(copy, awaiting)
+            assert copy.stages[-3:] == [int(R.Stage.CONSUMER_WAIT), 7, 9]  # the append did happen
+        assert native._mem[:] == python._mem[:]
+    got = [_decoded(R.RingReader(w._mem), Decoder()) for w in (native, python)]
+    assert got[0] == got[1]
+
+
+class _FailingHead(R.RingWriter):
+    """A writer whose claim hint cannot be stored once ``fail`` is set: the slot is claimed, not written."""
+
+    fail = False
+
+    @property
+    def _head(self) -> int:
+        return self._hint
+
+    @_head.setter
+    def _head(self, value: int) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("claim hint not stored")
+        self._hint = value
+
+
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_claimed_slot_whose_write_fails_is_committed_void_by_both_packers(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claimed but not committed would stall the agent: both packers commit ``MSG_VOID`` there, raise, and
+    the next task goes to the next slot (the Python writer alone when the extension is not built)."""
+    if NATIVE is None:
+        monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+        writers = [_FailingHead(_ring(128, commit))]
+    else:
+        writers = list(_pair(128, commit, monkeypatch, _FailingHead))
+        assert writers[0]._packer is not None
+    for w in writers:
+        assert w.write_task(TaskRecord(queue=QUEUE, seq=1, t_enqueue=5), False)  # slot 0: queue, 1: task
+        w.fail = True
+        with pytest.raises(RuntimeError, match="claim hint"):
+            w.write_task(TaskRecord(queue=QUEUE, seq=2, t_enqueue=6), False)  # slot 2: claimed, void
+        assert w._head == w.hdr[R.H_HEAD] == 2  # not advanced by the failed claim, as _claim leaves it
+        assert w.write_task(TaskRecord(queue=QUEUE, seq=3, t_enqueue=7), False)  # slot 3
+    if len(writers) == 2:
+        assert writers[0]._mem[:] == writers[1]._mem[:]
+    msgs = R.RingReader(writers[0]._mem).poll(10)
+    assert [(m.index, m.kind) for m in msgs] == [(0, R.MSG_QUEUE), (1, R.MSG_TASK), (2, R.MSG_VOID), (3, R.MSG_TASK)]
+    assert msgs[2].body == b""
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in msgs:
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [1, 3]
+
+
+@needs_native
+def test_the_packer_refuses_claims_that_are_not_an_iterator_or_a_fold_that_is_not_callable() -> None:
+    mem = _ring(128, R.COMMIT_STORE_ORDER)
+    with pytest.raises(TypeError):  # PyIter_Next on a list would call a NULL tp_iternext
+        NATIVE.Packer(mem, 128, 64, False, [0, 1, 2], R.fold_stages, TaskRecord)
+    with pytest.raises(TypeError):
+        NATIVE.Packer(mem, 128, 64, False, iter(range(3)), None, TaskRecord)
+
+
+class _Hint:
+    _head = 0
+
+
+@needs_native
+@pytest.mark.parametrize("claim", [-1, -129, (1 << 63) - 1, 1 << 63, 1 << 70])
+def test_a_claim_outside_int64_commits_its_slot_void_and_writes_nowhere_else(claim: int) -> None:
+    """A claim counter is ``itertools.count()`` in ``RingWriter``; ``Packer`` is public, so a claim that no
+    slot commit word can hold (negative: before the mapping) is refused after committing its slot void."""
+    mem = _ring(128, R.COMMIT_CRC)
+    packer = NATIVE.Packer(mem, 128, 64, True, iter([claim]), R.fold_stages, TaskRecord)
+    before = mem[:]
+    with pytest.raises(OverflowError):
+        packer.write(_Hint(), TaskRecord(queue=QUEUE), 0, R.NO_SUMMARY, False)
+    idx = claim % 128
+    off = R.HEADER_BYTES + idx * R.SLOT_SIZE
+    commit, crc, kind, length = R.SLOT_HEAD.unpack_from(mem, off)
+    assert (kind, length) == (R.MSG_VOID | R.KIND_WRITTEN, 0)
+    assert commit == (claim + 1 + (1 << 63)) % (1 << 64) - (1 << 63)  # the claim + 1, modulo 2**64
+    assert crc == R.slot_crc(b"", claim, kind, 0)
+    assert mem[:off] == before[:off] and mem[off + 16 :] == before[off + 16 :]  # that slot's head only
+    packer.release()
 
 
 @needs_native
