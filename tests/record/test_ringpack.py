@@ -467,3 +467,99 @@ def test_doctor_names_the_packer_in_use(monkeypatch: pytest.MonkeyPatch) -> None
     assert ring_pack() == "python: OTEL_KVTRACE_RING_PACK=python"
     monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
     assert ring_pack() == ("native" if NATIVE is not None else f"python: native packer {R._NATIVE_MISSING}")
+
+
+def _perturbed(key: str, value: Any) -> Any:
+    if key == "TASK_FIELDS":  # two fields swapped: a reordered TASK_FIELDS
+        return (value[1], value[0], *value[2:])
+    return value + "x" if isinstance(value, str) else value + 1
+
+
+@needs_native
+def test_every_layout_constant_the_c_code_copies_is_compared() -> None:
+    """A stale in-place build (not rebuilt by a git pull) must not write another layout: each constant of
+    ``_ringpack.LAYOUT`` and each field's offset and size is compared with ``ring.py``'s."""
+    layout = NATIVE.LAYOUT
+    assert R.layout_mismatch(layout) == ""
+    assert set(layout) == set(R.native_layout())
+    assert [name for name, _, _ in layout["TASK_FIELDS"]] == list(R.TASK_FIELDS)
+    for key, value in layout.items():
+        why = R.layout_mismatch({**layout, key: _perturbed(key, value)})
+        assert why.startswith(f"{key} is "), (key, why)
+    assert R.layout_mismatch({k: v for k, v in layout.items() if k != "F_GATE"}).startswith("F_GATE is None")
+    assert R.layout_mismatch(None).startswith("no LAYOUT")
+
+
+@needs_native
+@pytest.mark.parametrize("change", [("VERSION", 4), ("F_AWAITING", 64), ("MAX_STAGE_INTS", 60),
+                                    ("TASK_FIELDS", None)])
+def test_a_build_stale_against_ring_py_is_not_used_and_logged_once(
+        change: tuple[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """ring.py changed after the build (a bumped VERSION, a flag bit, the stage cap, reordered fields): the
+    real extension is then refused by ``_load_native`` and every writer uses Python, with one log line."""
+    name, value = change
+    if name == "TASK_FIELDS":
+        fields = list(R.TASK_FIELDS)
+        i, j = fields.index("src"), fields.index("gate")
+        fields[i], fields[j] = fields[j], fields[i]
+        value = tuple(fields)
+    monkeypatch.setattr(R, name, value)
+    native, why = R._load_native()
+    assert native is None and why.startswith(f"stale build ({name} is "), why
+    monkeypatch.setattr(R, "_NATIVE", native)
+    monkeypatch.setattr(R, "_NATIVE_MISSING", why)
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        writers = [R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER)) for _ in range(2)]
+    assert [w._packer for w in writers] == [None, None]
+    assert R.pack_mode() == ("python", f"native packer {why}")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"otel-kvtrace: OTEL_KVTRACE_RING_PACK=auto: native packer {why}; using the Python packer"]
+
+
+def test_a_packer_that_cannot_be_constructed_leaves_the_python_packer_and_one_log_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``RingWriter`` is built in ``agent_link._spawn`` after the agent process started: a ``Packer`` that
+    raises (here the real one, refusing a header that names more slots than the mapping holds) must not
+    break tracing start; ``pack_mode`` (and so ``kvtrace doctor``) says why."""
+    if NATIVE is None:
+        pytest.skip(f"native packer {R._NATIVE_MISSING}")
+    monkeypatch.setattr(R, "_NATIVE_FAILED", "")
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    mem = _ring(128, R.COMMIT_STORE_ORDER)
+    hdr = memoryview(mem)[: R.HEADER_BYTES].cast("q")
+    hdr[R.H_NSLOTS] = 129  # the real Packer checks its mapping: ValueError
+    hdr.release()
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        writer = R.RingWriter(mem)
+        again = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))  # this process stays on Python, no 2nd line
+    assert writer._packer is None and again._packer is None
+    mode, why = R.pack_mode()
+    assert mode == "python" and why.startswith("native packer failed: ValueError: ring mapping smaller"), why
+    assert len(caplog.records) == 1 and "native ring packer failed (ValueError" in caplog.records[0].getMessage()
+    assert writer.write_task(TaskRecord(queue=QUEUE, seq=4, t_enqueue=5), False)  # the Python path writes
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(writer._mem).poll(10):
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [4]
+
+
+@pytest.mark.parametrize("want", ["native", "auto"])
+def test_native_asked_for_but_missing_warns_once(want: str, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """``=native`` without the extension: one warning per process (``auto``: silent, the normal case
+    without a compiler); the Python packer either way."""
+    monkeypatch.setattr(R, "_NATIVE", None)
+    monkeypatch.setattr(R, "_NATIVE_MISSING", "not built (No module named 'otel_kvtrace.record._ringpack')")
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", want)
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        modes = [R.pack_mode() for _ in range(3)]
+        assert R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))._packer is None
+    assert modes == [("python", f"native packer {R._NATIVE_MISSING}")] * 3
+    expected = [f"otel-kvtrace: OTEL_KVTRACE_RING_PACK=native: native packer {R._NATIVE_MISSING}; "
+                "using the Python packer"] if want == "native" else []
+    assert [r.getMessage() for r in caplog.records] == expected
