@@ -6,7 +6,8 @@
  * field an int (a Python int or a subclass: bool, IntEnum) in range of its slot field, deps a list of 10,
  * stages a list. Anything else returns NotImplemented BEFORE a slot is claimed, and ring.py's Python path
  * then writes (or raises) exactly as it always did. So no input can make this code write a different
- * slot than the reference, and nothing here can fail between the claim and the commit.
+ * slot than the reference. Between the claim and the commit only storing the writer's claim hint can fail
+ * (ring.py's path fails there too); that slot, like a claim no commit word can hold, is committed MSG_VOID.
  *
  * The GIL is held throughout and no Python code runs between reading the record and the commit but
  * fold_stages (a Python callable, before the claim). While it runs the GIL can switch and the forward can
@@ -18,12 +19,12 @@
  * not used.
  *
  * Layout (ring.py TASK_FIXED = "@IBBBBnniiniinnnnnnI10nIH", native sizes and alignment): struct
- * task_fixed below has the same offsets (checked at import by ring.py against struct.calcsize); stage
- * int64s start at 192, and the body length is 192 + 8 * n also with no stage (TASK_LAYOUTS[0] is
- * TASK_FIXED + "0n", which pads to 8). The struct only gives the offsets: each field is copied into a
- * zeroed byte buffer at its offsetof, so padding bytes are 0 (struct.pack_into zeroes its whole size; C
- * does not promise that member stores leave padding alone); bytes past the length are not touched (by
- * struct.pack_into neither).
+ * task_fixed below has the same offsets (LAYOUT exports each field's offset and size, ring.py compares
+ * them with the format's); stage int64s start at 192, and the body length is 192 + 8 * n also with no
+ * stage (TASK_LAYOUTS[0] is TASK_FIXED + "0n", which pads to 8). The struct only gives the offsets: each
+ * field is copied into a zeroed byte buffer at its offsetof, so padding bytes are 0 (struct.pack_into
+ * zeroes its whole size; C does not promise that member stores leave padding alone); bytes past the
+ * length are not touched (by struct.pack_into neither).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
