@@ -4,7 +4,8 @@ Counts, under ``valgrind --tool=callgrind``, the instructions of the ``add_reque
 of the ``_handle_request`` calls (recv side) only: instrumentation starts after the warm-up
 (``--instr-atstart=no``) and collection is toggled on around each call and off around everything else
 (task set-up, queue get, the drain and recycling between chunks), with valgrind's own client requests
-from a tiny C helper built here with ``gcc`` (``callgrind.h``). Same workload as
+from a tiny C helper built with ``gcc`` (``callgrind.h``; ``bench/_callgrind.py`` runs valgrind and parses
+the dumps for this bench and ``recv_breakdown.py --instructions``). Same workload as
 ``bench/upstream_overhead.py`` (``_ready_task``: save wait, gate, build, stagger, copy), synchronous on
 one thread, GC off, ``PYTHONHASHSEED=0``, ``start_tracing(exporter=None)`` (recording only: no ring write).
 
@@ -24,22 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-HELPER_C = r"""
-#include <valgrind/callgrind.h>
-void kv_on(void) { CALLGRIND_TOGGLE_COLLECT; }
-void kv_off(void) { CALLGRIND_TOGGLE_COLLECT; }
-void kv_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
-void kv_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
-"""
+sys.path.insert(0, str(HERE))
+import _callgrind  # noqa: E402
 
 STAMP_GROUPS: dict[str, tuple[str, ...]] = {
     # group -> rewrite.py template names emptied together (a group's stamps share local names)
@@ -51,14 +44,6 @@ STAMP_GROUPS: dict[str, tuple[str, ...]] = {
     "bytes sum": ("_BYTES_AFTER",),
     "load set": ("_LOAD_SET_BEFORE",),
 }
-
-
-def _build_helper(tmp: Path) -> Path:
-    src = tmp / "kvcg.c"
-    src.write_text(HELPER_C)
-    lib = tmp / "kvcg.so"
-    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
-    return lib
 
 
 def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
@@ -196,44 +181,15 @@ def opcodes(mode: str, tasks: int) -> dict[str, dict[str, float]]:
     return {name: {k: v / tasks for k, v in c.items()} for name, c in zip(("forward", "recv"), counts)}
 
 
-def _functions(path: Path) -> tuple[int, dict[str, int]]:
-    """(total, self instructions per C function) of one callgrind dump."""
-    done = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)], capture_output=True, text=True,
-                          check=True)
-    total = 0
-    per: dict[str, int] = {}
-    for line in done.stdout.splitlines():
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+PROGRAM TOTALS", line)
-        if m:
-            total = int(m.group(1).replace(",", ""))
-            continue
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S+):(\S+)", line)
-        if m:
-            name = m.group(3).split(" ")[0]
-            if name == "_PyObject_MakeTpCall" and m.group(2).endswith("ceval.c"):
-                name = "eval loop (ceval.c, bytecodes)"  # the inlined interpreter body carries this name
-            per[name] = per.get(name, 0) + int(m.group(1).replace(",", ""))
-    return total, per
-
-
 def measure(tree: Path, mode: str, tasks: int, lib: Path, ablate: list[str], tmp: Path) -> dict[str, Any]:
     """One valgrind run of ``child`` in ``tree``; per side: instructions per call and per C function."""
     tag = f"{mode}-{'-'.join(a.replace(' ', '_') for a in ablate) or 'all'}-{abs(hash(str(tree)))}"
-    out = tmp / f"cg.{tag}"
     code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(HERE)!r}); "
             f"import recording_instructions as r; r.child({mode!r}, {tasks}, {str(lib)!r}, {ablate!r})")
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--collect-atstart=no",
-                    f"--callgrind-out-file={out}", sys.executable, "-c", code], capture_output=True, text=True,
-                   check=True, cwd=tree, env=env)
     result: dict[str, Any] = {}
-    for dump in sorted(tmp.glob(f"cg.{tag}.*")):
-        head = dump.read_text(errors="replace")[:4000]
-        m = re.search(r"^desc: Trigger: Client Request: (\w+)", head, re.M)
-        if m is None or m.group(1) not in ("forward", "recv"):
-            continue
-        total, per = _functions(dump)
-        result[m.group(1)] = {"per_call": total / tasks, "functions": {k: v / tasks for k, v in per.items()}}
+    for what, (total, per) in _callgrind.dumps(code, tree, tmp / f"cg.{tag}").items():
+        if what in ("forward", "recv"):
+            result[what] = {"per_call": total / tasks, "functions": {k: v / tasks for k, v in per.items()}}
     return result
 
 
@@ -269,7 +225,7 @@ def main() -> None:
     trees = [("this", HERE.parent)] + ([("other", args.against.resolve())] if args.against else [])
     with tempfile.TemporaryDirectory(prefix="kvtrace-cg-") as tmp_name:
         tmp = Path(tmp_name)
-        lib = _build_helper(tmp)
+        lib = _callgrind.build_helper(tmp)
         res: dict[str, dict[str, Any]] = {}
         for name, tree in trees:
             for mode in modes:

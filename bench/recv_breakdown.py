@@ -38,6 +38,7 @@ from threading import get_ident
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _callgrind  # noqa: E402
 from upstream_overhead import _cpu_per_call, _load_harness, _ready_task  # noqa: E402
 
 
@@ -449,34 +450,27 @@ PER_TASK = {
 }
 
 
-def _run_tree(tree: Path, argv: list[str], pack: str | None = None) -> dict[str, Any]:
-    """One repeat of this bench in a fresh process with ``tree``'s ``otel_kvtrace`` first on the path
-    (``pack``: its ``OTEL_KVTRACE_RING_PACK``)."""
+def _run_tree(tree: Path, argv: list[str]) -> dict[str, Any]:
+    """One repeat of this bench in a fresh process with ``tree``'s ``otel_kvtrace`` first on the path."""
     import json
-    import os
     import subprocess
 
     code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
             f"import recv_breakdown; recv_breakdown.main({[*argv, '--json']!r})")
     # cwd = the tree: the agent (``python -m``) imports the package from its working directory first
-    env = dict(os.environ) if pack is None else {**os.environ, "OTEL_KVTRACE_RING_PACK": pack}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree, env=env)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def compare(against: Path | None, rounds: int, argv: list[str]) -> None:
-    """Both trees alternating, one repeat each per round; every row's median side by side. Without
-    ``against``: this tree with the Python task packer ("other") against the native one ("this")."""
+def compare(against: Path, rounds: int, argv: list[str]) -> None:
+    """Both trees alternating (the order swapped every round), one repeat each per round; every row's median
+    side by side. (The two task packers of one tree: ``bench/ship_ab.py --packers``.)"""
     this = Path(__file__).resolve().parents[1]
-    if against is None:
-        sides = (("other", this, "python"), ("this", this, "native"))
-        print("other = OTEL_KVTRACE_RING_PACK=python, this = native (same tree)", file=sys.stderr)
-    else:
-        sides = (("other", against.resolve(), None), ("this", this, None))
+    sides = [("other", against.resolve()), ("this", this)]
     runs: dict[str, list[dict[str, Any]]] = {"other": [], "this": []}
     for i in range(rounds):
-        for name, tree, pack in sides:
-            runs[name].append(_run_tree(tree, argv, pack))
+        for name, tree in sides if i % 2 == 0 else sides[::-1]:
+            runs[name].append(_run_tree(tree, argv))
         print(f"  round {i + 1}/{rounds} done", file=sys.stderr)
 
     def med(name: str, section: str, row: str) -> str:
@@ -538,40 +532,42 @@ def ship_loop(n: int, what: str) -> None:
         fn()
 
 
-def instructions(against: Path | None) -> None:
-    """Instructions per ship under ``valgrind --tool=callgrind`` (repeatable on a loaded machine):
-    (ships of 3000 - ships of 1000) minus the same for the set-up alone, over 2000; per tree, and per task
-    packer (``OTEL_KVTRACE_RING_PACK=python`` and the default, native when built; a tree without the
-    native packer packs in Python both times)."""
-    import os
-    import re
-    import subprocess
+def ship_instructions(tree: Path, pack: str | None = None) -> float:
+    """Instructions per ship of ``ship_loop`` in ``tree`` under callgrind (``bench/_callgrind.py``,
+    repeatable on a loaded machine): (ships of 3000 - ships of 1000) minus the same for the set-up alone,
+    over 2000. ``pack``: ``OTEL_KVTRACE_RING_PACK`` (None: the environment's)."""
+    env = None if pack is None else {"OTEL_KVTRACE_RING_PACK": pack}
 
-    def ir(tree: Path, what: str, n: int, pack: str) -> int:
+    def ir(what: str, n: int) -> int:
         code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(Path(__file__).parent)!r}); "
                 f"import recv_breakdown; recv_breakdown.ship_loop({n}, {what!r})")
-        # a fixed hash seed: str hashes (dict probes) otherwise move the count by ~2 % between identical runs
-        env = {**os.environ, "OTEL_KVTRACE_RING_PACK": pack, "PYTHONHASHSEED": "0"}
-        done = subprocess.run(["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable,
-                               "-c", code], capture_output=True, text=True, check=True, cwd=tree, env=env)
-        return int(re.search(r"Collected : (\d+)", done.stderr).group(1))
+        return _callgrind.total(code, tree, env)
 
-    def packer(tree: Path, pack: str) -> str:
-        code = (f"import sys; sys.path.insert(0, {str(tree)!r}); from otel_kvtrace.record import ring; "
-                "print(ring.pack_mode()[0] if hasattr(ring, 'pack_mode') else 'python')")
-        env = {**os.environ, "OTEL_KVTRACE_RING_PACK": pack}
-        return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree,
-                              env=env).stdout.strip()
+    return ((ir("ship", 3000) - ir("ship", 1000)) - (ir("base", 3000) - ir("base", 1000))) / 2000
 
+
+def packer_in_use(tree: Path, pack: str | None = None) -> str:
+    """The task packer a writer of ``tree`` uses (``python`` for a tree older than the native packer)."""
+    import os
+    import subprocess
+
+    code = (f"import sys; sys.path.insert(0, {str(tree)!r}); from otel_kvtrace.record import ring; "
+            "print(ring.pack_mode()[0] if hasattr(ring, 'pack_mode') else 'python')")
+    env = {**os.environ} if pack is None else {**os.environ, "OTEL_KVTRACE_RING_PACK": pack}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree,
+                          env=env).stdout.strip()
+
+
+def instructions(against: Path | None) -> None:
+    """Instructions per ship (``ship_instructions``) per tree, each with its default task packer (printed;
+    python against native of one tree: ``bench/ship_ab.py --packers --instructions``)."""
     trees = [("this", Path(__file__).resolve().parents[1])]
     if against is not None:
         trees.insert(0, ("other", against.resolve()))
     for name, tree in trees:
-        for pack in ("python", "auto"):
-            per = ((ir(tree, "ship", 3000, pack) - ir(tree, "ship", 1000, pack))
-                   - (ir(tree, "base", 3000, pack) - ir(tree, "base", 1000, pack))) / 2000
-            print(f"{name:6} {str(tree):32} packer {packer(tree, pack):6} "
-                  f"instructions per ship (Recorder._ship, awaiting form): {per:8.0f}")
+        per = ship_instructions(tree)
+        print(f"{name:6} {str(tree):32} packer {packer_in_use(tree):6} "
+              f"instructions per ship (Recorder._ship, awaiting form): {per:8.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -584,8 +580,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--against", type=Path, default=None,
                         help="another checkout (git archive REV | tar -x -C DIR): both trees alternate, one repeat "
                              "per tree per round, --repeats rounds, printed side by side")
-    parser.add_argument("--packers", action="store_true",
-                        help="this tree with OTEL_KVTRACE_RING_PACK=python against native, alternating as --against")
     parser.add_argument("--instructions", action="store_true",
                         help="only the ship's instruction count under valgrind's callgrind (with --against: both trees)")
     parser.add_argument("--json", action="store_true", help=argparse.SUPPRESS)
@@ -593,10 +587,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.instructions:
         instructions(args.against)
         return
-    if args.against is not None or args.packers:
-        if args.against is not None and args.packers:
-            parser.error("--packers compares this tree with itself: not with --against")
-        if args.against is not None and not (args.against / "otel_kvtrace").is_dir():
+    if args.against is not None:
+        if not (args.against / "otel_kvtrace").is_dir():
             parser.error(f"{args.against}: no otel_kvtrace package there")
         compare(args.against, args.repeats, ["--loops", str(args.loops), "--repeats", "1", "--layers",
                                              str(args.layers), "--blocks", str(args.blocks), "--tasks", str(args.tasks)])

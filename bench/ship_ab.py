@@ -19,10 +19,13 @@ against the native ``_ringpack``), side by side in one run: the rows above, then
 vLLM-Ascend recv thread (``bench/upstream_overhead.py``'s harness and method: synchronous
 ``_handle_request``, GC off, chunks of 100 tasks with the records shipped between them), the added CPU per
 ``_handle_request`` and per ``add_request`` of ``traced`` (recording only), ``traced+agent`` with the
-Python packer and ``traced+agent`` with the native packer, interleaved in rounds, medians over rounds of
-the per-round difference to ``untraced``::
+Python packer and ``traced+agent`` with the native packer, interleaved in rounds (the order reversed
+every other round, so neither packer always runs first), medians over rounds of the per-round difference
+to ``untraced``; ``--instructions`` adds the instructions per ship of each packer (callgrind,
+``recv_breakdown.ship_instructions``, deterministic). This is the one python-against-native A/B of the
+benches::
 
-    .venv/bin/python bench/ship_ab.py --packers [--rounds 5] [--tasks 1000]
+    .venv/bin/python bench/ship_ab.py --packers [--rounds 5] [--tasks 1000] [--instructions]
 """
 
 from __future__ import annotations
@@ -131,8 +134,9 @@ def upstream_cpu(rounds: int, tasks: int, layers: int = 8, blocks: int = 16) -> 
     try:
         with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-ab-") as tmp:
             targets = up.binding.to_targets()
+            order = list(modes.items())
             for i in range(rounds):
-                for name, (mode, pack) in modes.items():
+                for name, (mode, pack) in order if i % 2 == 0 else order[::-1]:  # neither side always first
                     os.environ["OTEL_KVTRACE_RING_PACK"] = pack or "auto"
                     session = uo._start(targets, mode, tmp, "bench-ab")
                     if pack is not None:
@@ -169,13 +173,23 @@ def _run_packer(pack: str) -> dict[str, float]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def packers(rounds: int, tasks: int) -> None:
+def packers(rounds: int, tasks: int, instructions: bool = False) -> None:
     import os
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+    if instructions:  # deterministic: first, so a failing valgrind stops the run before the timed part
+        sys.path.insert(0, str(REPO / "bench"))
+        import recv_breakdown
+
+        counts = {pack: recv_breakdown.ship_instructions(REPO, pack) for pack in ("python", "native")}
+        used = {pack: recv_breakdown.packer_in_use(REPO, pack) for pack in counts}
+        assert used == {"python": "python", "native": "native"}, f"packers in use: {used} (not built?)"
+        print(f"{'':36} {'python':>9} {'native':>9} {'native/py':>10}")
+        print(f"{'instructions per ship (Recorder._ship, callgrind)':36} {counts['python']:9.0f} "
+              f"{counts['native']:9.0f} {counts['native'] / counts['python']:10.2f}")
     runs: dict[str, list[dict[str, float]]] = {"python": [], "native": []}
     for i in range(rounds):
-        for pack in runs:
+        for pack in ("python", "native") if i % 2 == 0 else ("native", "python"):  # neither always first
             runs[pack].append(_run_packer(pack))
         print(f"  round {i + 1}/{rounds} done", file=sys.stderr)
     print(f"{'ns per call (median over rounds of the best of 5)':36} {'python':>9} {'native':>9} {'native/py':>10}")
@@ -209,11 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--packers", action="store_true", help="this tree's Python task packer against the native one")
     parser.add_argument("--rounds", type=int, default=4, help="alternating rounds (default 4)")
     parser.add_argument("--tasks", type=int, default=1000, help="--packers: recv tasks per mode per round (default 1000)")
+    parser.add_argument("--instructions", action="store_true",
+                        help="--packers: also instructions per ship of each packer (valgrind's callgrind)")
     args = parser.parse_args(argv)
     if args.packers:
         if args.against is not None:
             parser.error("--packers compares this tree with itself: not with --against")
-        packers(args.rounds, args.tasks)
+        packers(args.rounds, args.tasks, args.instructions)
         return
     if args.against is None:
         parser.error("--against DIR or --packers")
@@ -221,8 +237,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"{args.against}: no otel_kvtrace package there")
     runs: dict[str, list[dict[str, float]]] = {"other": [], "this": []}
     for i in range(args.rounds):
-        runs["other"].append(_run(args.against.resolve()))
-        runs["this"].append(_run(REPO))
+        for name in ("other", "this") if i % 2 == 0 else ("this", "other"):  # neither tree always first
+            runs[name].append(_run(args.against.resolve() if name == "other" else REPO))
         print(f"  round {i + 1}/{args.rounds} done", file=sys.stderr)
     print(f"{'ns per call (median over rounds of the best of 5)':36} {'other':>9} {'this':>9} {'this/other':>10}")
     for name in runs["this"][0]:

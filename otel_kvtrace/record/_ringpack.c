@@ -6,16 +6,25 @@
  * field an int (a Python int or a subclass: bool, IntEnum) in range of its slot field, deps a list of 10,
  * stages a list. Anything else returns NotImplemented BEFORE a slot is claimed, and ring.py's Python path
  * then writes (or raises) exactly as it always did. So no input can make this code write a different
- * slot than the reference, and nothing here can fail between the claim and the commit.
+ * slot than the reference. Between the claim and the commit only storing the writer's claim hint can fail
+ * (ring.py's path fails there too); that slot, like a claim no commit word can hold, is committed MSG_VOID.
  *
- * The GIL is held throughout and no Python code runs between reading the record and the commit (the
- * stage list cannot change under us; only fold_stages, a Python callable, runs, before the claim).
+ * The GIL is held throughout and no Python code runs between reading the record and the commit but
+ * fold_stages (a Python callable, before the claim). While it runs the GIL can switch and the forward can
+ * append its consumer wait to an awaiting task's stages, so an awaiting task's stages are folded from a
+ * snapshot (tuple), as ring.py folds tuple(rec.stages).
+ *
+ * Every layout constant copied here is exported in LAYOUT (with each field's offset and size) and compared
+ * with ring.py's by ring._load_native: a stale build (the in-place .so is not rebuilt by a git pull) is
+ * not used.
  *
  * Layout (ring.py TASK_FIXED = "@IBBBBnniiniinnnnnnI10nIH", native sizes and alignment): struct
- * task_fixed below has the same offsets (checked at import by ring.py against struct.calcsize); stage
- * int64s start at 192, and the body length is 192 + 8 * n also with no stage (TASK_LAYOUTS[0] is
- * TASK_FIXED + "0n", which pads to 8). Padding bytes are 0 (struct.pack_into zeroes its whole size);
- * bytes past the length are not touched (by struct.pack_into neither).
+ * task_fixed below has the same offsets (LAYOUT exports each field's offset and size, ring.py compares
+ * them with the format's); stage int64s start at 192, and the body length is 192 + 8 * n also with no
+ * stage (TASK_LAYOUTS[0] is TASK_FIXED + "0n", which pads to 8). The struct only gives the offsets: each
+ * field is copied into a zeroed byte buffer at its offsetof, so padding bytes are 0 (struct.pack_into
+ * zeroes its whole size; C does not promise that member stores leave padding alone); bytes past the
+ * length are not touched (by struct.pack_into neither).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -24,6 +33,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#define RING_VERSION 3
+#define TASK_FORMAT "@IBBBBnniiniinnnnnnI10nIH"
 #define HEADER_BYTES 128
 #define SLOT_SIZE 1024
 #define SLOT_HEAD 16 /* commit q, crc I, kind H, length H */
@@ -32,7 +43,11 @@
 #define H_READ 5
 #define MAX_STAGE_INTS 66
 #define NUM_DEP_INTS 10
-#define TASK_KIND (3 | 0x8000) /* MSG_TASK | KIND_WRITTEN */
+#define MSG_VOID 0
+#define MSG_TASK 3
+#define KIND_WRITTEN 0x8000
+#define TASK_KIND (MSG_TASK | KIND_WRITTEN)
+#define VOID_KIND (MSG_VOID | KIND_WRITTEN)
 #define F_SRC 1
 #define F_GATE 2
 #define F_AWAITING 4
@@ -165,6 +180,10 @@ static int Packer_init(Packer *self, PyObject *args, PyObject *Py_UNUSED(kwds)) 
     long long limit;
     int crc;
     if (!PyArg_ParseTuple(args, "OnLpOOO", &mem, &nslots, &limit, &crc, &claims, &fold, &rec_type)) return -1;
+    if (!PyIter_Check(claims) || !PyCallable_Check(fold)) { /* PyIter_Next on a non-iterator: a NULL call */
+        PyErr_SetString(PyExc_TypeError, "claims must be an iterator and fold_stages callable");
+        return -1;
+    }
     Py_CLEAR(self->rec_type);
     if (PyType_Check(rec_type) && find_offsets(self, rec_type)) {
         Py_INCREF(rec_type);
@@ -203,11 +222,38 @@ static int field(Packer *self, PyObject *rec, int a, long long lo, long long hi,
     return ok;
 }
 
+/* Slot idx committed as MSG_VOID for claim k (ring.py _commit(k, MSG_VOID, 0)): its tail, then the commit
+ * word k + 1 alone. The crc of an empty body seeded with k is k. */
+static void commit_void(Packer *self, Py_ssize_t idx, uint64_t k) {
+    unsigned char *slot = (unsigned char *)self->view.buf + HEADER_BYTES + idx * SLOT_SIZE;
+    uint16_t kind = VOID_KIND, len = 0;
+    uint32_t crc = self->crc ? (uint32_t)k ^ ((uint32_t)kind << 16) : 0;
+    memcpy(slot + 8, &crc, 4);
+    memcpy(slot + 12, &kind, 2);
+    memcpy(slot + 14, &len, 2);
+    __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
+}
+
+/* A claim no commit word can hold (negative, or from 2^63 - 1 on; RingWriter's itertools.count() from 0
+ * never gets there, but Packer is public): its slot (k mod nslots, Python's sign rule) committed void with
+ * the claim + 1 modulo 2^64, and OverflowError. Nothing else is written. */
+static PyObject *claim_out_of_range(Packer *self, PyObject *kobj) {
+    PyObject *n = PyLong_FromSsize_t(self->nslots), *rem = n == NULL ? NULL : PyNumber_Remainder(kobj, n);
+    Py_XDECREF(n);
+    if (rem != NULL) {
+        Py_ssize_t idx = PyLong_AsSsize_t(rem);
+        Py_DECREF(rem);
+        if (idx >= 0 && idx < self->nslots) commit_void(self, idx, PyLong_AsUnsignedLongLongMask(kobj));
+    }
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_OverflowError, "claim outside [0, 2**63 - 1): slot committed void");
+    return NULL;
+}
+
 /* write(writer, rec, qidx, sidx, awaiting) -> True (written), False (ring full: nothing claimed) or
  * NotImplemented (an input the Python path must handle: nothing claimed). */
 static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
     /* The body is assembled here first, then copied into the slot: the slot sees only whole writes. */
-    union { struct task_fixed f; unsigned char raw[BODY_BYTES]; } body;
+    union { int64_t align; unsigned char raw[BODY_BYTES]; } body;
     long long v, qidx, sidx, kind, final_layer, outcome, src, gate, flags;
     PyObject *writer, *rec, *o, *stages = NULL;
     Py_ssize_t n, i;
@@ -229,28 +275,40 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
     if (!as_int(args[2], 0, UINT32_MAX, &qidx) || !as_int(args[3], 0, UINT32_MAX, &sidx))
         Py_RETURN_NOTIMPLEMENTED;
 
-    memset(&body, 0, sizeof(struct task_fixed)); /* padding bytes are 0, as struct writes them */
-#define FIELD(a, lo, hi, dst)                  \
+    memset(body.raw, 0, STAGES_AT); /* padding bytes are 0, as struct writes them; fields copied in below */
+/* member of struct task_fixed = value, copied into body.raw at its offset (never a member store). */
+#define PUT(member, value)                                                                   \
+    do {                                                                                     \
+        __typeof__(((struct task_fixed *)0)->member) put_ = (value);                         \
+        memcpy(body.raw + offsetof(struct task_fixed, member), &put_, sizeof put_);          \
+    } while (0)
+#define FIELD(a, lo, hi, member)               \
+    do {                                       \
+        r = field(self, rec, a, lo, hi, &v);   \
+        if (r <= 0) goto not_this;             \
+        PUT(member, v);                        \
+    } while (0)
+#define LOCAL(a, lo, hi, dst)                  \
     do {                                       \
         r = field(self, rec, a, lo, hi, &v);   \
         if (r <= 0) goto not_this;             \
         dst = v;                               \
     } while (0)
-    FIELD(A_KIND, 0, 255, kind);
-    FIELD(A_FINAL, 0, 255, final_layer);
-    FIELD(A_OUTCOME, 0, 255, outcome);
-    FIELD(A_SEQ, I64_MIN, I64_MAX, body.f.seq);
-    FIELD(A_STEP, I64_MIN, I64_MAX, body.f.step);
-    FIELD(A_LAYER, INT32_MIN, INT32_MAX, body.f.layer_id);
-    FIELD(A_QDEPTH, INT32_MIN, INT32_MAX, body.f.qdepth);
-    FIELD(A_INFLIGHT, INT32_MIN, INT32_MAX, body.f.inflight);
-    FIELD(A_TENQ, I64_MIN, I64_MAX, body.f.t_enqueue);
-    FIELD(A_TDEQ, I64_MIN, I64_MAX, body.f.t_dequeue);
-    FIELD(A_TRET, I64_MIN, I64_MAX, body.f.t_backend_return);
-    FIELD(A_TCOMP, I64_MIN, I64_MAX, body.f.t_complete);
-    FIELD(A_NBYTES, I64_MIN, I64_MAX, body.f.nbytes);
-    FIELD(A_RESULT, I64_MIN, I64_MAX, body.f.backend_result);
-    FIELD(A_HASDEP, 0, UINT32_MAX, body.f.has_dep);
+    LOCAL(A_KIND, 0, 255, kind);
+    LOCAL(A_FINAL, 0, 255, final_layer);
+    LOCAL(A_OUTCOME, 0, 255, outcome);
+    FIELD(A_SEQ, I64_MIN, I64_MAX, seq);
+    FIELD(A_STEP, I64_MIN, I64_MAX, step);
+    FIELD(A_LAYER, INT32_MIN, INT32_MAX, layer_id);
+    FIELD(A_QDEPTH, INT32_MIN, INT32_MAX, qdepth);
+    FIELD(A_INFLIGHT, INT32_MIN, INT32_MAX, inflight);
+    FIELD(A_TENQ, I64_MIN, I64_MAX, t_enqueue);
+    FIELD(A_TDEQ, I64_MIN, I64_MAX, t_dequeue);
+    FIELD(A_TRET, I64_MIN, I64_MAX, t_backend_return);
+    FIELD(A_TCOMP, I64_MIN, I64_MAX, t_complete);
+    FIELD(A_NBYTES, I64_MIN, I64_MAX, nbytes);
+    FIELD(A_RESULT, I64_MIN, I64_MAX, backend_result);
+    FIELD(A_HASDEP, 0, UINT32_MAX, has_dep);
     flags = awaiting ? F_AWAITING : 0;
     /* wait_for_save_layer / gate_id: None means absent (0 and no flag), as in ring.py */
     o = get(self, rec, A_SRC);
@@ -275,7 +333,7 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
             Py_DECREF(o);
             Py_RETURN_NOTIMPLEMENTED;
         }
-        body.f.deps[i] = v;
+        PUT(deps[i], v);
     }
     Py_DECREF(o);
 
@@ -283,7 +341,12 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
     if (stages == NULL) return NULL;
     if (!PyList_CheckExact(stages) && !PyTuple_CheckExact(stages)) goto not_this;
     if (PySequence_Fast_GET_SIZE(stages) > MAX_STAGE_INTS) { /* repeated stages folded, by ring.py's rule */
-        Py_SETREF(stages, PyObject_CallOneArg(self->fold, stages));
+        /* awaiting: the forward may append to the live list while fold runs (Python code), so fold a
+         * snapshot, as ring.py does; a tuple's snapshot is itself. */
+        PyObject *arg = awaiting ? PySequence_Tuple(stages) : Py_NewRef(stages);
+        if (arg == NULL) goto not_this;
+        Py_SETREF(stages, PyObject_CallOneArg(self->fold, arg));
+        Py_DECREF(arg);
         if (stages == NULL) return NULL;
         if (!PyList_CheckExact(stages) || PyList_GET_SIZE(stages) > MAX_STAGE_INTS) goto not_this;
         flags |= F_STAGES_FOLDED;
@@ -294,15 +357,15 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
         memcpy(body.raw + STAGES_AT + 8 * i, &v, 8);
     }
     Py_CLEAR(stages);
-    body.f.qidx = (uint32_t)qidx;
-    body.f.kind = (uint8_t)kind;
-    body.f.final_layer = (uint8_t)final_layer;
-    body.f.outcome = (uint8_t)outcome;
-    body.f.flags = (uint8_t)flags;
-    body.f.src = (int32_t)src;
-    body.f.gate = gate;
-    body.f.summary = (uint32_t)sidx;
-    body.f.n_stage_ints = (uint16_t)n;
+    PUT(qidx, (uint32_t)qidx);
+    PUT(kind, (uint8_t)kind);
+    PUT(final_layer, (uint8_t)final_layer);
+    PUT(outcome, (uint8_t)outcome);
+    PUT(flags, (uint8_t)flags);
+    PUT(src, (int32_t)src);
+    PUT(gate, gate);
+    PUT(summary, (uint32_t)sidx);
+    PUT(n_stage_ints, (uint16_t)n);
     length = STAGES_AT + 8 * (size_t)n;
 
     /* The claim (ring.py _claim, same rule). From here on nothing can fail before the commit but the
@@ -314,6 +377,7 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
         uint32_t crc = 0;
         uint16_t tail_kind = TASK_KIND, tail_len = (uint16_t)length;
         PyObject *kobj, *head_obj;
+        int overflow;
 
         o = PyObject_GetAttr(writer, str_head);
         if (o == NULL) return NULL;
@@ -328,21 +392,23 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "claim counter exhausted");
             return NULL;
         }
-        k = PyLong_AsLongLong(kobj);
+        if (!PyLong_Check(kobj)) { /* names no slot: nothing to commit */
+            Py_DECREF(kobj);
+            PyErr_SetString(PyExc_TypeError, "claim counter yielded a non-int");
+            return NULL;
+        }
+        k = PyLong_AsLongLongAndOverflow(kobj, &overflow);
+        if (overflow || k < 0 || k >= I64_MAX) { /* 2^63 - 1 claims: not reachable from RingWriter */
+            PyObject *err = claim_out_of_range(self, kobj);
+            Py_DECREF(kobj);
+            return err;
+        }
         Py_DECREF(kobj);
-        if (k == -1 && PyErr_Occurred()) return NULL; /* 2^63 claims: not reachable */
         head_obj = PyLong_FromLongLong(k + 1);
         if (head_obj == NULL || PyObject_SetAttr(writer, str_head, head_obj) < 0) {
             /* Claimed but not written: commit it as MSG_VOID (ring.py does the same), then raise. */
             Py_XDECREF(head_obj);
-            slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
-            tail_kind = 0x8000;
-            tail_len = 0;
-            crc = self->crc ? crc32_of(slot, 0, (uint32_t)k) ^ ((uint32_t)tail_kind << 16) : 0;
-            memcpy(slot + 8, &crc, 4);
-            memcpy(slot + 12, &tail_kind, 2);
-            memcpy(slot + 14, &tail_len, 2);
-            __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
+            commit_void(self, (Py_ssize_t)(k % self->nslots), (uint64_t)k);
             return NULL;
         }
         Py_DECREF(head_obj);
@@ -351,7 +417,8 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
         /* k % nslots < nslots and the mapping holds nslots slots (checked in __init__): in bounds. */
         slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
         memcpy(slot + SLOT_HEAD, body.raw, length);
-        if (self->crc) crc = crc32_of(slot + SLOT_HEAD, length, (uint32_t)k) ^ ((uint32_t)tail_kind << 16 | tail_len);
+        /* over the local body (the same bytes), never read back from the shared mapping */
+        if (self->crc) crc = crc32_of(body.raw, length, (uint32_t)k) ^ ((uint32_t)tail_kind << 16 | tail_len);
         memcpy(slot + 8, &crc, 4);
         memcpy(slot + 12, &tail_kind, 2);
         memcpy(slot + 14, &tail_len, 2);
@@ -367,6 +434,8 @@ not_this:
     if (r < 0 || PyErr_Occurred()) return NULL;
     Py_RETURN_NOTIMPLEMENTED;
 #undef FIELD
+#undef LOCAL
+#undef PUT
 }
 
 static PyObject *Packer_release(Packer *self, PyObject *Py_UNUSED(unused)) {
@@ -397,6 +466,47 @@ static PyTypeObject PackerType = {
     .tp_new = PyType_GenericNew,
 };
 
+/* LAYOUT: every constant this file copies from ring.py, and each TASK_FIXED field's (name, offset, size)
+ * as this compiler laid out struct task_fixed; ring._load_native compares it all with ring.py's. */
+#define MEMBER(name) {#name, offsetof(struct task_fixed, name), sizeof(((struct task_fixed *)0)->name)}
+static const struct { const char *name; size_t offset, size; } task_members[] = {
+    MEMBER(qidx), MEMBER(kind), MEMBER(final_layer), MEMBER(outcome), MEMBER(flags), MEMBER(seq),
+    MEMBER(step), MEMBER(layer_id), MEMBER(src), MEMBER(gate), MEMBER(qdepth), MEMBER(inflight),
+    MEMBER(t_enqueue), MEMBER(t_dequeue), MEMBER(t_backend_return), MEMBER(t_complete), MEMBER(nbytes),
+    MEMBER(backend_result), MEMBER(has_dep), MEMBER(deps), MEMBER(summary), MEMBER(n_stage_ints)};
+#undef MEMBER
+
+static PyObject *layout_dict(void) {
+    PyObject *fields = PyList_New(0), *d = NULL;
+    size_t i;
+    int j;
+    if (fields == NULL) return NULL;
+    for (i = 0; i < sizeof task_members / sizeof task_members[0]; i++) {
+        int deps = strcmp(task_members[i].name, "deps") == 0;
+        for (j = 0; j < (deps ? NUM_DEP_INTS : 1); j++) { /* deps: dep0..dep9, as ring.TASK_FIELDS names them */
+            PyObject *t = deps ? Py_BuildValue("(Nnn)", PyUnicode_FromFormat("dep%d", j),
+                                              (Py_ssize_t)(task_members[i].offset + 8 * j), (Py_ssize_t)8)
+                               : Py_BuildValue("(snn)", task_members[i].name, (Py_ssize_t)task_members[i].offset,
+                                              (Py_ssize_t)task_members[i].size);
+            if (t == NULL || PyList_Append(fields, t) < 0) {
+                Py_XDECREF(t);
+                Py_DECREF(fields);
+                return NULL;
+            }
+            Py_DECREF(t);
+        }
+    }
+    d = Py_BuildValue(
+        "{s:i,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:N}", "VERSION", RING_VERSION,
+        "TASK_FORMAT", TASK_FORMAT, "HEADER_BYTES", HEADER_BYTES, "SLOT_SIZE", SLOT_SIZE, "SLOT_HEAD", SLOT_HEAD,
+        "H_HEAD", H_HEAD, "H_READ", H_READ, "MAX_STAGE_INTS", MAX_STAGE_INTS, "NUM_DEP_INTS", NUM_DEP_INTS,
+        "TASK_KIND", TASK_KIND, "VOID_KIND", VOID_KIND, "F_SRC", F_SRC, "F_GATE", F_GATE, "F_AWAITING",
+        F_AWAITING, "F_STAGES_FOLDED", F_STAGES_FOLDED, "FIXED_SIZE", (int)FIXED_SIZE, "STAGES_AT", STAGES_AT,
+        "TASK_FIELDS", PyList_AsTuple(fields));
+    Py_DECREF(fields);
+    return d;
+}
+
 static struct PyModuleDef ringpack_module = {
     PyModuleDef_HEAD_INIT, "_ringpack", "Native task-slot writer of otel_kvtrace.record.ring", -1, NULL, NULL, NULL, NULL, NULL};
 
@@ -418,7 +528,8 @@ PyMODINIT_FUNC PyInit__ringpack(void) {
     Py_INCREF(&PackerType);
     if (PyModule_AddObject(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddIntConstant(m, "STAGES_AT", STAGES_AT) < 0 ||
-        PyModule_AddIntConstant(m, "FIXED_SIZE", (long)FIXED_SIZE) < 0) {
+        PyModule_AddIntConstant(m, "FIXED_SIZE", (long)FIXED_SIZE) < 0 ||
+        PyModule_AddObject(m, "LAYOUT", layout_dict()) < 0) {
         Py_DECREF(&PackerType);
         Py_DECREF(m);
         return NULL;

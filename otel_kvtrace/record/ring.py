@@ -61,6 +61,7 @@ import itertools
 import marshal
 import mmap
 import os
+import re
 import struct
 import zlib
 from dataclasses import dataclass
@@ -159,39 +160,87 @@ def slot_crc(body: Any, k: int, kind: int, length: int) -> int:
     return zlib.crc32(body, k & 0xFFFFFFFF) ^ (kind << 16 | length)
 
 
+def native_layout() -> dict[str, Any]:
+    """What ``_ringpack.c`` must have copied from this module, in the form of its ``LAYOUT``: the constants,
+    and each ``TASK_FIXED`` field's ``(name, offset, size)`` in ``TASK_FIELDS`` order (from the format)."""
+    fields = []
+    prefix = TASK_FIXED.format[0]
+    for count, code in re.findall(r"(\d*)([a-zA-Z?])", TASK_FIXED.format[1:]):
+        for _ in range(int(count or 1)):
+            size = struct.calcsize(prefix[0] + code)
+            fields.append((struct.calcsize(prefix + code) - size, size))  # aligned offset, as calcsize pads
+            prefix += code
+    assert len(fields) == len(TASK_FIELDS)
+    return {
+        "VERSION": VERSION, "TASK_FORMAT": TASK_FIXED.format, "HEADER_BYTES": HEADER_BYTES, "SLOT_SIZE": SLOT_SIZE,
+        "SLOT_HEAD": SLOT_HEAD.size, "H_HEAD": H_HEAD, "H_READ": H_READ, "MAX_STAGE_INTS": MAX_STAGE_INTS,
+        "NUM_DEP_INTS": sum(name.startswith("dep") for name in TASK_FIELDS), "TASK_KIND": _TASK_KIND,
+        "VOID_KIND": MSG_VOID | KIND_WRITTEN, "F_SRC": F_SRC, "F_GATE": F_GATE, "F_AWAITING": F_AWAITING,
+        "F_STAGES_FOLDED": F_STAGES_FOLDED, "FIXED_SIZE": TASK_FIXED.size, "STAGES_AT": TASK_STAGES_AT,
+        "TASK_FIELDS": tuple((name, off, size) for name, (off, size) in zip(TASK_FIELDS, fields)),
+    }
+
+
+def layout_mismatch(layout: Any) -> str:
+    """``""`` when a built ``_ringpack.LAYOUT`` equals ``native_layout()``, else the first difference."""
+    if not isinstance(layout, dict):
+        return "no LAYOUT (built before it was exported)"
+    expected = native_layout()
+    for key in sorted(expected.keys() | layout.keys()):
+        if layout.get(key) != expected.get(key):
+            return f"{key} is {layout.get(key)!r} in the build, {expected.get(key)!r} in ring.py"
+    return ""
+
+
 def _load_native() -> tuple[Any, str]:
-    """The C task packer (``_ringpack.c``) if it was built and matches this layout: ``(module, why not)``."""
+    """The C task packer (``_ringpack.c``) if it was built and matches this layout: ``(module, why not)``.
+    Every constant the C code copies is compared (``layout_mismatch``): the in-place ``.so`` is not rebuilt
+    by a ``git pull``, and a stale one must not write another layout."""
     try:
         from otel_kvtrace.record import _ringpack
     except ImportError as exc:
         return None, f"not built ({exc.msg})"
-    if (_ringpack.STAGES_AT, _ringpack.FIXED_SIZE) != (TASK_STAGES_AT, TASK_FIXED.size):
-        return None, "layout differs from TASK_FIXED (stale build)"
+    why = layout_mismatch(getattr(_ringpack, "LAYOUT", None))
+    if why:
+        return None, f"stale build ({why}; rebuild: pip install -e .)"
     return _ringpack, ""
 
 
 _NATIVE, _NATIVE_MISSING = _load_native()
+_NATIVE_FAILED = ""  # why constructing a Packer failed in this process (then every writer uses Python)
+_WARNED: set[str] = set()  # reasons logged already: one line each per process
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        import logging
+
+        logging.getLogger("otel_kvtrace").warning("otel-kvtrace: %s", message)
 
 
 def pack_mode(environ: Any = None) -> tuple[str, str]:
     """Which task packer a new ``RingWriter`` uses: ``("native", "")``, or ``("python", why)``.
 
     ``OTEL_KVTRACE_RING_PACK``: ``auto`` (default: native when the extension imports), ``python`` (the
-    reference path, forced), ``native`` (as ``auto``, but says so when the extension is missing)."""
+    reference path, forced), ``native`` (as ``auto``, but logs a warning, once, when the extension is
+    missing). A stale build, or a ``Packer`` that could not be constructed in this process, is logged once
+    (``auto`` too) and reported here as the reason."""
     from otel_kvtrace.config import OTEL_KVTRACE_RING_PACK
 
     env = os.environ if environ is None else environ
     want = env.get(OTEL_KVTRACE_RING_PACK, "").strip().lower() or "auto"
     if want == "python":
         return "python", f"{OTEL_KVTRACE_RING_PACK}=python"
-    if _NATIVE is None:
-        return "python", f"native packer {_NATIVE_MISSING}"
     if want not in ("auto", "native"):
-        import logging
-
-        logging.getLogger("otel_kvtrace").warning(
-            "otel-kvtrace: %s=%r is not supported (use auto, native or python); using auto",
-            OTEL_KVTRACE_RING_PACK, want)
+        _warn_once(f"{OTEL_KVTRACE_RING_PACK}={want!r} is not supported (use auto, native or python); using auto")
+    if _NATIVE is None:
+        why = f"native packer {_NATIVE_MISSING}"
+        if want == "native" or _NATIVE_MISSING.startswith("stale"):
+            _warn_once(f"{OTEL_KVTRACE_RING_PACK}={want}: {why}; using the Python packer")
+        return "python", why
+    if _NATIVE_FAILED:
+        return "python", f"native packer failed: {_NATIVE_FAILED}"
     return "native", ""
 
 
@@ -220,6 +269,18 @@ def _utf8(text: str, limit: int) -> bytes:
     if len(raw) <= limit:
         return raw
     return raw[:limit].decode("utf-8", "ignore").encode()
+
+
+def _native_packer(mem: Any, nslots: int, limit: int, crc: bool, claims: Any) -> Any:
+    """A ``_ringpack.Packer`` over ``mem``, or None when it cannot be made (then logged once, reported by
+    ``pack_mode``, and this process uses the Python packer): tracing start never fails for the accelerator."""
+    global _NATIVE_FAILED
+    try:
+        return _NATIVE.Packer(mem, nslots, limit, crc, claims, fold_stages, TaskRecord)
+    except Exception as exc:  # noqa: BLE001 - ValueError, BufferError, MemoryError: the Python path works
+        _NATIVE_FAILED = f"{type(exc).__name__}: {exc}"
+        _warn_once(f"native ring packer failed ({_NATIVE_FAILED}); using the Python packer")
+        return None
 
 
 class RingWriter:
@@ -252,8 +313,7 @@ class RingWriter:
         # The C task packer (``_ringpack.c``, same bytes; ``pack_mode``), or None: the Python path below.
         self._packer: Any = None
         if pack_mode()[0] == "native":
-            self._packer = _NATIVE.Packer(mem, self.nslots, self._limit, self._crc, self._claims, fold_stages,
-                                          TaskRecord)
+            self._packer = _native_packer(mem, self.nslots, self._limit, self._crc, self._claims)
 
     # -- slots ------------------------------------------------------------------------------------
     def _claim(self) -> int:

@@ -38,11 +38,12 @@ def _ring(nslots: int, commit: int) -> Any:
     return mem
 
 
-def _pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+def _pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch, cls: Any = R.RingWriter) -> tuple[Any, Any]:
     """(native writer, Python writer) over two fresh rings of the same shape."""
-    native = R.RingWriter(_ring(nslots, commit))
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)  # a CI environment's =python must not fail this
+    native = cls(_ring(nslots, commit))
     monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
-    python = R.RingWriter(_ring(nslots, commit))
+    python = cls(_ring(nslots, commit))
     monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
     assert native._packer is not None and python._packer is None
     return native, python
@@ -151,6 +152,114 @@ def test_every_stage_count_round_trips(commit: int, monkeypatch: pytest.MonkeyPa
         assert got[0] == got[1] and len(got[0]) == 1
         expected = rec.stages if n <= R.MAX_STAGE_INTS else R.fold_stages(rec.stages)
         assert got[0][0][11] == expected
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_an_awaiting_fold_packs_a_snapshot_of_the_stages(commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The forward may append its consumer-wait triple while an awaiting task is folded (``fold_stages`` is
+    Python code: the GIL can switch). The Python path folds ``tuple(rec.stages)``, so the triple is only in
+    the later ``MSG_CWAIT``; the C path must fold a snapshot too, or the body would carry it as well."""
+    live: list[TaskRecord] = []
+
+    def appending_fold(stages: Any) -> list[int]:  # the forward's append, made to happen mid-fold
+        live[0].stages.extend((int(R.Stage.CONSUMER_WAIT), 7, 9))
+        return real_fold(stages)
+
+    real_fold = R.fold_stages
+    monkeypatch.setattr(R, "fold_stages", appending_fold)  # before the writers: the packer holds it
+    native, python = _pair(128, commit, monkeypatch)
+    for awaiting in (True, False):
+        rec = TaskRecord(queue=QUEUE, seq=3, t_enqueue=5_000_000_000)
+        rec.stages.extend(x for i in range(30) for x in (i % 4, 10 * i, 10 * i + 5))  # > 22 triples: folded
+        for w in (native, python):
+            copy = _copy(rec)
+            live[:] = [copy]
+            assert w.write_task(copy, awaiting)
+            assert copy.stages[-3:] == [int(R.Stage.CONSUMER_WAIT), 7, 9]  # the append did happen
+        assert native._mem[:] == python._mem[:]
+    got = [_decoded(R.RingReader(w._mem), Decoder()) for w in (native, python)]
+    assert got[0] == got[1]
+
+
+class _FailingHead(R.RingWriter):
+    """A writer whose claim hint cannot be stored once ``fail`` is set: the slot is claimed, not written."""
+
+    fail = False
+
+    @property
+    def _head(self) -> int:
+        return self._hint
+
+    @_head.setter
+    def _head(self, value: int) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("claim hint not stored")
+        self._hint = value
+
+
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_claimed_slot_whose_write_fails_is_committed_void_by_both_packers(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claimed but not committed would stall the agent: both packers commit ``MSG_VOID`` there, raise, and
+    the next task goes to the next slot (the Python writer alone when the extension is not built)."""
+    if NATIVE is None:
+        monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+        writers = [_FailingHead(_ring(128, commit))]
+    else:
+        writers = list(_pair(128, commit, monkeypatch, _FailingHead))
+        assert writers[0]._packer is not None
+    for w in writers:
+        assert w.write_task(TaskRecord(queue=QUEUE, seq=1, t_enqueue=5), False)  # slot 0: queue, 1: task
+        w.fail = True
+        with pytest.raises(RuntimeError, match="claim hint"):
+            w.write_task(TaskRecord(queue=QUEUE, seq=2, t_enqueue=6), False)  # slot 2: claimed, void
+        assert w._head == w.hdr[R.H_HEAD] == 2  # not advanced by the failed claim, as _claim leaves it
+        assert w.write_task(TaskRecord(queue=QUEUE, seq=3, t_enqueue=7), False)  # slot 3
+    if len(writers) == 2:
+        assert writers[0]._mem[:] == writers[1]._mem[:]
+    msgs = R.RingReader(writers[0]._mem).poll(10)
+    assert [(m.index, m.kind) for m in msgs] == [(0, R.MSG_QUEUE), (1, R.MSG_TASK), (2, R.MSG_VOID), (3, R.MSG_TASK)]
+    assert msgs[2].body == b""
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in msgs:
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [1, 3]
+
+
+@needs_native
+def test_the_packer_refuses_claims_that_are_not_an_iterator_or_a_fold_that_is_not_callable() -> None:
+    mem = _ring(128, R.COMMIT_STORE_ORDER)
+    with pytest.raises(TypeError):  # PyIter_Next on a list would call a NULL tp_iternext
+        NATIVE.Packer(mem, 128, 64, False, [0, 1, 2], R.fold_stages, TaskRecord)
+    with pytest.raises(TypeError):
+        NATIVE.Packer(mem, 128, 64, False, iter(range(3)), None, TaskRecord)
+
+
+class _Hint:
+    _head = 0
+
+
+@needs_native
+@pytest.mark.parametrize("claim", [-1, -129, (1 << 63) - 1, 1 << 63, 1 << 70])
+def test_a_claim_outside_int64_commits_its_slot_void_and_writes_nowhere_else(claim: int) -> None:
+    """A claim counter is ``itertools.count()`` in ``RingWriter``; ``Packer`` is public, so a claim that no
+    slot commit word can hold (negative: before the mapping) is refused after committing its slot void."""
+    mem = _ring(128, R.COMMIT_CRC)
+    packer = NATIVE.Packer(mem, 128, 64, True, iter([claim]), R.fold_stages, TaskRecord)
+    before = mem[:]
+    with pytest.raises(OverflowError):
+        packer.write(_Hint(), TaskRecord(queue=QUEUE), 0, R.NO_SUMMARY, False)
+    idx = claim % 128
+    off = R.HEADER_BYTES + idx * R.SLOT_SIZE
+    commit, crc, kind, length = R.SLOT_HEAD.unpack_from(mem, off)
+    assert (kind, length) == (R.MSG_VOID | R.KIND_WRITTEN, 0)
+    assert commit == (claim + 1 + (1 << 63)) % (1 << 64) - (1 << 63)  # the claim + 1, modulo 2**64
+    assert crc == R.slot_crc(b"", claim, kind, 0)
+    assert mem[:off] == before[:off] and mem[off + 16 :] == before[off + 16 :]  # that slot's head only
+    packer.release()
 
 
 @needs_native
@@ -358,3 +467,99 @@ def test_doctor_names_the_packer_in_use(monkeypatch: pytest.MonkeyPatch) -> None
     assert ring_pack() == "python: OTEL_KVTRACE_RING_PACK=python"
     monkeypatch.delenv("OTEL_KVTRACE_RING_PACK")
     assert ring_pack() == ("native" if NATIVE is not None else f"python: native packer {R._NATIVE_MISSING}")
+
+
+def _perturbed(key: str, value: Any) -> Any:
+    if key == "TASK_FIELDS":  # two fields swapped: a reordered TASK_FIELDS
+        return (value[1], value[0], *value[2:])
+    return value + "x" if isinstance(value, str) else value + 1
+
+
+@needs_native
+def test_every_layout_constant_the_c_code_copies_is_compared() -> None:
+    """A stale in-place build (not rebuilt by a git pull) must not write another layout: each constant of
+    ``_ringpack.LAYOUT`` and each field's offset and size is compared with ``ring.py``'s."""
+    layout = NATIVE.LAYOUT
+    assert R.layout_mismatch(layout) == ""
+    assert set(layout) == set(R.native_layout())
+    assert [name for name, _, _ in layout["TASK_FIELDS"]] == list(R.TASK_FIELDS)
+    for key, value in layout.items():
+        why = R.layout_mismatch({**layout, key: _perturbed(key, value)})
+        assert why.startswith(f"{key} is "), (key, why)
+    assert R.layout_mismatch({k: v for k, v in layout.items() if k != "F_GATE"}).startswith("F_GATE is None")
+    assert R.layout_mismatch(None).startswith("no LAYOUT")
+
+
+@needs_native
+@pytest.mark.parametrize("change", [("VERSION", 4), ("F_AWAITING", 64), ("MAX_STAGE_INTS", 60),
+                                    ("TASK_FIELDS", None)])
+def test_a_build_stale_against_ring_py_is_not_used_and_logged_once(
+        change: tuple[str, Any], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """ring.py changed after the build (a bumped VERSION, a flag bit, the stage cap, reordered fields): the
+    real extension is then refused by ``_load_native`` and every writer uses Python, with one log line."""
+    name, value = change
+    if name == "TASK_FIELDS":
+        fields = list(R.TASK_FIELDS)
+        i, j = fields.index("src"), fields.index("gate")
+        fields[i], fields[j] = fields[j], fields[i]
+        value = tuple(fields)
+    monkeypatch.setattr(R, name, value)
+    native, why = R._load_native()
+    assert native is None and why.startswith(f"stale build ({name} is "), why
+    monkeypatch.setattr(R, "_NATIVE", native)
+    monkeypatch.setattr(R, "_NATIVE_MISSING", why)
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        writers = [R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER)) for _ in range(2)]
+    assert [w._packer for w in writers] == [None, None]
+    assert R.pack_mode() == ("python", f"native packer {why}")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"otel-kvtrace: OTEL_KVTRACE_RING_PACK=auto: native packer {why}; using the Python packer"]
+
+
+def test_a_packer_that_cannot_be_constructed_leaves_the_python_packer_and_one_log_line(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """``RingWriter`` is built in ``agent_link._spawn`` after the agent process started: a ``Packer`` that
+    raises (here the real one, refusing a header that names more slots than the mapping holds) must not
+    break tracing start; ``pack_mode`` (and so ``kvtrace doctor``) says why."""
+    if NATIVE is None:
+        pytest.skip(f"native packer {R._NATIVE_MISSING}")
+    monkeypatch.setattr(R, "_NATIVE_FAILED", "")
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    mem = _ring(128, R.COMMIT_STORE_ORDER)
+    hdr = memoryview(mem)[: R.HEADER_BYTES].cast("q")
+    hdr[R.H_NSLOTS] = 129  # the real Packer checks its mapping: ValueError
+    hdr.release()
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        writer = R.RingWriter(mem)
+        again = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))  # this process stays on Python, no 2nd line
+    assert writer._packer is None and again._packer is None
+    mode, why = R.pack_mode()
+    assert mode == "python" and why.startswith("native packer failed: ValueError: ring mapping smaller"), why
+    assert len(caplog.records) == 1 and "native ring packer failed (ValueError" in caplog.records[0].getMessage()
+    assert writer.write_task(TaskRecord(queue=QUEUE, seq=4, t_enqueue=5), False)  # the Python path writes
+    out: list[TaskRecord] = []
+    decoder = Decoder()
+    for msg in R.RingReader(writer._mem).poll(10):
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [4]
+
+
+@pytest.mark.parametrize("want", ["native", "auto"])
+def test_native_asked_for_but_missing_warns_once(want: str, monkeypatch: pytest.MonkeyPatch,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """``=native`` without the extension: one warning per process (``auto``: silent, the normal case
+    without a compiler); the Python packer either way."""
+    monkeypatch.setattr(R, "_NATIVE", None)
+    monkeypatch.setattr(R, "_NATIVE_MISSING", "not built (No module named 'otel_kvtrace.record._ringpack')")
+    monkeypatch.setattr(R, "_WARNED", set())
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", want)
+    with caplog.at_level("WARNING", logger="otel_kvtrace"):
+        modes = [R.pack_mode() for _ in range(3)]
+        assert R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))._packer is None
+    assert modes == [("python", f"native packer {R._NATIVE_MISSING}")] * 3
+    expected = [f"otel-kvtrace: OTEL_KVTRACE_RING_PACK=native: native packer {R._NATIVE_MISSING}; "
+                "using the Python packer"] if want == "native" else []
+    assert [r.getMessage() for r in caplog.records] == expected

@@ -1,0 +1,90 @@
+"""Python code under valgrind's callgrind, and its instruction counts (Ir): the one home of the valgrind
+command line, the fixed hash seed and the parsing, for ``bench/recording_instructions.py`` (toggled
+collection, one dump per client request, per C function) and ``bench/recv_breakdown.py`` (whole-run
+totals, differenced between two loop lengths).
+
+- ``total(code, cwd)``: Ir of a whole ``python -c code`` run (callgrind's ``Collected :`` line).
+- ``dumps(code, cwd, out)``: with collection off at start (the code toggles it through ``helper``'s C
+  functions, built by ``build_helper``): per dump named by ``CALLGRIND_DUMP_STATS_AT(what)``, ``(total,
+  self Ir per C function)`` (``callgrind_annotate``).
+
+``PYTHONHASHSEED=0`` always: str hashes (dict probes) otherwise move a count by ~2 % between identical runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+HELPER_C = r"""
+#include <valgrind/callgrind.h>
+void kv_on(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kv_off(void) { CALLGRIND_TOGGLE_COLLECT; }
+void kv_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
+void kv_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+"""
+
+
+def build_helper(tmp: Path) -> Path:
+    """The client-request helper (``kv_on``/``kv_off``/``kv_start``/``kv_dump``) as a shared library in ``tmp``,
+    for ``ctypes.CDLL`` inside the counted code."""
+    src = tmp / "kvcg.c"
+    src.write_text(HELPER_C)
+    lib = tmp / "kvcg.so"
+    subprocess.run(["gcc", "-O1", "-shared", "-fPIC", "-o", str(lib), str(src)], check=True)
+    return lib
+
+
+def _run(code: str, cwd: Path, env: dict[str, str] | None, out: str, toggled: bool) -> subprocess.CompletedProcess:
+    cmd = ["valgrind", "--tool=callgrind"]
+    if toggled:
+        cmd += ["--instr-atstart=no", "--collect-atstart=no"]
+    cmd += [f"--callgrind-out-file={out}", sys.executable, "-c", code]
+    full_env = {**os.environ, **(env or {}), "PYTHONHASHSEED": "0"}
+    return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd, env=full_env)
+
+
+def total(code: str, cwd: Path, env: dict[str, str] | None = None) -> int:
+    """Instructions of the whole run of ``python -c code`` in ``cwd`` (``env``: variables added)."""
+    done = _run(code, cwd, env, "/dev/null", toggled=False)
+    m = re.search(r"Collected : (\d+)", done.stderr)
+    if m is None:
+        raise RuntimeError(f"no callgrind total in: {done.stderr[-500:]}")
+    return int(m.group(1))
+
+
+def functions(path: Path) -> tuple[int, dict[str, int]]:
+    """(total, self instructions per C function) of one callgrind dump."""
+    done = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)], capture_output=True, text=True,
+                          check=True)
+    tot = 0
+    per: dict[str, int] = {}
+    for line in done.stdout.splitlines():
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+PROGRAM TOTALS", line)
+        if m:
+            tot = int(m.group(1).replace(",", ""))
+            continue
+        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S+):(\S+)", line)
+        if m:
+            name = m.group(3).split(" ")[0]
+            if name == "_PyObject_MakeTpCall" and m.group(2).endswith("ceval.c"):
+                name = "eval loop (ceval.c, bytecodes)"  # the inlined interpreter body carries this name
+            per[name] = per.get(name, 0) + int(m.group(1).replace(",", ""))
+    return tot, per
+
+
+def dumps(code: str, cwd: Path, out: Path, env: dict[str, str] | None = None) -> dict[str, tuple[int, dict[str, int]]]:
+    """Run ``code`` with instrumentation and collection off at start; per dump it triggered by
+    ``kv_dump(what)``: ``what -> (total, self Ir per C function)``. ``out``: the dump files' prefix (its
+    directory must be private to this run)."""
+    _run(code, cwd, env, str(out), toggled=True)
+    result: dict[str, tuple[int, dict[str, int]]] = {}
+    for dump in sorted(out.parent.glob(f"{out.name}.*")):
+        head = dump.read_text(errors="replace")[:4000]
+        m = re.search(r"^desc: Trigger: Client Request: (\w+)", head, re.M)
+        if m is not None:
+            result[m.group(1)] = functions(dump)
+    return result
