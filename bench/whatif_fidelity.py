@@ -272,11 +272,10 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
     worst = worst_plain = 0.0
     for cell, c, cpu in rows:
         policy = c["policy"]
-        per_run = c["measured_verdict"]["gains"][policy]["ttft_gain_ms"]["per_run"]
-        se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
+        sd_paired, se = _paired_sd_se(c)
         floor = _floor(c)
         corr = _pair_correlation(c["fifo_measured"]["ttft_ms_mean"]["stdev"], c["measured"]["ttft_ms_mean"]["stdev"],
-                                 statistics.stdev(per_run) if len(per_run) > 1 else float("nan"))
+                                 sd_paired)
         worst, worst_plain = max(worst, c["calibrated_gain_error_pct"]), max(worst_plain, c["gain_error_pct"])
         cpu_text = f"{statistics.median(cpu['fifo']):.2f}/{statistics.median(cpu[policy]):.2f}"
         print(f"{cell:10} {policy:11} {c['fifo_measured']['ttft_ms_mean']['mean']:7.3f} {c['predicted_gain_ms']:7.3f} "
@@ -305,10 +304,18 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
 
 
+def _paired_sd_se(c: dict[str, Any]) -> tuple[float, float]:
+    """Stdev of the per-seed paired gains and the standard error of their mean (nan below 2 pairs)."""
+    per_run = c["measured_verdict"]["gains"][c["policy"]]["ttft_gain_ms"]["per_run"]
+    if len(per_run) < 2:
+        return float("nan"), float("nan")
+    sd = statistics.stdev(per_run)
+    return sd, sd / len(per_run) ** 0.5
+
+
 def _floor(c: dict[str, Any]) -> float:
     """The error that sampling alone gives: 100 x SE of the measured gain / max(|measured gain|, noise)."""
-    per_run = c["measured_verdict"]["gains"][c["policy"]]["ttft_gain_ms"]["per_run"]
-    se = statistics.stdev(per_run) / len(per_run) ** 0.5 if len(per_run) > 1 else float("nan")
+    se = _paired_sd_se(c)[1]
     scale = max(abs(c["measured_gain_ms"]), c["noise_ms"])
     return 100 * se / scale if scale else 0.0
 

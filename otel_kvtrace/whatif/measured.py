@@ -175,7 +175,7 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
                       gain_error_pct(pred_gain, meas_gain, noise), dispatch_ns / 1e3, cal_gain,
                       gain_error_pct(cal_gain, meas_gain, noise), layers, verdict.verdict,
                       f"{verdict.reason} [{note}]",
-                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms, "pairing": note}, alone.verdict,
+                      {"gains": verdict.gains, "noise_ms": verdict.noise_ms}, alone.verdict,
                       alone.reason, {"gains": alone.gains, "noise_ms": alone.noise_ms},
                       "seed" if pairs else "none", note,
                       worst.verdict if worst else "n/a",
