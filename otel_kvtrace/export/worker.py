@@ -142,7 +142,7 @@ class BackgroundExporter:
             DROPPED_METRIC, unit="{record}", description="Task records lost before export (queue full or export failed)"
         )
         observe_export_stats(meter, self.stats)
-        self._atexit = _weak_callback(self, "_shutdown_at_exit")
+        self._atexit = _weak_callback(self, "shutdown_at_exit")
         atexit.register(self._atexit)
         if hasattr(os, "register_at_fork"):
             os.register_at_fork(after_in_child=_weak_callback(self, "_after_fork_in_child"))
@@ -217,9 +217,6 @@ class BackgroundExporter:
         the deadline; what a stuck worker still holds is counted as dropped rather than waited for."""
         return self._shutdown(config.exit_drain_s(), grace_s=0.0, at_exit=True)
 
-    def _shutdown_at_exit(self) -> None:
-        self.shutdown_at_exit()
-
     def _shutdown(self, timeout: float, *, grace_s: float, at_exit: bool = False) -> bool:
         """``shutdown`` with ``timeout``; a worker stuck in the sink past it gets ``grace_s`` more after
         the sink is told to abort."""
@@ -251,7 +248,7 @@ class BackgroundExporter:
             self.recorder.count_drop(left)
             self._counted_here += left
         elif left := self.recorder.pending:
-            self._discard(self.recorder.drain(left), count=True)
+            self._discard(self.recorder.drain(left))
         self._safe_sink_shutdown(max(0.0, self._deadline - time.monotonic()))
         self._report_drops(final=True)
         stats = self.stats()
@@ -371,8 +368,9 @@ class BackgroundExporter:
             self._in_batch = 0
         self.recorder.recycle(records)
 
-    def _discard(self, records: list[TaskRecord], *, count: bool) -> None:
-        if count and records:
+    def _discard(self, records: list[TaskRecord]) -> None:
+        """Count ``records`` as dropped and recycle them."""
+        if records:
             self.recorder.count_drop(len(records))
             self._counted_here += len(records)
         self.recorder.recycle(records)

@@ -773,7 +773,7 @@ def rewrite_add_request_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[s
     return node, filename, {}
 
 
-_BUILTINS = ("getattr", "max", "min", "len", "type", "int", "list", "id", "setattr", "BaseException", "Exception",
+_BUILTINS = ("getattr", "len", "type", "int", "list", "id", "setattr", "BaseException", "Exception",
              "AttributeError", "IndexError")
 
 
