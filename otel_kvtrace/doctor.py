@@ -82,31 +82,27 @@ def doctor(source: str | Path | None = None) -> DoctorReport:
 def probe_path(binding: UpstreamBinding) -> str:
     """``compiled`` when the GVA recv thread's ``_handle_request`` takes the compiled probes
     (``instrument/rewrite.py``), else ``wrappers: <reason>``."""
-    from otel_kvtrace import config
-    from otel_kvtrace.instrument import rewrite
-
-    cls = binding.classes.get("recv_gva")
-    if cls is None:
-        return "wrappers: no GVA recv class"
-    if config.probes_mode() == "wrappers":
-        return f"wrappers: {config.OTEL_KVTRACE_PROBES}=wrappers"
-    reason = rewrite.check(cls)
-    return "compiled" if reason is None else f"wrappers: {reason}"
+    return _compiled_path(binding, "_handle_request", "wrappers")
 
 
 def enqueue_path(binding: UpstreamBinding) -> str:
     """``compiled`` when the GVA recv thread's ``add_request`` takes the compiled enqueue (the record set-up
     inline, ``rewrite.rewrite_add_request_tree``), else ``wrapper: <reason>``."""
+    return _compiled_path(binding, "add_request", "wrapper")
+
+
+def _compiled_path(binding: UpstreamBinding, member: str, fallback: str) -> str:
+    """``compiled`` when install would compile ``member`` of the GVA recv class, else ``<fallback>: <why>``."""
     from otel_kvtrace import config
     from otel_kvtrace.instrument import rewrite
 
     cls = binding.classes.get("recv_gva")
     if cls is None:
-        return "wrapper: no GVA recv class"
+        return f"{fallback}: no GVA recv class"
     if config.probes_mode() == "wrappers":
-        return f"wrapper: {config.OTEL_KVTRACE_PROBES}=wrappers"
-    reason = rewrite.check(cls, "add_request")
-    return "compiled" if reason is None else f"wrapper: {reason}"
+        return f"{fallback}: {config.OTEL_KVTRACE_PROBES}=wrappers"
+    reason = rewrite.check(cls, member)
+    return "compiled" if reason is None else f"{fallback}: {reason}"
 
 
 def ring_pack() -> str:
