@@ -28,6 +28,8 @@ from typing import Any
 
 import orjson
 
+from otel_kvtrace.student_t import t975
+
 METRICS = ("hol_total_ms", "queue_wait_ms", "consumer_wait_ms", "ttft_p50_ms")
 """Metrics the factor analysis explains (per run): HOL total, mean queue / consumer wait per task, TTFT p50."""
 LABELS = {"hol_total_ms": "HOL time (ms per run)", "queue_wait_ms": "queue wait (ms per task)",
@@ -94,16 +96,6 @@ def _pcts(values: Sequence[float] | None) -> dict[str, float | None]:
 
 def _mean(values: Sequence[float]) -> float:
     return sum(values) / len(values)
-
-
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-         2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045,
-         2.042)
-
-
-def t975(df: int) -> float:
-    """Two-sided 95% Student t quantile (table to 30 degrees of freedom, then the normal 1.96)."""
-    return _T975[df - 1] if 1 <= df <= len(_T975) else 1.96
 
 
 def pooled_variance(groups: Sequence[Sequence[float | None]]) -> tuple[float, int] | None:

@@ -36,11 +36,11 @@ which bound was used (``WORST``, ``PAIRED``, ``WELCH``), and so does the reason.
 
 from __future__ import annotations
 
-import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from otel_kvtrace.student_t import t95
 from otel_kvtrace.whatif.metrics import validation_from
 from otel_kvtrace.whatif.replay import RunSummary
 
@@ -98,26 +98,6 @@ class ConfigVerdict:
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
-
-
-_T95 = (6.314, 2.920, 2.353, 2.132, 2.015, 1.943, 1.895, 1.860, 1.833, 1.812, 1.796, 1.782, 1.771, 1.761, 1.753,
-        1.746, 1.740, 1.734, 1.729, 1.725, 1.721, 1.717, 1.714, 1.711, 1.708, 1.706, 1.703, 1.701, 1.699, 1.697)
-"""One-sided 95% quantiles of Student's t for 1..30 degrees of freedom."""
-
-
-def t95(df: float) -> float:
-    """One-sided 95% quantile of Student's t with ``df`` degrees of freedom (beyond 30: the first-order
-    Cornish-Fisher expansion around the normal's 1.645, within 0.002 of the exact value). A fractional
-    ``df`` (Welch-Satterthwaite) is rounded down: the larger quantile, the conservative side."""
-    z = 1.6448536
-    if df < 1:
-        return float("inf")
-    if math.isinf(df):
-        return z
-    df = math.floor(df)
-    if df <= len(_T95):
-        return _T95[df - 1]
-    return z + (z ** 3 + z) / (4 * df)
 
 
 def confidence_bounds(values: list[float]) -> tuple[float, float]:
