@@ -309,8 +309,9 @@ class TracedKeyStore(_Proxy):
         return result
 
 
-def total_bytes(sizes: Any) -> int:
-    """Bytes in a size array or list (numpy ``.sum()``; flat or one level nested lists for the key path)."""
+def total_bytes_rule(sizes: Any) -> int:
+    """Bytes in a size array or list (numpy ``.sum()``; flat or one level nested lists for the key path).
+    The reference; :data:`total_bytes` is this rule, or the native one for 1-D integer arrays (same value)."""
     try:
         if type(sizes) is _NDARRAY:  # the GVA path's case first: one type check instead of three lookups
             if sizes.ndim == 1 and len(sizes) <= SMALL_ARRAY:
@@ -326,6 +327,21 @@ def total_bytes(sizes: Any) -> int:
             return int(sum(sum(inner) for inner in sizes))
     except Exception:
         return 0
+
+
+def _native_total_bytes() -> Any:
+    """``_probes.total_bytes`` (the exact int64 sum of a 1-D integer ndarray, else :func:`total_bytes_rule`),
+    or the rule itself when the optional extension is not built."""
+    try:
+        from otel_kvtrace.instrument import _probes  # type: ignore[attr-defined]
+    except ImportError:
+        return total_bytes_rule
+    _probes.set_fallback(total_bytes_rule, _NDARRAY)
+    return _probes.total_bytes
+
+
+total_bytes = _native_total_bytes()
+"""Bytes of a copy's size argument: the one home of the rule (``total_bytes_rule``), native when built."""
 
 
 def traced_slot_waiter(waiter: Any, rt: Runtime, st: QueueState) -> Any:
