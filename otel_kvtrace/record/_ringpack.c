@@ -83,13 +83,25 @@ static uint32_t crc32_of(const unsigned char *p, size_t n, uint32_t seed) {
 
 /* Attribute names of TaskRecord, interned once. */
 enum { A_KIND, A_FINAL, A_OUTCOME, A_SEQ, A_STEP, A_LAYER, A_SRC, A_GATE, A_QDEPTH, A_INFLIGHT, A_TENQ,
-       A_TDEQ, A_TRET, A_TCOMP, A_NBYTES, A_RESULT, A_HASDEP, A_DEPS, A_STAGES, N_ATTRS };
+       A_TDEQ, A_TRET, A_TCOMP, A_NBYTES, A_RESULT, A_HASDEP, A_DEPS, A_STAGES, A_QUEUE, A_ERROR, A_MARKS,
+       A_TT, N_ATTRS };
 static const char *attr_names[N_ATTRS] = {
     "kind", "final_layer", "outcome", "seq", "step", "layer_id", "wait_for_save_layer", "gate_id",
     "queue_depth_at_enqueue", "inflight_at_enqueue", "t_enqueue", "t_dequeue", "t_backend_return",
-    "t_complete", "nbytes", "backend_result", "has_dep", "deps", "stages"};
+    "t_complete", "nbytes", "backend_result", "has_dep", "deps", "stages", "queue", "error", "npu_marks",
+    "transfer_tasks"};
 static PyObject *attrs[N_ATTRS];
 static PyObject *str_head; /* "_head": the writer's claim hint, kept as ring.py's _claim keeps it */
+/* ship(): names read on the writer, the stream marks and upstream's transfer task (ring.py write_task) */
+enum { S_HITS, S_GENERATION, S_SHARED, S_REQ_IDS, S_BLOCKS, S_GROUP, S_LOG, S_POSITION, S_OBSERVED, S_DONE_BY,
+       N_SHIP_NAMES };
+static const char *ship_names[N_SHIP_NAMES] = {"_hits", "_req_generation", "shared_block_data", "req_ids",
+                                               "block_ids_arr", "group_id", "log", "position", "observed",
+                                               "done_by"};
+static PyObject *names[N_SHIP_NAMES];
+#define NO_SUMMARY 0xFFFFFFFFLL
+#define MAX_SCAN 64
+#define NUM_DEPS (NUM_DEP_INTS / 2)
 
 /* 1 and *out set when o is an int within [lo, hi]; 0 (no exception) when it is not: the caller then
  * returns NotImplemented and the Python path decides (it packs an __index__ object, raises on a float). */
@@ -124,6 +136,10 @@ typedef struct {
      * without one attribute lookup per field: ~3,000 instructions per task); other objects use getattr. */
     PyTypeObject *rec_type; /* NULL: no fast path */
     Py_ssize_t offset[N_ATTRS];
+    /* ship(): the last queue ring.py resolved (remember_queue) and its index, and the StreamPosition type */
+    PyObject *queue;
+    long long qidx;
+    PyObject *position_type;
 } Packer;
 
 static void packer_release_view(Packer *self) {
@@ -138,6 +154,8 @@ static void Packer_dealloc(Packer *self) {
     Py_XDECREF(self->claims);
     Py_XDECREF(self->fold);
     Py_XDECREF(self->rec_type);
+    Py_XDECREF(self->queue);
+    Py_XDECREF(self->position_type);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -173,13 +191,16 @@ static PyObject *get(Packer *self, PyObject *rec, int a) {
     return PyObject_GetAttr(rec, attrs[a]);
 }
 
-/* Packer(mem, nslots, limit, crc, claims, fold_stages, record_type) */
+/* Packer(mem, nslots, limit, crc, claims, fold_stages, record_type[, position_type]) */
 static int Packer_init(Packer *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
-    PyObject *mem, *claims, *fold, *rec_type;
+    PyObject *mem, *claims, *fold, *rec_type, *position_type = NULL;
     Py_ssize_t nslots;
     long long limit;
     int crc;
-    if (!PyArg_ParseTuple(args, "OnLpOOO", &mem, &nslots, &limit, &crc, &claims, &fold, &rec_type)) return -1;
+    if (!PyArg_ParseTuple(args, "OnLpOOO|O", &mem, &nslots, &limit, &crc, &claims, &fold, &rec_type, &position_type))
+        return -1;
+    Py_XINCREF(position_type); /* ship(): the type of a stream-order mark (stream_order.StreamPosition) */
+    Py_XSETREF(self->position_type, position_type);
     if (!PyIter_Check(claims) || !PyCallable_Check(fold)) { /* PyIter_Next on a non-iterator: a NULL call */
         PyErr_SetString(PyExc_TypeError, "claims must be an iterator and fold_stages callable");
         return -1;
@@ -251,15 +272,12 @@ static PyObject *claim_out_of_range(Packer *self, PyObject *kobj) {
 
 /* write(writer, rec, qidx, sidx, awaiting) -> True (written), False (ring full: nothing claimed) or
  * NotImplemented (an input the Python path must handle: nothing claimed). */
-static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
-    /* The body is assembled here first, then copied into the slot: the slot sees only whole writes. */
-    union { int64_t align; unsigned char raw[BODY_BYTES]; } body;
-    long long v, qidx, sidx, kind, final_layer, outcome, src, gate, flags;
-    PyObject *writer, *rec, *o, *stages = NULL;
-    Py_ssize_t n, i;
-    size_t length;
-    int awaiting, r = 1;
+static PyObject *write_impl(Packer *self, PyObject *writer, PyObject *rec, long long qidx, long long sidx,
+                            int awaiting);
 
+static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long qidx, sidx;
+    int awaiting;
     if (nargs != 5) {
         PyErr_SetString(PyExc_TypeError, "write(writer, rec, qidx, sidx, awaiting)");
         return NULL;
@@ -268,12 +286,23 @@ static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t na
         PyErr_SetString(PyExc_ValueError, "packer released");
         return NULL;
     }
-    writer = args[0];
-    rec = args[1];
     awaiting = PyObject_IsTrue(args[4]);
     if (awaiting < 0) return NULL;
     if (!as_int(args[2], 0, UINT32_MAX, &qidx) || !as_int(args[3], 0, UINT32_MAX, &sidx))
         Py_RETURN_NOTIMPLEMENTED;
+    return write_impl(self, args[0], args[1], qidx, sidx, awaiting);
+}
+
+/* The task body of rec, claimed and committed (write() after its argument checks). */
+static PyObject *write_impl(Packer *self, PyObject *writer, PyObject *rec, long long qidx, long long sidx,
+                            int awaiting) {
+    /* The body is assembled here first, then copied into the slot: the slot sees only whole writes. */
+    union { int64_t align; unsigned char raw[BODY_BYTES]; } body;
+    long long v, kind, final_layer, outcome, src, gate, flags;
+    PyObject *o, *stages = NULL;
+    Py_ssize_t n, i;
+    size_t length;
+    int r = 1;
 
     memset(body.raw, 0, STAGES_AT); /* padding bytes are 0, as struct writes them; fields copied in below */
 /* member of struct task_fixed = value, copied into body.raw at its offset (never a member store). */
@@ -438,6 +467,217 @@ not_this:
 #undef PUT
 }
 
+/* ---- ship(): the rest of ring.py RingWriter.write_task for the common task, in C ---------------------------
+ * The queue index (the one ring.py resolved last, remember_queue), no error, the stream-order bounds of
+ * StreamPosition marks (stream_order.tighten_bounds), the summary index of upstream's shared transfer data
+ * when it is the one remembered in writer._hits (the same identity check), then write_impl. Every other
+ * case returns NotImplemented and ring.py's Python path (the reference) does it all, as before. The bounds
+ * are applied to the record before write_impl; if write_impl then declines, the Python path applies them
+ * again, which changes nothing (the rule is idempotent: a lowered bound is not lowered further by the same
+ * log; the bits set stay set). tests/record/test_ringpack.py drives both paths over generated records. */
+
+#define MAX_MARKS 8
+
+/* A new reference to obj.<names[n]>, or NULL with no exception left (ring.py's path will read it again and
+ * raise what it raises). */
+static PyObject *read_attr(PyObject *obj, int n) {
+    PyObject *o = PyObject_GetAttr(obj, names[n]);
+    if (o == NULL) PyErr_Clear();
+    return o;
+}
+
+/* 1 and *out set when obj.<names[n]> is an int in [lo, hi]; 0 otherwise (no exception left). */
+static int read_int(PyObject *obj, int n, long long lo, long long hi, long long *out) {
+    PyObject *o = read_attr(obj, n);
+    int ok;
+    if (o == NULL) return 0;
+    ok = as_int(o, lo, hi, out);
+    Py_DECREF(o);
+    return ok;
+}
+
+/* The stream-order upper bound of one StreamPosition (tighten_bounds' loop body): 1 with *bound, 2 when the
+ * position itself was not seen complete yet (no bound), 0 when an input is not the common case. */
+static int stream_bound(PyObject *mark, long long *bound) {
+    long long p, last, b, x;
+    Py_ssize_t end, j, len;
+    PyObject *log, *done_by;
+    int ok = 0;
+    if (!read_int(mark, S_POSITION, 0, I64_MAX, &p)) return 0; /* a negative index: Python's rule, not ours */
+    if ((log = read_attr(mark, S_LOG)) == NULL) return 0;
+    if (!read_int(log, S_OBSERVED, I64_MIN, I64_MAX, &last) || (done_by = read_attr(log, S_DONE_BY)) == NULL) {
+        Py_DECREF(log);
+        return 0;
+    }
+    Py_DECREF(log);
+    if (!PyList_CheckExact(done_by)) goto done;
+    len = PyList_GET_SIZE(done_by);
+    if (p > last) {
+        ok = 2;
+        goto done;
+    }
+    if (p >= len) goto done; /* IndexError (or min() of an empty slice) in Python */
+    if (p == last) {
+        ok = as_int(PyList_GET_ITEM(done_by, p), I64_MIN, I64_MAX, &b);
+    } else {
+        end = (Py_ssize_t)(last < p + MAX_SCAN ? last + 1 : p + MAX_SCAN);
+        if (end > len) end = len;
+        ok = as_int(PyList_GET_ITEM(done_by, p), I64_MIN, I64_MAX, &b);
+        for (j = (Py_ssize_t)p + 1; ok && j < end; j++) {
+            ok = as_int(PyList_GET_ITEM(done_by, j), I64_MIN, I64_MAX, &x);
+            if (x < b) b = x;
+        }
+    }
+    if (ok) *bound = b;
+done:
+    Py_DECREF(done_by);
+    return ok;
+}
+
+/* tighten_bounds(rec) for marks that are all StreamPositions: 1 (applied), 0 (not the common case: nothing
+ * changed), -1 (an exception storing a value). */
+static int tighten(Packer *self, PyObject *rec, PyObject *marks) {
+    long long dep[MAX_MARKS], bound[MAX_MARKS], deps[NUM_DEP_INTS], has_dep, v;
+    int have[MAX_MARKS], changed[NUM_DEP_INTS] = {0}, any = 0, r;
+    Py_ssize_t n = PyList_GET_SIZE(marks), i;
+    PyObject *dl;
+    if (n > MAX_MARKS || self->position_type == NULL) return 0;
+    for (i = 0; i < n; i++) { /* every mark checked before anything is changed */
+        PyObject *m = PyList_GET_ITEM(marks, i);
+        if (!PyTuple_CheckExact(m) || PyTuple_GET_SIZE(m) != 2 || !as_int(PyTuple_GET_ITEM(m, 0), 0, NUM_DEPS - 1, &dep[i]) ||
+            (PyObject *)Py_TYPE(PyTuple_GET_ITEM(m, 1)) != self->position_type)
+            return 0;
+        r = stream_bound(PyTuple_GET_ITEM(m, 1), &bound[i]);
+        if (r == 0) return 0;
+        have[i] = r == 1;
+    }
+    if ((dl = get(self, rec, A_DEPS)) == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    r = 0;
+    if (!PyList_CheckExact(dl) || PyList_GET_SIZE(dl) != NUM_DEP_INTS || field(self, rec, A_HASDEP, 0, UINT32_MAX, &has_dep) <= 0)
+        goto out;
+    for (i = 0; i < NUM_DEP_INTS; i++)
+        if (!as_int(PyList_GET_ITEM(dl, i), I64_MIN, I64_MAX, &deps[i])) goto out;
+    for (i = 0; i < n; i++) { /* in mark order: a later mark of the same dependency sees the earlier one's */
+        Py_ssize_t hi = 2 * (Py_ssize_t)dep[i] + 1;
+        if (!have[i] || bound[i] >= deps[hi]) continue;
+        has_dep |= 1LL << dep[i];
+        deps[hi] = bound[i] > deps[hi - 1] ? bound[i] : deps[hi - 1];
+        changed[hi] = any = 1;
+    }
+    r = 1;
+    if (any) {
+        PyObject *h = PyLong_FromLongLong(has_dep);
+        if (h == NULL || PyObject_SetAttr(rec, attrs[A_HASDEP], h) < 0) r = -1;
+        Py_XDECREF(h);
+        for (i = 0; r > 0 && i < NUM_DEP_INTS; i++) {
+            if (!changed[i]) continue;
+            if ((v = deps[i], h = PyLong_FromLongLong(v)) == NULL) r = -1;
+            else PyList_SetItem(dl, i, h); /* steals h */
+        }
+    }
+out:
+    Py_DECREF(dl);
+    if (r == 0 && PyErr_Occurred()) PyErr_Clear();
+    return r;
+}
+
+/* The summary index of rec's transfer tasks when ring.py's identity check would hit (writer._hits[slot]):
+ * 1 with *sidx, 0 otherwise (no exception left). */
+static int summary_hit(PyObject *writer, PyObject *tt, long long slot, long long *sidx) {
+    PyObject *task, *shared = NULL, *req_ids = NULL, *blocks = NULL, *group = NULL, *hits = NULL, *hit;
+    long long v, gen;
+    Py_ssize_t len;
+    int ok = 0;
+    if (tt == Py_None) {
+        *sidx = NO_SUMMARY;
+        return 1;
+    }
+    task = PyList_CheckExact(tt) && PyList_GET_SIZE(tt) == 1 ? PyList_GET_ITEM(tt, 0) : tt;
+    Py_INCREF(task);
+    if ((shared = read_attr(task, S_SHARED)) == NULL || (req_ids = read_attr(shared, S_REQ_IDS)) == NULL ||
+        (blocks = read_attr(shared, S_BLOCKS)) == NULL || (group = read_attr(task, S_GROUP)) == NULL ||
+        (hits = read_attr(writer, S_HITS)) == NULL)
+        goto out;
+    if (!PyList_CheckExact(hits) || PyList_GET_SIZE(hits) != 2) goto out;
+    hit = PyList_GET_ITEM(hits, slot);
+    if (!PyTuple_CheckExact(hit) || PyTuple_GET_SIZE(hit) != 8 || PyTuple_GET_ITEM(hit, 0) != shared ||
+        PyTuple_GET_ITEM(hit, 1) != req_ids || PyTuple_GET_ITEM(hit, 2) != blocks)
+        goto out;
+    if ((len = PyObject_Size(req_ids)) < 0 || !as_int(PyTuple_GET_ITEM(hit, 3), len, len, &v)) goto out;
+    /* hit[4] == group: both plain ints (another type's __eq__ is Python's to run) */
+    if (!PyLong_CheckExact(group) || !PyLong_CheckExact(PyTuple_GET_ITEM(hit, 4)) ||
+        PyObject_RichCompareBool(PyTuple_GET_ITEM(hit, 4), group, Py_EQ) != 1)
+        goto out;
+    if ((len = PyObject_Size(blocks)) < 0 || !as_int(PyTuple_GET_ITEM(hit, 5), len, len, &v)) goto out;
+    if (!read_int(writer, S_GENERATION, I64_MIN, I64_MAX, &gen) || !as_int(PyTuple_GET_ITEM(hit, 6), gen, gen, &v))
+        goto out;
+    ok = as_int(PyTuple_GET_ITEM(hit, 7), 0, UINT32_MAX, sidx);
+out:
+    Py_DECREF(task);
+    Py_XDECREF(shared);
+    Py_XDECREF(req_ids);
+    Py_XDECREF(blocks);
+    Py_XDECREF(group);
+    Py_XDECREF(hits);
+    if (PyErr_Occurred()) PyErr_Clear();
+    return ok;
+}
+
+/* ship(writer, rec, awaiting) -> True, False (ring full) or NotImplemented (ring.py's path writes it). */
+static PyObject *Packer_ship(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    PyObject *writer, *rec, *o;
+    long long kind, sidx;
+    int awaiting, r;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "ship(writer, rec, awaiting)");
+        return NULL;
+    }
+    if (!self->have_view) {
+        PyErr_SetString(PyExc_ValueError, "packer released");
+        return NULL;
+    }
+    writer = args[0];
+    rec = args[1];
+    if (self->queue == NULL || (awaiting = PyObject_IsTrue(args[2])) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    if ((o = get(self, rec, A_QUEUE)) == NULL) goto python;
+    r = o == self->queue;
+    Py_DECREF(o);
+    if (!r || (o = get(self, rec, A_ERROR)) == NULL) goto python;
+    r = o == Py_None;
+    Py_DECREF(o);
+    if (!r || field(self, rec, A_KIND, 0, 255, &kind) <= 0 || (o = get(self, rec, A_TT)) == NULL) goto python;
+    r = summary_hit(writer, o, kind & 1, &sidx);
+    Py_DECREF(o);
+    if (!r || (o = get(self, rec, A_MARKS)) == NULL) goto python;
+    r = PyList_CheckExact(o) ? (PyList_GET_SIZE(o) ? tighten(self, rec, o) : 1) : 0;
+    Py_DECREF(o);
+    if (r < 0) return NULL;
+    if (!r) goto python;
+    return write_impl(self, writer, rec, self->qidx, sidx, awaiting);
+python:
+    PyErr_Clear();
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* remember_queue(queue, qidx): the queue ring.py just resolved (RingWriter._queues keeps it for good). */
+static PyObject *Packer_remember_queue(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long qidx;
+    if (nargs != 2 || !as_int(args[1], 0, UINT32_MAX, &qidx)) {
+        PyErr_SetString(PyExc_TypeError, "remember_queue(queue, qidx) with 0 <= qidx < 2**32");
+        return NULL;
+    }
+    Py_INCREF(args[0]);
+    Py_XSETREF(self->queue, args[0]);
+    self->qidx = qidx;
+    Py_RETURN_NONE;
+}
+
 static PyObject *Packer_release(Packer *self, PyObject *Py_UNUSED(unused)) {
     packer_release_view(self);
     Py_RETURN_NONE;
@@ -446,6 +686,10 @@ static PyObject *Packer_release(Packer *self, PyObject *Py_UNUSED(unused)) {
 static PyMethodDef Packer_methods[] = {
     {"write", (PyCFunction)(void (*)(void))Packer_write, METH_FASTCALL,
      "write(writer, rec, qidx, sidx, awaiting): True, False (ring full) or NotImplemented (use Python)"},
+    {"ship", (PyCFunction)(void (*)(void))Packer_ship, METH_FASTCALL,
+     "ship(writer, rec, awaiting): write_task's common case in C: True, False (ring full) or NotImplemented"},
+    {"remember_queue", (PyCFunction)(void (*)(void))Packer_remember_queue, METH_FASTCALL,
+     "remember_queue(queue, qidx): the queue index ship() uses for records of that queue"},
     {"release", (PyCFunction)Packer_release, METH_NOARGS, "drop the ring mapping's buffer"},
     {NULL, NULL, 0, NULL}};
 
@@ -522,6 +766,8 @@ PyMODINIT_FUNC PyInit__ringpack(void) {
     for (j = 0; j < N_ATTRS; j++)
         if ((attrs[j] = PyUnicode_InternFromString(attr_names[j])) == NULL) return NULL;
     if ((str_head = PyUnicode_InternFromString("_head")) == NULL) return NULL;
+    for (j = 0; j < N_SHIP_NAMES; j++)
+        if ((names[j] = PyUnicode_InternFromString(ship_names[j])) == NULL) return NULL;
     if (PyType_Ready(&PackerType) < 0) return NULL;
     m = PyModule_Create(&ringpack_module);
     if (m == NULL) return NULL;

@@ -276,7 +276,7 @@ def _native_packer(mem: Any, nslots: int, limit: int, crc: bool, claims: Any) ->
     ``pack_mode``, and this process uses the Python packer): tracing start never fails for the accelerator."""
     global _NATIVE_FAILED
     try:
-        return _NATIVE.Packer(mem, nslots, limit, crc, claims, fold_stages, TaskRecord)
+        return _NATIVE.Packer(mem, nslots, limit, crc, claims, fold_stages, TaskRecord, StreamPosition)
     except Exception as exc:  # noqa: BLE001 - ValueError, BufferError, MemoryError: the Python path works
         _NATIVE_FAILED = f"{type(exc).__name__}: {exc}"
         _warn_once(f"native ring packer failed ({_NATIVE_FAILED}); using the Python packer")
@@ -413,12 +413,23 @@ class RingWriter:
         one summary index (``MSG_SUMMARY``, sent once per distinct summary: upstream shares one
         ``SharedBlockData`` across the layers of a step, recognised here by identity). ``summary``: a
         precomputed ``TransferSummary`` instead of ``rec.transfer_tasks`` (tests, benches).
+
+        With the native packer the common task (its queue the one resolved last, no error, only stream-order
+        marks, the shared transfer data of the last summary) is done by ``Packer.ship`` alone; everything
+        else goes through the code below, the reference (``tests/record/test_ringpack.py``: same bytes).
         """
+        packer = self._packer
+        if packer is not None and summary is None:
+            done = packer.ship(self, rec, awaiting)
+            if done is not NotImplemented:
+                return done
         queue = rec.queue
         entry = self._queues.get(id(queue))
         qidx = entry[1] if entry is not None and entry[0] is queue else self.queue_index(queue)
         if qidx < 0:
             return False  # its definition did not fit: the task is dropped (and counted) rather than lost
+        if packer is not None:
+            packer.remember_queue(queue, qidx)  # its definition is in the ring for good: ship() may use it
         if rec.error is not None:
             self._write_error(qidx, rec.seq, rec.error)
         if rec.npu_marks and tighten_bounds(rec) and self.resolver is not None:
@@ -450,7 +461,6 @@ class RingWriter:
                     sidx = self._summary_index(tt, slot, (shared, req_ids, blocks, group), None)
         if sidx < 0:
             return False  # as for the queue: never a task pointing at a summary the agent lacks
-        packer = self._packer
         if packer is not None:  # claim, body, tail, commit in C; NotImplemented: an input left to the code below
             done = packer.write(self, rec, qidx, sidx, awaiting)
             if done is not NotImplemented:

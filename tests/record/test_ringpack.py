@@ -13,6 +13,7 @@ import importlib.util
 import os
 import shutil
 import struct
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from otel_kvtrace.export.agent import Decoder
 from otel_kvtrace.export.spans import TransferSummary
 from otel_kvtrace.record import ring as R
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS, QueueInfo, TaskRecord
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
+from export_records import FakeLayerTransferTask, FakeShared  # noqa: E402
 
 NATIVE = R._NATIVE
 needs_native = pytest.mark.skipif(NATIVE is None, reason=f"native packer {R._NATIVE_MISSING}")
@@ -371,18 +375,28 @@ def test_the_native_packer_is_in_use_when_it_can_be_built(monkeypatch: pytest.Mo
 
     class Spy:  # counts the calls, the real packer writes
         def write(self, *args: Any) -> Any:
-            calls.append(args[1])
+            calls.append(("write", args[1]))
             return real.write(*args)
+
+        def ship(self, *args: Any) -> Any:
+            calls.append(("ship", args[1]))
+            return real.ship(*args)
+
+        def remember_queue(self, *args: Any) -> Any:
+            return real.remember_queue(*args)
 
     writer._packer = Spy()
     rec = TaskRecord(queue=QUEUE, seq=11, t_enqueue=5)
     assert writer.write_task(rec, False)
-    assert calls == [rec]
+    assert calls == [("ship", rec), ("write", rec)]  # a queue ship() has not seen yet: the Python path's
+    rec2 = TaskRecord(queue=QUEUE, seq=12, t_enqueue=6)
+    assert writer.write_task(rec2, False)
+    assert calls[2:] == [("ship", rec2)]  # the same queue again: ship() alone
     out: list[TaskRecord] = []
     decoder = Decoder()
     for msg in R.RingReader(writer._mem).poll(10):
         decoder.feed(msg, out)
-    assert [r.seq for r in out] == [11]
+    assert [r.seq for r in out] == [11, 12]
 
 
 def test_python_is_forced_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -563,3 +577,111 @@ def test_native_asked_for_but_missing_warns_once(want: str, monkeypatch: pytest.
     expected = [f"otel-kvtrace: OTEL_KVTRACE_RING_PACK=native: native packer {R._NATIVE_MISSING}; "
                 "using the Python packer"] if want == "native" else []
     assert [r.getMessage() for r in caplog.records] == expected
+
+
+# -- Packer.ship: write_task's common case in C -------------------------------------------------------------
+_SHARED = [FakeShared([f"r{i}", "rB"], list(range(4 + i)), [True, False], []) for i in range(3)]
+_QUEUES = [QUEUE, QueueInfo(run_id="pack", path="gva", thread_name="KVCacheRecvThread2", pid=7, tp=1, num_layers=8)]
+
+
+@st.composite
+def stream_logs(draw: Any) -> Any:
+    from otel_kvtrace.instrument.stream_order import StreamLog
+
+    log = StreamLog(done_by=draw(st.lists(st.one_of(st.integers(0, 1 << 62), st.integers(*I64)), max_size=80)))
+    log.observed = draw(st.one_of(st.integers(-1, len(log.done_by) - 1), st.integers(-2, len(log.done_by) + 2)))
+    return log
+
+
+@st.composite
+def shipped(draw: Any) -> tuple[TaskRecord, bool]:
+    """A record as the recv thread ships it: stream marks over generated step logs (positions in and out of
+    range, a window longer than MAX_SCAN, a few marks of another type), transfer tasks sharing one of a few
+    ``SharedBlockData``-like objects (a new one, the one of the last summary, several tasks, none), one of two
+    queues, and the values ``records()`` draws (errors, out-of-range fields)."""
+    from otel_kvtrace.instrument.stream_order import StreamPosition
+
+    rec, awaiting, _summary = draw(records())
+    rec.queue = _QUEUES[draw(st.integers(0, 9)) == 0]  # mostly the queue ship() has seen last
+    if draw(st.integers(0, 2)):
+        rec.error = None  # records() fails one in ten; ship() leaves those to Python
+    logs = draw(st.lists(stream_logs(), min_size=1, max_size=2))
+    for _ in range(draw(st.integers(0, 4))):
+        log = draw(st.sampled_from(logs))
+        dep = draw(st.integers(0, NUM_DEPS - 1))
+        if draw(st.integers(0, 14)) == 0:
+            rec.npu_marks.append((dep, object()))  # not a stream mark: the Python path's (no resolver here)
+        else:
+            n = len(log.done_by)
+            where = draw(st.one_of(st.integers(0, max(n - 1, 0)), st.integers(-1, n + 1)))
+            rec.npu_marks.append((dep, StreamPosition(log, where)))
+    shape = draw(st.integers(0, 3))
+    if shape:
+        often = st.one_of(st.just(0), st.just(0), st.just(0), st.integers(0, 2))  # mostly the last summary's
+        tasks = [FakeLayerTransferTask(group_id=draw(often), layer_idx_in_group=1, shared_block_data=_SHARED[draw(often)])
+                 for _ in range(1 if shape < 3 else 2)]
+        rec.transfer_tasks = tasks[0] if shape == 1 else tasks
+    return rec, awaiting
+
+
+def _copy_marks(rec: TaskRecord) -> TaskRecord:
+    twin = _copy(rec)
+    twin.npu_marks = list(rec.npu_marks)  # the same step logs: tightening reads them, never writes them
+    twin.transfer_tasks = rec.transfer_tasks
+    return twin
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(shipped(), st.booleans()), min_size=1, max_size=40))
+def test_ship_writes_what_the_python_path_writes(commit: int, batch: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Packer.ship`` (the queue, error, stream-bound and summary steps in C) against ``write_task``'s Python
+    path: the same result, the same ring bytes after every write, the same tightened bounds on the record,
+    and the same decoded tasks."""
+    native, python = _pair(128, commit, monkeypatch)
+    readers = [R.RingReader(native._mem), R.RingReader(python._mem)]
+    decoders = [Decoder(), Decoder()]
+    for (rec, awaiting), consume in batch:
+        twins = [_copy_marks(rec), _copy_marks(rec)]
+        results = [_write(w, twin, awaiting, None) for w, twin in zip((native, python), twins)]
+        assert results[0] == results[1]
+        assert twins[0].deps == twins[1].deps and twins[0].has_dep == twins[1].has_dep
+        assert native._mem[:] == python._mem[:]
+        assert native._head == python._head
+        if consume:
+            assert _decoded(readers[0], decoders[0]) == _decoded(readers[1], decoders[1])
+    assert decoders[0].malformed == decoders[1].malformed == 0
+
+
+@needs_native
+def test_ship_takes_the_common_task_and_leaves_the_rest_to_python(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So the test above compares two paths, not one: ship() writes the recv thread's common task itself
+    (stream marks, shared transfer data seen before) and declines a new queue, an error, another mark type
+    and new shared data (NotImplemented, nothing claimed)."""
+    from otel_kvtrace.instrument.stream_order import StreamLog, StreamPosition
+
+    native, _python = _pair(128, R.COMMIT_STORE_ORDER, monkeypatch)
+    packer = native._packer
+    log = StreamLog(done_by=[100, 90, 300], observed=2)
+    task = FakeLayerTransferTask(group_id=0, layer_idx_in_group=1, shared_block_data=_SHARED[0])
+
+    def rec(**kw: Any) -> TaskRecord:
+        r = TaskRecord(**{"queue": QUEUE, "seq": 1, "transfer_tasks": task, **kw})
+        r.deps[2 * 2 : 2 * 2 + 2] = [10, 1000]
+        r.npu_marks.append((2, StreamPosition(log, 0)))
+        return r
+
+    assert packer.ship(native, rec(), False) is NotImplemented  # queue not resolved yet
+    assert native.write_task(rec(), False)  # the Python path: the queue and the summary are now known
+    head = native._head
+    common = rec()
+    assert packer.ship(native, common, False) is True and native._head == head + 1
+    assert common.deps[5] == 90 and common.has_dep == 1 << 2  # min(100, 90, 300), over its lower bound 10
+    declined = [rec(error=ValueError("x")), rec(transfer_tasks=[task, task]),
+                rec(transfer_tasks=FakeLayerTransferTask(0, 1, _SHARED[1])),
+                TaskRecord(queue=_QUEUES[1])]
+    declined[0].npu_marks.append((1, object()))
+    for r in declined:
+        assert packer.ship(native, r, False) is NotImplemented
+    assert native._head == head + 1
