@@ -165,11 +165,7 @@ _GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT"
 _GATE_AFTER = f"""
 {_T}g1 = {_T}clock()
 try:
-    try:
-        {_T}gstamp = ARG.__dict__.get({wrappers.GATE_STAMP_ATTR!r})
-    except {_T}AttributeError:
-        {_T}gstamp = None
-""" + wrappers.indent_rule(wrappers.gate_rule(_T), 4) + f"""
+""" + wrappers.indent_rule(wrappers.gate_rule(_T, "ARG"), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
@@ -744,22 +740,46 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
 
 # ``add_request``: the enqueue's record set-up (``wrappers.enqueue_rule``, the wrapper's own definition) in
 # front of upstream's body; no frame of ours on the forward thread.
-_ENQUEUE_PRELUDE = f"""
+def _enqueue_templates(capture: bool) -> tuple[str, str]:
+    """(prelude, raise handler) of the compiled enqueue. ``capture``: upstream's body rebinds its task
+    parameter, so the undo must work on the task the prelude saw (``__kvtrace_item``), not the parameter."""
+    item = _T + "item" if capture else "DATA"
+    prelude = f"""
 {_T}st = None
 if {_T}recorder.enabled and DATA is not None:
     try:
-        {_T}item = DATA  # the handler's undo must not read the parameter after upstream's body
-""" + wrappers.indent_rule(wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
+""" + (f"        {item} = DATA\n" if capture else "") + wrappers.indent_rule(
+        wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
     except {_T}Exception as {_T}e:
         {_T}fail({_T}e)
         {_T}st = None
 """
-_ENQUEUE_RAISE = f"""
+    on_raise = f"""
 try:
-""" + wrappers.indent_rule(wrappers.enqueue_undo(_T, _T + "item"), 4) + f"""
+""" + wrappers.indent_rule(wrappers.enqueue_undo(_T, item), 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
+    return prelude, on_raise
+
+
+_ENQUEUE_PRELUDE, _ENQUEUE_RAISE = _enqueue_templates(False)
+_ENQUEUE_PRELUDE_CAPTURE, _ENQUEUE_RAISE_CAPTURE = _enqueue_templates(True)
+
+
+def _rebinds(fn: ast.FunctionDef, name: str) -> bool:
+    """Whether ``fn``'s body may rebind (or delete) the local ``name``: any store or ``del`` of it, a
+    ``global``/``nonlocal`` naming it, or a nested scope (which could declare it ``nonlocal``)."""
+    for node in ast.walk(fn):
+        if node is fn:
+            continue
+        if isinstance(node, ast.Name) and node.id == name and not isinstance(node.ctx, ast.Load):
+            return True
+        if isinstance(node, (ast.Global, ast.Nonlocal)) and name in node.names:
+            return True
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            return True
+    return False
 
 
 def rewrite_add_request_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
@@ -768,8 +788,11 @@ def rewrite_add_request_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[s
     node, original, filename = _method_tree(fn)
     _check_names(node)
     rw = _Rewriter(node)
-    _wrap_and_prove(fn, node, original, filename, rw, node.body, _ENQUEUE_PRELUDE, _ENQUEUE_RAISE, None,
-                    fallback_return=False)
+    if _rebinds(original, rw.data_name):  # the undo then needs the task the prelude saw (2 bytecodes more)
+        prelude, on_raise = _ENQUEUE_PRELUDE_CAPTURE, _ENQUEUE_RAISE_CAPTURE
+    else:
+        prelude, on_raise = _ENQUEUE_PRELUDE, _ENQUEUE_RAISE
+    _wrap_and_prove(fn, node, original, filename, rw, node.body, prelude, on_raise, None, fallback_return=False)
     return node, filename, {}
 
 

@@ -415,14 +415,18 @@ _GATE_RECORD_LO = 2 * DEP_GATE_RECORD
 _GATE_NPU_LO = 2 * DEP_GATE_NPU
 
 
-def gate_rule(p: str) -> str:
-    """THE gate-dependency rule, as statements over names prefixed ``p``: after a successful gate ``wait()``
-    that ran from ``g0`` to ``g1`` (``gstamp``: the gate's record stamp or None), the condition wait until
+def gate_rule(p: str, gate: str) -> str:
+    """THE gate-dependency rule, as statements over names prefixed ``p``: after a successful ``wait()`` of the
+    gate ``gate`` that ran from ``g0`` to ``g1`` (its record stamp read first: ``gstamp``), the condition wait until
     the record was seen, then the NPU synchronize; the record time is exact, the NPU completion bounded
     (tightened by stream order: ``StreamLog.observe`` inlined). The wrapper below (``p=""``) and the
     compiled probes (``rewrite._GATE_AFTER``, ``p="__kvtrace_"``) are both generated from this text: one
     definition, no frame of its own on either path (TaskRecord.dep_exact/dep_bounds inlined too)."""
     return f"""
+try:
+    {p}gstamp = {gate}.__dict__.get({GATE_STAMP_ATTR!r})
+except {p}AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing
+    {p}gstamp = None
 {p}deps = {p}rec.deps
 {p}rec.has_dep |= {_GATE_BITS}
 if {p}gstamp is None:  # recorded before tracing started (or a gate without __dict__): only our own wait bounds it
@@ -469,11 +473,7 @@ def make(original, clock, state_by_thread, get_ident, rt):
                 if not ok:  # timed out waiting for the record
                     stages += ({GATE_COND_WAIT}, g0, g1)
                 else:
-                    try:
-                        gstamp = self.__dict__.get({GATE_STAMP_ATTR!r})
-                    except AttributeError:  # a gate without __dict__ (slots): as if recorded before tracing
-                        gstamp = None
-{indent_rule(gate_rule(""), 20)}
+{indent_rule(gate_rule("", "self"), 20)}
         except Exception as exc:
             rt.fail(exc)
         return ok
