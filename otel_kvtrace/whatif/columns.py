@@ -12,7 +12,7 @@ import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from otel_kvtrace.whatif.saves import SaveTask
+from otel_kvtrace.whatif.saves import SaveTask, device_lags
 from otel_kvtrace.whatif.task import ReplayInputError, ReplayTask
 
 NONE = -(1 << 62)
@@ -55,10 +55,12 @@ class QueueArrays:
     """Forward wake-up lag per chain position: recorded wait end minus load completion when it blocked."""
     step_count: list[int]
     call_overhead_ns: int
-    send: list[list[tuple[int, int, int, int]]] | None = None
+    send: list[list[tuple[int, int, int, int, int, int]]] | None = None
     """Per step, the send thread's saves in enqueue order: (chain position the issue follows, issue
-    lag after that forward pass or the rebased issue time when the position is -1, service ns,
-    recorded completion); None without recorded saves (save times then move with the forward alone)."""
+    lag after that forward pass or the rebased issue time when the position is -1, work before the NPU
+    sync (-1: no sync recorded, the whole service is the last field), the device's lag after the issue
+    (``NONE``: none), work after the device point, recorded completion); None without recorded saves
+    (save times then move with the forward alone; :mod:`otel_kvtrace.whatif.saves`)."""
     send_index: list[int] | None = None
     """Per task, the index in ``send[step]`` of its save source, or -1."""
     gap0: list[int] | None = None
@@ -164,13 +166,13 @@ def _typical_wake(tasks: list[ReplayTask]) -> tuple[int, int, int]:
 def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _ForwardChains,
                   saves: list[SaveTask], rb: Callable[[int | None], int]) -> tuple[list, list[int]]:
     """Per step the saves (see ``QueueArrays.send``) and per task the index of its save source."""
-    send: list[list[tuple[int, int, int, int]]] = [[] for _ in step_index]
+    send: list[list[tuple[int, int, int, int, int, int]]] = [[] for _ in step_index]
     where: list[dict[int, int]] = [{} for _ in step_index]
     prev_done: int | None = None
-    for sv in saves:  # enqueue order, one send thread
+    for sv, dev in zip(saves, device_lags(saves), strict=True):  # enqueue order, one send thread
         s = step_index.get(sv.step)
         start = sv.enqueue_ns if prev_done is None else max(sv.enqueue_ns, prev_done)
-        service = max(0, sv.complete_ns - start)
+        pre, post = _split_at_sync(sv, start, dev)
         prev_done = sv.complete_ns
         if s is None:
             continue
@@ -178,12 +180,25 @@ def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _For
         end = fwd.rec_end[s][pos] if pos >= 0 else NONE
         issue = rb(sv.enqueue_ns) - end if end != NONE else rb(sv.enqueue_ns)
         where[s].setdefault(sv.layer_id, len(send[s]))
-        send[s].append((pos if end != NONE else -1, issue, service, rb(sv.complete_ns)))
+        send[s].append((pos if end != NONE else -1, issue, pre, NONE if pre < 0 else dev, post, rb(sv.complete_ns)))
     index = []
     for i, t in enumerate(tasks):
         s = step_index[t.step]
         index.append(where[s].get(t.wait_for_save_layer, -1) if t.wait_for_save_layer is not None else -1)
     return send, index
+
+
+def _split_at_sync(sv: SaveTask, start: int, dev: int | None) -> tuple[int, int]:
+    """(work before the NPU sync, work after the device point) of one recorded save served from
+    ``start``; (-1, service) when no usable sync is recorded (the whole service is then work). After the
+    device point: from the sync's end where it blocked on the device, else from its start (the sync's
+    own few us are work)."""
+    service = max(0, sv.complete_ns - start)
+    if dev is None or sv.sync_start_ns is None or sv.sync_end_ns is None or sv.sync_start_ns < start:
+        return -1, service
+    device_at = sv.enqueue_ns + dev
+    resume = sv.sync_end_ns if device_at > sv.sync_start_ns else sv.sync_start_ns
+    return sv.sync_start_ns - start, max(0, sv.complete_ns - resume)
 
 
 def _dependency_positions(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> tuple[list[int], list[int]]:

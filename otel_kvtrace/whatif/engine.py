@@ -199,11 +199,16 @@ class QueueState:
         done = self.send_done[s]
         prev = done[-1] if done else NONE
         while len(done) <= j:
-            pos, issue, service, _ = sends[len(done)]
+            pos, issue, pre, dev, post, _ = sends[len(done)]
             at = self.fwd_end[s][pos] + issue if pos >= 0 else issue + self.shift[s]
-            prev = (at if prev == NONE else max(at, prev)) + service
+            t = at if prev == NONE else max(at, prev)
+            if pre >= 0:  # the NPU sync waits for the device, which moves with the issue
+                t += pre
+                if dev != NONE and at + dev > t:
+                    t = at + dev
+            prev = t + post
             done.append(prev)
-        rec_done = sends[j][3]
+        rec_done = sends[j][5]
         t = done[j] + (recorded - rec_done if recorded != NONE else 0)
         if self.delay_only and recorded != NONE:
             t = max(t, recorded)
@@ -252,41 +257,59 @@ class QueueState:
             return t
         return self._serve_batch(batch, now)
 
-    def _serve_batch(self, batch: list[int], now: int) -> int:
+    def gate_passed_at(self, i: int, now: int) -> int:
+        """When task ``i``, served from ``now``, leaves its gate wait: its work and save wait before the
+        gate run first (the live thread holds the task while it waits; ``gate_group`` claims the batch
+        members then)."""
         q = self.q
-        W = [0, 0, 0, 0]
-        RS = RG = RL = NONE
-        LS = LG = LL = 0
-        done_total = 0
+        self.ready_at(i)
+        t = now + self.dispatch + q.w0[i]
+        if t < self.eff_rs[i]:
+            t = self.eff_rs[i] + q.ws[i]
+        t += q.w1[i]
+        return self.eff_rg[i] + q.wg[i] if t < self.eff_rg[i] else t
+
+    def _serve_batch(self, batch: list[int], now: int) -> int:
+        """A merged batch as the replica's ``gate_group`` runs it: the head's work up to and through its
+        gate wait; then each member's work before the copy (its dispatch gap left out: it is claimed
+        inside the head's task) and save wait; the members' copies in one backend call (one call
+        overhead and each member's ``completion`` fewer); the load events, the head's first, each
+        member's after the thread's loop and dequeue again (its recorded dispatch gap and the policy's
+        cost per dequeue: ``get()`` hands each member out for its event and ``task_done``)."""
+        q = self.q
         for i in batch:
             if self.served[i]:
                 raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
             self._effective(i)
-            W[0] += q.w0[i]
-            W[1] += q.w1[i]
-            W[2] += q.w2[i]
-            W[3] += q.w3[i]
-            done_total += q.done[i]
-            RS = max(RS, self.eff_rs[i])
-            RG = max(RG, self.eff_rg[i], self.arr[i])
-            RL = max(RL, q.rl[i])
-            LS, LG, LL = max(LS, q.ws[i]), max(LG, q.wg[i]), max(LL, q.wl[i])
-        saving = (len(batch) - 1) * q.call_overhead_ns + done_total
-        for seg in (3, 2, 1, 0):
-            take = min(saving, W[seg])
-            W[seg] -= take
-            saving -= take
-        t = now + self.dispatch + W[0]
-        t = (RS + LS if t < RS else t) + W[1]
-        t = (RG + LG if t < RG else t) + W[2]
-        t = RL + LL if t < RL else t
+        head, members = batch[0], batch[1:]
+        gap0 = q.gap0 if q.gap0 is not None else [0] * q.n
+        t = now + self.dispatch + q.w0[head]
+        t = (self.eff_rs[head] + q.ws[head] if t < self.eff_rs[head] else t) + q.w1[head]
+        rg = max(self.eff_rg[i] for i in batch)
+        rg = max(rg, *(self.arr[m] for m in members))
+        t = rg + max(q.wg[i] for i in batch) if t < rg else t
+        claimed = t
+        for m in members:
+            t += max(0, q.w0[m] - gap0[m])
+            t = (self.eff_rs[m] + q.ws[m] if t < self.eff_rs[m] else t) + q.w1[m]
+        w2 = sum(q.w2[i] for i in batch)
+        w3 = sum(q.w3[i] for i in batch)
+        saving = (len(batch) - 1) * q.call_overhead_ns + sum(q.done[i] for i in batch)
+        take = min(saving, w3)
+        w3 -= take
+        w2 -= min(saving - take, w2)
+        t += w2
+        rl = max(q.rl[i] for i in batch)
+        t = rl + max(q.wl[i] for i in batch) if t < rl else t
         passed = t
-        t += W[3]
+        t += w3
         self.batches += 1
         self.busy_start.append(now)
-        for i in batch:
+        for k, i in enumerate(batch):
+            if k:
+                t += gap0[i] + self.dispatch
             t += q.done[i]
-            self.start[i] = now
+            self.start[i] = now if k == 0 else claimed
             self.passed[i] = passed
             self.complete[i] = t
             self._after(i)

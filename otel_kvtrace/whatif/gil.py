@@ -63,15 +63,11 @@ def release_points(q: QueueArrays, release: str) -> list[int]:
     return out
 
 
-def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_ns: int = 0,
-              head_runs: bool = False) -> list[list[int]]:
+def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_ns: int = 0) -> list[list[int]]:
     """Per step and chain position: the recv thread's non-blocking run (ns) after that load completed.
     ``loop_ns``: the thread's loop from the event to ``get()`` (``task_done``, the loop; in a busy
     thread it is in the next task's dispatch gap, ``work_ns[0]``), run also when it then goes idle;
-    ``dispatch_ns``: the policy's own ``get()`` cost, paid before it hands out a task or sleeps.
-    ``head_runs``: a policy whose replay leaves the thread idle while the live thread has taken the head
-    out of ``get()`` and runs it into its wait (``gate_group``: the replay waits for the gate, then serves
-    the batch; live the head's work before its gate runs first): the head's run counts, from ``end``."""
+    ``dispatch_ns``: the policy's own ``get()`` cost, paid before it hands out a task or sleeps."""
     q = rep.arrays
     n = q.n
     by_start: dict[int, int] = {}
@@ -85,7 +81,6 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
         batch_end[s] = max(batch_end.get(s, NONE), rep.complete[j])
     arrivals = sorted(rep.arr)
     starts = sorted(s for s in rep.start if s != NONE)
-    next_batch = sorted(by_start)
     out = []
     for chain in q.chain:
         row = []
@@ -97,11 +92,7 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
             if j is not None and j != i and rep.start[j] == end:
                 run += dispatch_ns + _run_into(rep, j, release)
             elif bisect.bisect_right(arrivals, end) > bisect.bisect_right(starts, end):
-                k = bisect.bisect_right(next_batch, end)
-                if head_runs and k < len(next_batch):  # the head (served next, FIFO) runs into its wait
-                    run += dispatch_ns + _run_into(rep, by_start[next_batch[k]], release, end)
-                else:
-                    run += loop_ns + dispatch_ns  # tasks queued, none served now: the decision runs, then sleeps
+                run += loop_ns + dispatch_ns  # tasks queued, none served now: the decision runs, then sleeps
             else:
                 run += loop_ns  # an empty queue: get() blocks at once, as queue.Queue's
             row.append(run)
@@ -109,11 +100,11 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
     return out
 
 
-def _run_into(rep: QueueReplay, j: int, release: list[int], start: int | None = None) -> int:
-    """Task ``j``'s run from ``start`` (default: its replayed start) to its first blocking point (a wait
-    not met, a release point)."""
+def _run_into(rep: QueueReplay, j: int, release: list[int]) -> int:
+    """Task ``j``'s run from its replayed start to its first blocking point (a wait not met, a release
+    point)."""
     q = rep.arrays
-    start = rep.start[j] if start is None else start
+    start = rep.start[j]
     work = (q.w0[j], q.w1[j], q.w2[j], q.w3[j])
     ready = (rep.eff_rs[j], rep.eff_rg[j], q.rl[j])
     at = release[j]

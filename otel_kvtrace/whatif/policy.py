@@ -27,9 +27,6 @@ class Policy:
 
     name: ClassVar[str] = ""
     uses_ready_index: ClassVar[bool] = False
-    head_runs_while_waiting: ClassVar[bool] = False
-    """The replay leaves the thread idle while it waits for a batch, where the live thread has the head
-    out of ``get()`` running into its wait (``gate_group``); read by :mod:`otel_kvtrace.whatif.gil`."""
     _registry: ClassVar[dict[str, type[Policy]]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:

@@ -200,7 +200,7 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
                 if name != "fifo" and gil_model is not None:
                     # the forward's wake-up behind the recv thread's run after each load (gil.py): read the
                     # policy's runs off its replay, then replay again with the lags they give
-                    runs = gil.run_after(rep, release, extra, gil_model.loop_ns, policy.head_runs_while_waiting)
+                    runs = gil.run_after(rep, release, extra, gil_model.loop_ns)
                     rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra,
                                        reference_end=reference, shift_steps=True,
                                        lag_ns=gil.adjusted_lags(arrays, gil_model, fifo_runs, runs))

@@ -6,7 +6,16 @@ one still completes when the send thread gets to it. Save times are therefore re
 ``R'_j = max(A'_j, R'_(j-1)) + c_j`` per step: ``A'_j`` is the recorded issue time moved by the replayed
 forward's shift at layer ``L_j``, ``c_j = complete_j - max(enqueue_j, complete_(j-1))`` the recorded
 service time (with the dispatch gap). With the forward as recorded this gives the recorded times back.
-Input: the ``kvtrace.send.task`` spans (docs/schema.md).
+
+The send thread synchronizes the save's NPU event (``save_npu_sync``) before its copy: that is a wait
+on the device's progress, not service. A save served at once after its issue waits there for the
+layer's device work (hol: 220 us); the same save queued behind another one under FIFO finds the device
+done (1 us). So ``c_j`` is split at the sync: ``R'_j = max(S'_j + pre_j, A'_j + dev_j) + post_j`` with
+``S'_j = max(A'_j, R'_(j-1))``; ``dev_j`` (device lag after the issue) is exact where the recorded sync
+blocked (its end), else at most the sync start and taken as ``min(that bound, the queue's median
+device lag over the syncs that blocked)`` (:func:`device_lags`). Found comparing the replayed
+``gate_group`` with the live one: the replay served layer 1's save 210-240 us early.
+Input: the ``kvtrace.send.task`` spans and their ``save_npu_sync`` child (docs/schema.md).
 """
 
 from __future__ import annotations
@@ -23,6 +32,36 @@ class SaveTask:
     layer_id: int
     enqueue_ns: int
     complete_ns: int
+    sync_start_ns: int | None = None
+    sync_end_ns: int | None = None
+    """The ``save_npu_sync`` stage (the send thread's wait for the save's NPU event); None: not recorded."""
+
+
+SYNC_BLOCKED_NS = 20_000
+"""A recorded NPU sync longer than this blocked on the device (an unblocked one takes 1-4 us here)."""
+
+
+def device_lags(saves: list[SaveTask]) -> list[int | None]:
+    """Per save, the device's lag after the issue (its event's time minus the enqueue), None without a
+    recorded sync: exact where the sync blocked (its end); else at most the sync start, taken as
+    min(that bound, the median lag of the saves whose sync blocked)."""
+    exact = [sv.sync_end_ns - sv.enqueue_ns for sv in saves if _blocked(sv)]  # type: ignore[operator]
+    typical = sorted(exact)[len(exact) // 2] if exact else None
+    out: list[int | None] = []
+    for sv in saves:
+        if sv.sync_start_ns is None or sv.sync_end_ns is None:
+            out.append(None)
+        elif _blocked(sv):
+            out.append(sv.sync_end_ns - sv.enqueue_ns)
+        else:
+            bound = sv.sync_start_ns - sv.enqueue_ns
+            out.append(bound if typical is None else min(bound, typical))
+    return out
+
+
+def _blocked(sv: SaveTask) -> bool:
+    return sv.sync_start_ns is not None and sv.sync_end_ns is not None \
+        and sv.sync_end_ns - sv.sync_start_ns > SYNC_BLOCKED_NS
 
 
 def process_key(queue: str) -> str:
@@ -35,16 +74,20 @@ def saves_from_duckdb(con: Any) -> dict[str, list[SaveTask]]:
     """Recorded saves per process key, in enqueue order. Empty when the traces hold no send tasks."""
     try:
         rows = con.execute(
-            "SELECT attrs['kvtrace.queue'], CAST(attrs['kvtrace.step'] AS BIGINT), "
-            "CAST(attrs['kvtrace.layer_id'] AS BIGINT), CAST(attrs['kvtrace.ts.enqueue'] AS BIGINT), "
-            "CAST(attrs['kvtrace.ts.complete'] AS BIGINT) FROM spans WHERE name = 'kvtrace.send.task' "
-            "AND attrs['kvtrace.ts.complete'] IS NOT NULL AND attrs['kvtrace.ts.enqueue'] IS NOT NULL "
-            "ORDER BY 1, 4").fetchall()
+            "SELECT s.attrs['kvtrace.queue'], CAST(s.attrs['kvtrace.step'] AS BIGINT), "
+            "CAST(s.attrs['kvtrace.layer_id'] AS BIGINT), CAST(s.attrs['kvtrace.ts.enqueue'] AS BIGINT), "
+            "CAST(s.attrs['kvtrace.ts.complete'] AS BIGINT), min(c.start_ns), max(c.end_ns) FROM spans s "
+            "LEFT JOIN spans c ON c.trace_id = s.trace_id AND c.parent_span_id = s.span_id "
+            "AND c.name = 'save_npu_sync' WHERE s.name = 'kvtrace.send.task' "
+            "AND s.attrs['kvtrace.ts.complete'] IS NOT NULL AND s.attrs['kvtrace.ts.enqueue'] IS NOT NULL "
+            "GROUP BY s.span_id, 1, 2, 3, 4, 5 ORDER BY 1, 4").fetchall()
     except Exception:  # no spans view (a tasks-only input): saves stay as recorded on the recv side
         return {}
     out: dict[str, list[SaveTask]] = {}
-    for queue, step, layer, enq, done in rows:
+    for queue, step, layer, enq, done, sync0, sync1 in rows:
         if queue is None or step is None or layer is None:
             continue
-        out.setdefault(process_key(str(queue)), []).append(SaveTask(int(step), int(layer), int(enq), int(done)))
+        sync = (int(sync0), int(sync1)) if sync0 is not None and sync1 is not None and sync1 <= done else (None, None)
+        out.setdefault(process_key(str(queue)), []).append(
+            SaveTask(int(step), int(layer), int(enq), int(done), *sync))
     return out

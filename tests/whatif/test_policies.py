@@ -183,8 +183,9 @@ def test_gate_group_serves_tasks_sharing_a_gate_as_one_call() -> None:
     fifo = run(tasks, "fifo")
     assert fifo.complete == [40, 150, 210, 280, 320]
     rep = run(tasks, "gate_group")
-    # batch {1,2,3} at 100: work 50+60+70 minus two calls (60) = 120 -> all done at 220; then final 220-260
-    assert rep.start[1] == rep.start[2] == rep.start[3] == 100
+    # the head is handed out at 40 and blocks in its gate wait; at 100 it claims 2 and 3: work 50+60+70
+    # minus two calls (60) = 120 -> all done at 220; then final 220-260
+    assert rep.start[1] == 40 and rep.start[2] == rep.start[3] == 100
     assert rep.complete[1:4] == [220, 220, 220]
     assert rep.complete[4] == 260
     assert rep.batches == 1
