@@ -82,16 +82,18 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader of the upstream harness)
 
-MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop")
+INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
+MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-live", "agent-live-nice")
 DEFAULT_MODES = MODES[:4]
 _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
-                 "wrappers": "wrappers+agent", "agent-stop": "traced+agent"}
+                 "wrappers": "wrappers+agent", "agent-stop": "traced+agent", "agent-live": "traced+agent",
+                 "agent-live-nice": "traced+agent"}
 _STOPPED = ("agent-stop",)
 """Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
 flush before the next off block): the serving process's cost with no agent CPU in the block."""
-_MODE_ENV: dict[str, dict[str, str]] = {}
+_LIVE = {INTERVAL_ENV: "5"}
+_MODE_ENV: dict[str, dict[str, str]] = {"agent-live": _LIVE, "agent-live-nice": _LIVE}
 """Settings a mode's session starts with (the agent reads them when it is spawned)."""
-INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
 _STUBS = os.path.join("instrument", "upstream.py")  # the torch/vllm stand-ins the sources import (not tracing)
 _ROLES = ("worker", "recv_gva", "recv_key", "send_gva", "send_key", "gate")
 
@@ -200,9 +202,11 @@ def _proc_cpu_ns(pid: int) -> int:
     return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
-_COUNTS = ("cpu_ns", "rq_ns", "slices", "vcs", "ics")
-"""Per thread, from ``/proc/<pid>/task/<tid>/``: ``schedstat`` (CPU ns, run-queue wait ns, timeslices)
-and ``status`` (voluntary / involuntary context switches)."""
+_COUNTS = ("cpu_ns", "rq_ns", "slices", "vcs", "ics", "sys_ns", "migrations")
+"""Per thread, from ``/proc/<pid>/task/<tid>/``: ``schedstat`` (CPU ns, run-queue wait ns, timeslices),
+``status`` (voluntary / involuntary context switches), ``stat`` (system CPU, in clock ticks: only
+their sum over many blocks is worth reading) and ``sched`` (``se.nr_migrations``: moves between CPUs)."""
+_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
 def _task_counts(task_dir: str) -> list[int]:
@@ -210,11 +214,15 @@ def _task_counts(task_dir: str) -> list[int]:
     try:
         cpu, rq, slices = (int(v) for v in Path(task_dir, "schedstat").read_text().split()[:3])
         status = Path(task_dir, "status").read_text()
-    except (OSError, ValueError):
+        stime = int(Path(task_dir, "stat").read_text().rsplit(")", 1)[1].split()[12])
+        sched = Path(task_dir, "sched").read_text()
+        migrations = int(sched.split("se.nr_migrations", 1)[1].split(":", 1)[1].split()[0])
+    except (OSError, ValueError, IndexError):
         return [0] * len(_COUNTS)
     switches = {k: int(v) for k, _, v in (line.partition(":") for line in status.splitlines())
                 if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
-    return [cpu, rq, slices, switches.get("voluntary_ctxt_switches", 0), switches.get("nonvoluntary_ctxt_switches", 0)]
+    return [cpu, rq, slices, switches.get("voluntary_ctxt_switches", 0), switches.get("nonvoluntary_ctxt_switches", 0),
+            stime * _TICK_NS, migrations]
 
 
 class _Probe:
@@ -247,6 +255,34 @@ def _add_delta(into: dict[str, list[int]], before: dict[str, list[int]], after: 
         acc = into.setdefault(row, [0] * len(_COUNTS))
         for i, v in enumerate(values):
             acc[i] += v - before[row][i]
+
+
+PINS = ("same", "split")
+"""``--pin`` (a diagnostic, not a deployment advice): ``same`` puts the forward and both recv threads on the
+first allowed CPU and the agent on the second, so every GIL hand-off stays on one core while the agent
+has a core of its own; ``split`` puts the forward on the first CPU and the recv threads on the second, so
+every hand-off crosses cores."""
+
+
+def _pin(pin: str | None, forward: int, recvs: tuple[int, int], agent_pid: int) -> None:
+    """Apply ``--pin`` to this segment's threads (``None``: every thread on every allowed CPU)."""
+    cpus = sorted(os.sched_getaffinity(0) if pin is None else _ALLOWED)
+    first, second = {cpus[0]}, {cpus[1 % len(cpus)]}
+    place = {forward: set(cpus), recvs[0]: set(cpus), recvs[1]: set(cpus)}
+    if pin == "same":
+        place = {forward: first, recvs[0]: first, recvs[1]: first}
+    elif pin == "split":
+        place = {forward: first, recvs[0]: second, recvs[1]: second}
+    for tid, where in place.items():
+        os.sched_setaffinity(tid, where)
+    if agent_pid:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{agent_pid}/task"):
+                os.sched_setaffinity(int(tid), second if pin == "same" else set(cpus))
+
+
+_ALLOWED = frozenset(os.sched_getaffinity(0))
+PINS_HELP = "same: forward and recv threads on one CPU, the agent on another; split: forward and recv on two CPUs"
 
 
 def _wait_state(pid: int, stopped: bool, timeout_s: float = 1.0) -> None:
@@ -290,7 +326,7 @@ class ModeResult:
 
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
-             result: ModeResult, diagnose: bool = False) -> None:
+             result: ModeResult, diagnose: bool = False, pin: str | None = None) -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
 
@@ -329,6 +365,8 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         stop_agent = mode in _STOPPED and agent_pid
         probe = _Probe(agent_pid) if diagnose else None
         tids = {"on": traced.thread.native_id, "off": off.thread.native_id}
+        if pin:
+            _pin(pin, threading.get_native_id(), (tids["on"], tids["off"]), agent_pid)
         gc.collect()
         gc.freeze()
         gc.disable()
@@ -378,6 +416,8 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         if mode in _STOPPED and agent_pid:  # never leave it stopped: shutdown waits for its drain
             with contextlib.suppress(OSError):
                 os.kill(agent_pid, signal.SIGCONT)
+        if pin:
+            os.sched_setaffinity(0, _ALLOWED)  # the forward (this thread) runs the next segment's start
         stats = session.shutdown()
     result.dropped += stats.dropped
     if stats.disabled_reason:
@@ -385,7 +425,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
-        block_ms: float, diagnose: bool = False) -> tuple[float, int, dict[str, ModeResult]]:
+        block_ms: float, diagnose: bool = False, pin: str | None = None) -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}
@@ -396,7 +436,7 @@ def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers:
         steps = max(2, round(block_ms * 1e6 / step_ns))
         for _ in range(segments):
             for mode in modes:
-                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose)
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin)
     return step_ns / 1e6, steps, results
 
 
@@ -420,16 +460,17 @@ def print_diagnosis(load: str, work: int, results: dict[str, ModeResult]) -> Non
     print(f"  scheduler counts per task ({load}, {work} us/layer): CPU and run-queue wait in us, timeslices, "
           f"voluntary / involuntary switches; 'recv' is the block's own recv thread")
     print(f"  {'mode':10} {'block':5} {'wall us':>8} {'thread':9} {'cpu us':>7} {'rq us':>7} {'slices':>7} "
-          f"{'vol cs':>7} {'invol cs':>8}")
+          f"{'vol cs':>7} {'invol cs':>8} {'sys us':>7} {'migr':>6}")
     for mode, r in results.items():
         for kind in ("off", "on"):
             tasks = r.diag_tasks[kind]
             if not tasks:
                 continue
             for row in _Probe.ROWS:
-                cpu, rq, slices, vcs, ics = r.diag[kind].get(row, [0] * len(_COUNTS))
+                cpu, rq, slices, vcs, ics, sys_ns, migr = r.diag[kind].get(row, [0] * len(_COUNTS))
                 print(f"  {mode:10} {kind:5} {r.diag_wall_ns[kind] / tasks / 1e3:8.1f} {row:9} {cpu / tasks / 1e3:7.2f} "
-                      f"{rq / tasks / 1e3:7.2f} {slices / tasks:7.3f} {vcs / tasks:7.3f} {ics / tasks:8.3f}")
+                      f"{rq / tasks / 1e3:7.2f} {slices / tasks:7.3f} {vcs / tasks:7.3f} {ics / tasks:8.3f} "
+                      f"{sys_ns / tasks / 1e3:7.2f} {migr / tasks:6.3f}")
 
 
 def main() -> None:
@@ -446,7 +487,10 @@ def main() -> None:
     parser.add_argument("--diagnose", action="store_true",
                         help="per mode and block kind: each thread's CPU, run-queue wait, timeslices and context "
                              "switches per task (forward, recv threads, the serving process's others, the agent)")
+    parser.add_argument("--pin", choices=PINS, help="diagnostic thread placement: " + PINS_HELP)
     args = parser.parse_args()
+    if args.pin and len(_ALLOWED) < 2:
+        parser.error("--pin needs two allowed CPUs")
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
     modes = tuple(dict.fromkeys(args.modes))
@@ -463,7 +507,7 @@ def main() -> None:
         try:
             for work in args.work_us:
                 step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms,
-                                          args.diagnose)
+                                          args.diagnose, args.pin)
                 for mode in modes:
                     r = res[mode]
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
