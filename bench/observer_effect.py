@@ -83,16 +83,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader of the upstream harness)
 
 INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
-MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-live", "agent-live-nice")
+MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-nice", "agent-live", "agent-live-nice",
+         "aa-burn")
+BURN_RECV_US = 15
+"""``aa-burn``: the A/A control whose second recv thread burns this much plain CPU per task before upstream's
+``_handle_request`` (no tracing): does any added recv CPU change how the threads are placed?"""
 DEFAULT_MODES = MODES[:4]
 _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
                  "wrappers": "wrappers+agent", "agent-stop": "traced+agent", "agent-live": "traced+agent",
-                 "agent-live-nice": "traced+agent"}
+                 "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced"}
 _STOPPED = ("agent-stop",)
 """Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
 flush before the next off block): the serving process's cost with no agent CPU in the block."""
 _LIVE = {INTERVAL_ENV: "5"}
-_MODE_ENV: dict[str, dict[str, str]] = {"agent-live": _LIVE, "agent-live-nice": _LIVE}
+_NICE = {"OTEL_KVTRACE_AGENT_SCHED": "normal"}
+_MODE_ENV: dict[str, dict[str, str]] = {"agent-nice": _NICE, "agent-live": _LIVE, "agent-live-nice": {**_LIVE, **_NICE}}
 """Settings a mode's session starts with (the agent reads them when it is spawned)."""
 _STUBS = os.path.join("instrument", "upstream.py")  # the torch/vllm stand-ins the sources import (not tracing)
 _ROLES = ("worker", "recv_gva", "recv_key", "send_gva", "send_key", "gate")
@@ -350,11 +355,18 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
         _check_untouched(up, off)
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
-        if path != ("wrappers" if mode in ("wrappers", "aa") else "compiled"):
+        if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
-        traced = _env(h, up, off.num_layers, sub["recv_gva"], sub["gate"])
+        recv_class = sub["recv_gva"]
+        if mode == "aa-burn":
+            def handle(self: Any, data: Any, _base: Any = recv_class._handle_request) -> Any:
+                _burn(BURN_RECV_US)
+                return _base(self, data)
+
+            recv_class = type(recv_class.__name__, (recv_class,), {"_handle_request": handle})
+        traced = _env(h, up, off.num_layers, recv_class, sub["gate"])
         _block(up, traced, 2, work_us)  # warm-up: attach, pools, the ring's first definitions
         _block(up, off, 1, work_us)
         session.flush(30.0)
