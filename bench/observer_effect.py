@@ -64,6 +64,7 @@ Last line: ``forward_slowdown_pct=<median>``: the agent mode at the smallest ``-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import math
@@ -71,7 +72,9 @@ import os
 import statistics
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -79,11 +82,23 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader of the upstream harness)
 
-MODES = ("agent", "disabled", "thread", "wrappers", "aa")
+INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
+MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-nice", "agent-live", "agent-live-nice",
+         "aa-burn")
+BURN_RECV_US = 15
+"""``aa-burn``: the A/A control whose second recv thread burns this much plain CPU per task before upstream's
+``_handle_request`` (no tracing): does any added recv CPU change how the threads are placed?"""
 DEFAULT_MODES = MODES[:4]
 _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
-                 "wrappers": "wrappers+agent"}
-INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
+                 "wrappers": "wrappers+agent", "agent-stop": "traced+agent", "agent-live": "traced+agent",
+                 "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced"}
+_STOPPED = ("agent-stop",)
+"""Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
+flush before the next off block): the serving process's cost with no agent CPU in the block."""
+_LIVE = {INTERVAL_ENV: "5"}
+_NICE = {"OTEL_KVTRACE_AGENT_SCHED": "normal"}
+_MODE_ENV: dict[str, dict[str, str]] = {"agent-nice": _NICE, "agent-live": _LIVE, "agent-live-nice": {**_LIVE, **_NICE}}
+"""Settings a mode's session starts with (the agent reads them when it is spawned)."""
 _STUBS = os.path.join("instrument", "upstream.py")  # the torch/vllm stand-ins the sources import (not tracing)
 _ROLES = ("worker", "recv_gva", "recv_key", "send_gva", "send_key", "gate")
 
@@ -192,6 +207,103 @@ def _proc_cpu_ns(pid: int) -> int:
     return (int(fields[11]) + int(fields[12])) * 1_000_000_000 // os.sysconf("SC_CLK_TCK")
 
 
+_COUNTS = ("cpu_ns", "rq_ns", "slices", "vcs", "ics", "sys_ns", "migrations")
+"""Per thread, from ``/proc/<pid>/task/<tid>/``: ``schedstat`` (CPU ns, run-queue wait ns, timeslices),
+``status`` (voluntary / involuntary context switches), ``stat`` (system CPU, in clock ticks: only
+their sum over many blocks is worth reading) and ``sched`` (``se.nr_migrations``: moves between CPUs)."""
+_TICK_NS = 1_000_000_000 // os.sysconf("SC_CLK_TCK")
+
+
+def _task_counts(task_dir: str) -> list[int]:
+    """The ``_COUNTS`` of one thread (zeros when it is gone)."""
+    try:
+        cpu, rq, slices = (int(v) for v in Path(task_dir, "schedstat").read_text().split()[:3])
+        status = Path(task_dir, "status").read_text()
+        stime = int(Path(task_dir, "stat").read_text().rsplit(")", 1)[1].split()[12])
+        sched = Path(task_dir, "sched").read_text()
+        migrations = int(sched.split("se.nr_migrations", 1)[1].split(":", 1)[1].split()[0])
+    except (OSError, ValueError, IndexError):
+        return [0] * len(_COUNTS)
+    switches = {k: int(v) for k, _, v in (line.partition(":") for line in status.splitlines())
+                if k in ("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")}
+    return [cpu, rq, slices, switches.get("voluntary_ctxt_switches", 0), switches.get("nonvoluntary_ctxt_switches", 0),
+            stime * _TICK_NS, migrations]
+
+
+class _Probe:
+    """Snapshots the scheduler counts of the forward, the block's recv thread, the other recv thread, the
+    serving process's other threads and the agent process (all its threads), around one block."""
+
+    ROWS = ("forward", "recv", "idle recv", "other", "agent")
+
+    def __init__(self, agent_pid: int) -> None:
+        self.forward = threading.get_native_id()
+        self.agent_pid = agent_pid
+
+    def snapshot(self, recv_tid: int, idle_tid: int) -> dict[str, list[int]]:
+        named = {self.forward: "forward", recv_tid: "recv", idle_tid: "idle recv"}
+        out = {row: [0] * len(_COUNTS) for row in self.ROWS}
+        for tid in os.listdir("/proc/self/task"):
+            row = out[named.get(int(tid), "other")]
+            for i, v in enumerate(_task_counts(f"/proc/self/task/{tid}")):
+                row[i] += v
+        if self.agent_pid:
+            with contextlib.suppress(OSError):
+                for tid in os.listdir(f"/proc/{self.agent_pid}/task"):
+                    for i, v in enumerate(_task_counts(f"/proc/{self.agent_pid}/task/{tid}")):
+                        out["agent"][i] += v
+        return out
+
+
+def _add_delta(into: dict[str, list[int]], before: dict[str, list[int]], after: dict[str, list[int]]) -> None:
+    for row, values in after.items():
+        acc = into.setdefault(row, [0] * len(_COUNTS))
+        for i, v in enumerate(values):
+            acc[i] += v - before[row][i]
+
+
+PINS = ("same", "split")
+"""``--pin`` (a diagnostic, not a deployment advice): ``same`` puts the forward and both recv threads on the
+first allowed CPU and the agent on the second, so every GIL hand-off stays on one core while the agent
+has a core of its own; ``split`` puts the forward on the first CPU and the recv threads on the second, so
+every hand-off crosses cores."""
+
+
+def _pin(pin: str | None, forward: int, recvs: tuple[int, int], agent_pid: int) -> None:
+    """Apply ``--pin`` to this segment's threads (``None``: every thread on every allowed CPU)."""
+    cpus = sorted(os.sched_getaffinity(0) if pin is None else _ALLOWED)
+    first, second = {cpus[0]}, {cpus[1 % len(cpus)]}
+    place = {forward: set(cpus), recvs[0]: set(cpus), recvs[1]: set(cpus)}
+    if pin == "same":
+        place = {forward: first, recvs[0]: first, recvs[1]: first}
+    elif pin == "split":
+        place = {forward: first, recvs[0]: second, recvs[1]: second}
+    for tid, where in place.items():
+        os.sched_setaffinity(tid, where)
+    if agent_pid:
+        with contextlib.suppress(OSError):
+            for tid in os.listdir(f"/proc/{agent_pid}/task"):
+                os.sched_setaffinity(int(tid), second if pin == "same" else set(cpus))
+
+
+_ALLOWED = frozenset(os.sched_getaffinity(0))
+PINS_HELP = "same: forward and recv threads on one CPU, the agent on another; split: forward and recv on two CPUs"
+
+
+def _wait_state(pid: int, stopped: bool, timeout_s: float = 1.0) -> None:
+    """Until ``pid`` is (not) in the stopped state ``T`` (untimed: SIGSTOP / SIGCONT land asynchronously)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return
+        if (state == "T") == stopped:
+            return
+        time.sleep(0.0005)
+    raise RuntimeError(f"agent {pid} did not {'stop' if stopped else 'continue'} within {timeout_s} s")
+
+
 class _NoSession:
     """``aa``: the second thread untraced too (subclasses no session instruments): the A/A control."""
 
@@ -212,34 +324,49 @@ class ModeResult:
     steps: int = 0
     segments: list[float] = dataclasses.field(default_factory=list)  # each segment's median ratio
     dropped: int = 0  # records the session dropped (a full ring): its blocks did less work than tracing does
+    # ``--diagnose``: per block kind ("on", "off"), per ``_Probe.ROWS`` row, the summed ``_COUNTS`` deltas
+    diag: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=lambda: {"on": {}, "off": {}})
+    diag_tasks: dict[str, int] = dataclasses.field(default_factory=lambda: {"on": 0, "off": 0})
+    diag_wall_ns: dict[str, int] = dataclasses.field(default_factory=lambda: {"on": 0, "off": 0})
 
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
-             result: ModeResult) -> None:
+             result: ModeResult, diagnose: bool = False, pin: str | None = None) -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
 
     targets, sub = _traced_copy(up)
-    saved = os.environ.get(INTERVAL_ENV)
+    env = dict(_MODE_ENV.get(mode, {}))
     if mode == "thread":  # its exporter thread never exports on its own: all its work is in the charged flush
-        os.environ[INTERVAL_ENV] = "3600000"
+        env[INTERVAL_ENV] = "3600000"
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         session = _start(targets, _SESSION_MODE[mode], tmp, "oe") or _NoSession()
     finally:
-        if saved is None:
-            os.environ.pop(INTERVAL_ENV, None)
-        else:
-            os.environ[INTERVAL_ENV] = saved
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    agent_pid = 0
     try:
         from otel_kvtrace.instrument import patches
 
         _check_untouched(up, off)
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
-        if path != ("wrappers" if mode in ("wrappers", "aa") else "compiled"):
+        if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
-        traced = _env(h, up, off.num_layers, sub["recv_gva"], sub["gate"])
+        recv_class = sub["recv_gva"]
+        if mode == "aa-burn":
+            def handle(self: Any, data: Any, _base: Any = recv_class._handle_request) -> Any:
+                _burn(BURN_RECV_US)
+                return _base(self, data)
+
+            recv_class = type(recv_class.__name__, (recv_class,), {"_handle_request": handle})
+        traced = _env(h, up, off.num_layers, recv_class, sub["gate"])
         _block(up, traced, 2, work_us)  # warm-up: attach, pools, the ring's first definitions
         _block(up, off, 1, work_us)
         session.flush(30.0)
@@ -247,6 +374,11 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         agent_pid = int(agent.hdr[ring.H_AGENT_PID]) if agent is not None else 0
         cpu0 = _proc_cpu_ns(agent_pid) if agent_pid else 0
         charge_flush = mode == "thread"  # in-process export: its CPU is the forward's loss
+        stop_agent = mode in _STOPPED and agent_pid
+        probe = _Probe(agent_pid) if diagnose else None
+        tids = {"on": traced.thread.native_id, "off": off.thread.native_id}
+        if pin:
+            _pin(pin, threading.get_native_id(), (tids["on"], tids["off"]), agent_pid)
         gc.collect()
         gc.freeze()
         gc.disable()
@@ -258,8 +390,20 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
                     if kind == "off" and after_traced and not charge_flush:
                         if not session.flush(30.0):  # untimed: no agent work of a traced block in an off block
                             raise RuntimeError(f"{mode}: the agent did not export in time")
+                    if kind == "on" and stop_agent:
+                        os.kill(agent_pid, signal.SIGSTOP)
+                        _wait_state(agent_pid, True)
+                    other = "off" if kind == "on" else "on"
+                    before = probe.snapshot(tids[kind], tids[other]) if probe else None
                     n0 = gc.get_count()[0]
                     step_ns = _block(up, traced if kind == "on" else off, steps, work_us)
+                    if probe:
+                        _add_delta(result.diag[kind], before, probe.snapshot(tids[kind], tids[other]))
+                        result.diag_tasks[kind] += steps * off.num_layers
+                        result.diag_wall_ns[kind] += sum(step_ns)
+                    if kind == "on" and stop_agent:
+                        os.kill(agent_pid, signal.SIGCONT)
+                        _wait_state(agent_pid, False)
                     charged = 0
                     if kind == "on" and charge_flush:  # in-process export on this thread: charged to its block
                         c0 = time.thread_time_ns()
@@ -281,6 +425,11 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         if agent_pid:
             result.agent_cpu_ns += _proc_cpu_ns(agent_pid) - cpu0
     finally:
+        if mode in _STOPPED and agent_pid:  # never leave it stopped: shutdown waits for its drain
+            with contextlib.suppress(OSError):
+                os.kill(agent_pid, signal.SIGCONT)
+        if pin:
+            os.sched_setaffinity(0, _ALLOWED)  # the forward (this thread) runs the next segment's start
         stats = session.shutdown()
     result.dropped += stats.dropped
     if stats.disabled_reason:
@@ -288,7 +437,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
-        block_ms: float) -> tuple[float, int, dict[str, ModeResult]]:
+        block_ms: float, diagnose: bool = False, pin: str | None = None) -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}
@@ -299,7 +448,7 @@ def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers:
         steps = max(2, round(block_ms * 1e6 / step_ns))
         for _ in range(segments):
             for mode in modes:
-                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode])
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin)
     return step_ns / 1e6, steps, results
 
 
@@ -318,6 +467,24 @@ def median_ci(values: list[float], level: float = 0.95) -> tuple[float, float, f
     return statistics.median(xs), xs[j - 1], xs[n - j]
 
 
+def print_diagnosis(load: str, work: int, results: dict[str, ModeResult]) -> None:
+    """``--diagnose``: per mode and block kind, each thread's scheduler counts per task (``_COUNTS``)."""
+    print(f"  scheduler counts per task ({load}, {work} us/layer): CPU and run-queue wait in us, timeslices, "
+          f"voluntary / involuntary switches; 'recv' is the block's own recv thread")
+    print(f"  {'mode':10} {'block':5} {'wall us':>8} {'thread':9} {'cpu us':>7} {'rq us':>7} {'slices':>7} "
+          f"{'vol cs':>7} {'invol cs':>8} {'sys us':>7} {'migr':>6}")
+    for mode, r in results.items():
+        for kind in ("off", "on"):
+            tasks = r.diag_tasks[kind]
+            if not tasks:
+                continue
+            for row in _Probe.ROWS:
+                cpu, rq, slices, vcs, ics, sys_ns, migr = r.diag[kind].get(row, [0] * len(_COUNTS))
+                print(f"  {mode:10} {kind:5} {r.diag_wall_ns[kind] / tasks / 1e3:8.1f} {row:9} {cpu / tasks / 1e3:7.2f} "
+                      f"{rq / tasks / 1e3:7.2f} {slices / tasks:7.3f} {vcs / tasks:7.3f} {ics / tasks:8.3f} "
+                      f"{sys_ns / tasks / 1e3:7.2f} {migr / tasks:6.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-us", type=int, nargs="+", default=[1000, 150], help="per-layer work (default 1000 150)")
@@ -329,7 +496,13 @@ def main() -> None:
                         help="target length of one block, at least 2 steps (default 40 ms)")
     parser.add_argument("--layers", type=int, default=32, help="layers per step (default 32)")
     parser.add_argument("--compete", action="store_true", help="also run under a competing CPU-bound process")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="per mode and block kind: each thread's CPU, run-queue wait, timeslices and context "
+                             "switches per task (forward, recv threads, the serving process's others, the agent)")
+    parser.add_argument("--pin", choices=PINS, help="diagnostic thread placement: " + PINS_HELP)
     args = parser.parse_args()
+    if args.pin and len(_ALLOWED) < 2:
+        parser.error("--pin needs two allowed CPUs")
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
     modes = tuple(dict.fromkeys(args.modes))
@@ -345,7 +518,8 @@ def main() -> None:
             hog = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             for work in args.work_us:
-                step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms)
+                step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms,
+                                          args.diagnose, args.pin)
                 for mode in modes:
                     r = res[mode]
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
@@ -357,6 +531,8 @@ def main() -> None:
                           f"{agent_cpu:>17}" + (f"  ({r.dropped} records DROPPED)" if r.dropped else ""), flush=True)
                     if load == "idle" and work == min(args.work_us) and mode == "agent":
                         headline = med
+                if args.diagnose:
+                    print_diagnosis(load, work, res)
         finally:
             if hog is not None:
                 hog.kill()

@@ -93,6 +93,20 @@ OTEL_KVTRACE_AGENT_NICE = "OTEL_KVTRACE_AGENT_NICE"
 the serving process's threads. ``0`` gives it equal priority (delivery first when CPUs are scarce).
 Default: 10."""
 
+OTEL_KVTRACE_AGENT_SCHED = "OTEL_KVTRACE_AGENT_SCHED"
+"""CPU scheduling policy of the exporter agent process: ``idle`` (Linux ``SCHED_IDLE``: it runs on a CPU
+no other thread wants, a serving thread woken on its CPU preempts it at once, and a CPU running only the
+agent counts as idle when the kernel places a woken thread; while its ring is more than half full it runs
+as ``normal`` until the backlog is down to an eighth, so a saturated host cannot starve it into dropping
+records; falls back to ``normal`` where the policy is unavailable) or ``normal`` (``SCHED_OTHER`` at
+``OTEL_KVTRACE_AGENT_NICE``, the behaviour before 2026-12-02). Default: ``idle`` (docs/export.md,
+"Priority")."""
+
+OTEL_KVTRACE_AGENT_CPUS = "OTEL_KVTRACE_AGENT_CPUS"
+"""CPUs the exporter agent may run on, as a Linux CPU list (``2``, ``0-3,8``; ``sched_setaffinity``),
+intersected with the CPUs the serving process may use. For hosts where some CPUs are reserved for
+housekeeping; the serving threads are never pinned. Default: unset (the serving process's CPUs)."""
+
 OTEL_KVTRACE_PROBES = "OTEL_KVTRACE_PROBES"
 """How the GVA recv thread's ``_handle_request`` is instrumented: ``compiled`` (upstream's own source
 recompiled with the stamps inline, proved equal to upstream's minus the stamps; falls back to the wrappers
@@ -112,6 +126,9 @@ OTEL_KVTRACE_RING_PACK = "OTEL_KVTRACE_RING_PACK"
 path, forced) or ``native`` (as ``auto``). Same bytes either way. Default: ``auto``."""
 
 DEFAULT_AGENT_NICE = 10
+AGENT_SCHED_IDLE = "idle"
+AGENT_SCHED_NORMAL = "normal"
+DEFAULT_AGENT_SCHED = AGENT_SCHED_IDLE
 EXPORTER_AGENT = "agent"
 EXPORTER_THREAD = "thread"
 
@@ -276,3 +293,35 @@ def exporter_mode() -> str:
                        OTEL_KVTRACE_EXPORTER, value)
         return EXPORTER_AGENT
     return value
+
+
+def agent_sched(environ: Mapping[str, str] | None = None) -> str:
+    """``OTEL_KVTRACE_AGENT_SCHED``: ``idle`` (default) or ``normal``; anything else warns, ``idle``."""
+    env = os.environ if environ is None else environ
+    value = env.get(OTEL_KVTRACE_AGENT_SCHED, "").strip().lower() or DEFAULT_AGENT_SCHED
+    if value not in (AGENT_SCHED_IDLE, AGENT_SCHED_NORMAL):
+        logger.warning("otel-kvtrace: %s=%r is not supported (use idle or normal); using %s",
+                       OTEL_KVTRACE_AGENT_SCHED, value, DEFAULT_AGENT_SCHED)
+        return DEFAULT_AGENT_SCHED
+    return value
+
+
+def agent_cpus(environ: Mapping[str, str] | None = None) -> tuple[int, ...] | None:
+    """``OTEL_KVTRACE_AGENT_CPUS`` as sorted CPU numbers; ``None`` when unset or not a CPU list (one warning)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(OTEL_KVTRACE_AGENT_CPUS, "").strip()
+    if not raw:
+        return None
+    cpus: set[int] = set()
+    try:
+        for part in raw.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            first, last = int(lo), int(hi) if sep else int(lo)
+            if first < 0 or last < first:
+                raise ValueError(part)
+            cpus.update(range(first, last + 1))
+    except ValueError:
+        logger.warning("otel-kvtrace: %s=%r is not a CPU list (e.g. 2 or 0-3,8); the agent runs on every CPU "
+                       "the serving process may use", OTEL_KVTRACE_AGENT_CPUS, raw)
+        return None
+    return tuple(sorted(cpus))

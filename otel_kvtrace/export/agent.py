@@ -200,11 +200,68 @@ def _strings(body: bytes, off: int, lens: list[int]) -> list[str]:
     return out
 
 
+class Priority:
+    """Where and how the agent runs (``OTEL_KVTRACE_AGENT_SCHED``, ``_NICE``, ``_CPUS``).
+
+    ``SCHED_IDLE`` keeps the agent off the CPUs the serving threads want (a woken serving thread preempts
+    it at once and the kernel counts its CPU as idle when it places a woken thread). An idle-policy agent
+    on a saturated host would get almost no CPU and let the ring overflow, so while the backlog is more
+    than ``ESCALATE`` of the ring it runs ``SCHED_OTHER`` at its nice level, back to idle at ``RELAX``."""
+
+    ESCALATE = 0.5
+    RELAX = 0.125
+
+    def __init__(self, sched: str, nice: int, cpus: list[int] | None) -> None:
+        self.want_idle = sched == "idle" and hasattr(os, "SCHED_IDLE")
+        self.nice = nice
+        self.cpus = cpus
+        self.idle = False  # the policy in force
+        self.escalations = 0
+
+    def apply(self) -> None:
+        """Once, before any other thread of the agent starts (threads inherit policy, nice and affinity)."""
+        with contextlib.suppress(OSError):
+            os.nice(self.nice)
+        if self.cpus and hasattr(os, "sched_setaffinity"):
+            allowed = set(self.cpus) & os.sched_getaffinity(0)
+            if allowed:
+                os.sched_setaffinity(0, allowed)
+            else:
+                logger.warning("otel-kvtrace agent: none of the CPUs %s is allowed; running on %s", self.cpus,
+                               sorted(os.sched_getaffinity(0)))
+        if self.want_idle:
+            self._set(True)
+
+    def update(self, backlog: int, nslots: int) -> None:
+        """After each drain cycle: leave or resume the idle policy by how full the ring is."""
+        if not self.want_idle:
+            return
+        if self.idle and backlog > self.ESCALATE * nslots:
+            self.escalations += 1
+            self._set(False)
+        elif not self.idle and backlog <= self.RELAX * nslots:
+            self._set(True)
+
+    def _set(self, idle: bool) -> None:
+        policy = os.SCHED_IDLE if idle else os.SCHED_OTHER
+        try:
+            for tid in os.listdir("/proc/self/task"):  # every thread: the sink's sender too
+                with contextlib.suppress(ProcessLookupError):
+                    os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+        except OSError as exc:  # e.g. leaving SCHED_IDLE for a nice level below RLIMIT_NICE, unprivileged
+            logger.warning("otel-kvtrace agent: cannot switch to %s (%s); staying as it is",
+                           "SCHED_IDLE" if idle else "SCHED_OTHER", exc)
+            self.want_idle = False  # one warning: no more switches either way
+            return
+        self.idle = idle
+
+
 class Agent:
     """The drain loop: ring -> records -> spans -> sink, until the producer closes or dies."""
 
     def __init__(self, reader: R.RingReader, sink: Any, builder: SpanBuilder, producer_pid: int,
-                 interval_s: float, batch_size: int) -> None:
+                 interval_s: float, batch_size: int, priority: Priority | None = None) -> None:
+        self.priority = priority
         self.reader = reader
         self.sink = sink
         self.builder = builder
@@ -227,8 +284,10 @@ class Agent:
                 self._control(data)
             if os.getppid() != self.producer_pid:
                 producer_gone = True
+            self._reprioritize()
             while self._cycle(self.reader.poll(self.batch_size)):
                 pass
+            self._reprioritize()
         # Final drain: everything committed, then what a dead producer claimed but never finished.
         while self._cycle(self.reader.poll(self.batch_size)):
             pass
@@ -245,6 +304,11 @@ class Agent:
             logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write, sink failed, "
                            "or a definition they name was lost); %d malformed ring slots", self.lost,
                            self.decoder.malformed)
+
+    def _reprioritize(self) -> None:
+        if self.priority is not None:
+            hdr = self.reader.hdr
+            self.priority.update(int(hdr[R.H_HEAD]) - int(hdr[R.H_READ]), self.reader.nslots)
 
     def _control(self, data: bytes) -> None:
         """``shutdown <seconds>``: the deadline the producer gives the sink (it waits that plus a margin)."""
@@ -335,8 +399,9 @@ def main() -> int:
     except Exception as exc:  # noqa: BLE001
         sys.stderr.write(f"otel_kvtrace.export.agent is started by start_tracing, not by hand ({exc!r})\n")
         return 2
-    with contextlib.suppress(OSError):
-        os.nice(int(settings.get("nice", 0)))  # background work: the serving process's threads come first
+    # Background work: the serving process's threads come first. Before the sink starts its threads.
+    priority = Priority(settings.get("sched", "normal"), int(settings.get("nice", 0)), settings.get("cpus"))
+    priority.apply()
     mem = mmap.mmap(fd, R.ring_bytes(settings["nslots"]))
     os.close(fd)
     reader = R.RingReader(mem)
@@ -348,7 +413,7 @@ def main() -> int:
         sink.name_pid = settings["producer_pid"]  # the file is the serving process's, not ours
     anchor = ClockAnchor(*settings["anchor"])
     agent = Agent(reader, sink, SpanBuilder(anchor), settings["producer_pid"], settings["interval_s"],
-                  settings["batch_size"])
+                  settings["batch_size"], priority)
     out = sys.stdout.buffer
     with contextlib.suppress(OSError):  # a producer that already died cannot read it: drain anyway
         out.write(READY)

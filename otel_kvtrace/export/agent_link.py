@@ -69,6 +69,8 @@ class AgentExporter:
             / 1000,
             "batch_size": config.env_int(config.OTEL_KVTRACE_EXPORT_BATCH_SIZE, config.DEFAULT_EXPORT_BATCH_SIZE),
             "nice": config.env_int(config.OTEL_KVTRACE_AGENT_NICE, config.DEFAULT_AGENT_NICE, minimum=0),
+            "sched": config.agent_sched(),
+            "cpus": config.agent_cpus(),
         }
         self.timeout_s = config.env_int(config.OTEL_KVTRACE_EXPORT_TIMEOUT_MS, config.DEFAULT_EXPORT_TIMEOUT_MS) / 1000
         self._settings["shutdown_timeout_s"] = self.timeout_s  # the agent's default sink deadline
