@@ -136,6 +136,19 @@ class KVPoolWorker:
             ok = ok and not thread.is_alive()
         return ok
 
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Between steps: wait until both transfer threads called ``task_done`` for everything queued
+        (the final layer's lease included) and the device finished what was launched, so the next step
+        starts from idle threads and an idle device. False when a thread did not finish in time."""
+        ok = True
+        for thread in (self.kv_recv_thread, self.kv_send_thread):
+            if thread is not None:
+                q = thread.request_queue
+                with q.all_tasks_done:
+                    ok = q.all_tasks_done.wait_for(lambda q=q: not q.unfinished_tasks, timeout_s) and ok
+        self.npu.clock.sleep_until(self.npu.compute.point_ns())
+        return ok
+
     def slot_release_time(self, layer_id: int) -> int:
         """When a sibling connector frees the layer's slot this step: ``plan.slot_release`` after the
         step started (an absolute time, whoever asks)."""
