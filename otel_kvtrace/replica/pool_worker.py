@@ -137,15 +137,9 @@ class KVPoolWorker:
         return ok
 
     def drain(self, timeout_s: float = 5.0) -> bool:
-        """Between steps: wait until both transfer threads called ``task_done`` for everything queued
-        (the final layer's lease included) and the device finished what was launched, so the next step
-        starts from idle threads and an idle device. False when a thread did not finish in time."""
-        ok = True
-        for thread in (self.kv_recv_thread, self.kv_send_thread):
-            if thread is not None:
-                q = thread.request_queue
-                with q.all_tasks_done:
-                    ok = q.all_tasks_done.wait_for(lambda q=q: not q.unfinished_tasks, timeout_s) and ok
+        """Between steps: both transfer threads idle (:func:`drain_threads`) and the device done with
+        what was launched, so the next step starts from idle threads and an idle device."""
+        ok = drain_threads((self.kv_recv_thread, self.kv_send_thread), timeout_s)
         self.npu.clock.sleep_until(self.npu.compute.point_ns())
         return ok
 
@@ -271,6 +265,18 @@ class KVPoolWorker:
                 for event in self.layer_save_finished_events:
                     event.clear()
         self.current_layer += 1
+
+
+def drain_threads(threads: tuple[object, ...], timeout_s: float = 5.0) -> bool:
+    """Wait until each transfer thread called ``task_done`` for everything queued (the final layer's
+    lease included; upstream's threads as the replica's). False when one did not finish in time."""
+    ok = True
+    for thread in threads:
+        q = getattr(thread, "request_queue", None)
+        if q is not None:
+            with q.all_tasks_done:
+                ok = q.all_tasks_done.wait_for(lambda q=q: not q.unfinished_tasks, timeout_s) and ok
+    return ok
 
 
 class SlotReleaseWaiter:
