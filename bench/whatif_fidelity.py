@@ -107,6 +107,137 @@ def record(preset: str, policies: tuple[str, ...], seeds: int, steps: int, out: 
     return {p: out / preset / p / "traces" for p in ("fifo", *policies)}
 
 
+DESIGNS = ("interleaved", "separate")
+"""``interleaved``: one run = one process run of 2 x steps in which the live policy is switched at every
+step boundary (ABBA per step, each pair on the same work), split into a FIFO run and a policy run;
+``separate``: one run = one whole run per policy."""
+
+
+def step_order(seed: int, pairs: int, policy: str) -> list[str]:
+    """ABBA per step: pair k runs (fifo, policy) when k + seed is even, else (policy, fifo); the two
+    steps of a pair run the same work (``pair_rows``)."""
+    return [p for k in range(pairs) for p in (("fifo", policy) if (k + seed) % 2 == 0 else (policy, "fifo"))]
+
+
+def pair_rows(pairs: int) -> list[int]:
+    """The work row of each interleaved step: both steps of pair k run row k."""
+    return [k for k in range(pairs) for _ in (0, 1)]
+
+
+def record_interleaved(preset: str, policy: str, seeds: int, steps: int, out: Path, cpu: dict[str, list[float]],
+                       *, aa: bool = False) -> dict[str, Path]:
+    """Per seed one traced replica run of ``2 x steps`` steps on one worker: before each step the threads
+    and the device are drained (``KVPoolWorker.drain``) and the live policy is switched
+    (``install_scheduler``) to ``step_order``'s; then the trace is split by step into a FIFO run and a
+    policy run of that seed (``split_run``). ``aa``: the policy's steps run FIFO too (the A/A control).
+    Process CPU ms per step of each policy goes to ``cpu``. Returns the traces folder per policy."""
+    from otel_kvtrace.api import start_tracing
+    from otel_kvtrace.demo import scenario_configs
+    from otel_kvtrace.replica.plan import build_plan, repeat_rows
+    from otel_kvtrace.replica.threaded import replica_targets, run_threaded
+    from otel_kvtrace.schedule import install_scheduler
+
+    targets = replica_targets()
+    base = out / preset / f"il-{policy}"
+    for seed in range(0, seeds + 1):  # seed 0: warm-up, not kept
+        pairs = steps if seed else WARMUP_STEPS
+        cfg = scenario_configs(preset, seed=seed, steps=pairs, scheduler=policy)[0][1]
+        order = step_order(seed, pairs, policy)
+        run_id = f"il-{preset}-{policy}-s{seed:03d}"
+        clock = _StepClock(order, cpu if seed else {})
+
+        def before(worker: Any, step: int, order: list[str] = order, clock: _StepClock = clock) -> None:
+            clock.stop(step)
+            if not worker.drain():
+                raise RuntimeError(f"step {step}: the transfer threads did not drain")
+            install_scheduler(targets, "fifo" if aa else order[step])
+            clock.start()
+
+        session = start_tracing(targets, resource=cfg.resource_attributes(), out_dir=base / "raw", run_id=run_id,
+                                npu_timing=True)
+        with no_gc_pause():
+            try:
+                result = run_threaded(cfg, plan=repeat_rows(build_plan(cfg), pair_rows(pairs)), before_step=before,
+                                      keep_log=False)
+            finally:
+                session.shutdown()
+                install_scheduler(targets, "fifo")
+        if result.error is not None:
+            raise RuntimeError(f"{preset} {policy} seed {seed} failed: {result.error!r}") from result.error
+        _split_and_drop(base, run_id, order, policy, f"il-{preset}-{policy}", seed)
+    return {p: base / p / "traces" for p in ("fifo", policy)}
+
+
+class _StepClock:
+    """Process CPU ms of each interleaved step, per policy (a run's last step is not counted: it ends in
+    the shutdown). Per run, the mean over its steps of each policy is appended to ``cpu[policy]``."""
+
+    def __init__(self, order: list[str], cpu: dict[str, list[float]]) -> None:
+        self.order, self.cpu, self.c0 = order, cpu, 0.0
+        self.per: dict[str, list[float]] = {}
+
+    def start(self) -> None:
+        self.c0 = time.process_time()
+
+    def stop(self, step: int) -> None:
+        if step:
+            self.per.setdefault(self.order[step - 1], []).append((time.process_time() - self.c0) * 1e3)
+        if step == len(self.order) - 1:
+            for p, v in self.per.items():
+                self.cpu.setdefault(p, []).append(statistics.fmean(v))
+
+
+def split_run(src: Path, run_id: str, order: list[str], dest: dict[str, Path], prefix: str, seed: int) -> None:
+    """Split one interleaved run's trace files by step into one run per policy: the spans of a step of
+    policy p (a task span and every span of its trace) go to ``dest[p]/traces`` under the run id
+    ``<prefix>-<p>-s<seed>`` (every string attribute naming the old run id is renamed, so queues and
+    correlation ids stay unique) with ``kvtrace.cfg.scheduler`` = p. The what-if then replays only the FIFO
+    steps and measures only the policy steps, with the comparison code as for separate runs."""
+    import orjson
+
+    docs = [orjson.loads(line) for f in sorted(src.glob(f"kvtrace-{run_id}-*.jsonl")) for line in f.open("rb")]
+    step_of: dict[str, int] = {}
+    for sp in _spans(docs):
+        if sp["name"] in ("kvtrace.recv.task", "kvtrace.send.task"):
+            step_of[sp["traceId"]] = int(next(a["value"]["intValue"] for a in sp["attributes"]
+                                              if a["key"] == "kvtrace.step"))
+    if not step_of or max(step_of.values()) >= len(order):
+        raise RuntimeError(f"{run_id}: steps {min(step_of.values(), default=None)}..{max(step_of.values(), default=None)}"
+                           f" do not match the {len(order)} interleaved steps")
+    for policy, folder in dest.items():
+        new_id = f"{prefix}-{policy}-s{seed:03d}"
+        lines = []
+        for doc in docs:
+            out_rs = []
+            for rs in doc["resourceSpans"]:
+                scopes = [{**ss, "spans": [_renamed(sp, run_id, new_id) for sp in ss["spans"]
+                                           if order[step_of[sp["traceId"]]] == policy]}
+                          for ss in rs["scopeSpans"]]
+                scopes = [ss for ss in scopes if ss["spans"]]
+                if scopes:
+                    attrs = [a for a in rs["resource"]["attributes"]
+                             if a["key"] not in ("kvtrace.run_id", "kvtrace.cfg.scheduler")]
+                    attrs += [{"key": "kvtrace.run_id", "value": {"stringValue": new_id}},
+                              {"key": "kvtrace.cfg.scheduler", "value": {"stringValue": policy}}]
+                    out_rs.append({**rs, "resource": {**rs["resource"], "attributes": attrs}, "scopeSpans": scopes})
+            if out_rs:
+                lines.append(orjson.dumps({**doc, "resourceSpans": out_rs}))
+        (folder / "traces").mkdir(parents=True, exist_ok=True)
+        (folder / "traces" / f"kvtrace-{new_id}.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _spans(docs: list[dict[str, Any]]) -> Any:
+    return (sp for doc in docs for rs in doc["resourceSpans"] for ss in rs["scopeSpans"] for sp in ss["spans"])
+
+
+def _renamed(span: dict[str, Any], old: str, new: str) -> dict[str, Any]:
+    for a in span.get("attributes", ()):
+        v = a["value"].get("stringValue")
+        if v is not None and old in v:
+            a["value"]["stringValue"] = v.replace(old, new)
+    return span
+
+
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM_LABEL = "upstream-0.23 gva N=8 P=4 reuse(B=2,indep=0,4) slow_save=1"
 REUSE = {3: 1, 5: 2, 6: 3, 7: 5}
@@ -142,12 +273,12 @@ def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float
                 install_scheduler(targets, scheduler)
                 where = out / "upstream" / (scheduler if seed else "warmup")
                 session = start_tracing(targets, out_dir=where, run_id=f"up-{scheduler}-s{seed:03d}",
-                                        resource={"kvtrace.cfg.label": UPSTREAM_LABEL, "kvtrace.source": "upstream",
-                                                  "kvtrace.cfg.scheduler": scheduler})
+                                        resource=_upstream_resource(scheduler))
+                n = steps if seed else WARMUP_STEPS
                 with no_gc_pause():
                     c0 = time.process_time()
                     try:
-                        _drive_upstream(h, up, steps if seed else WARMUP_STEPS, random.Random(seed))
+                        _drive_upstream(h, up, list(range(n)), random.Random(seed))
                     finally:
                         session.shutdown()
                         install_scheduler(targets, "fifo")
@@ -156,7 +287,65 @@ def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float
     return {p: out / "upstream" / p / "traces" for p in ("fifo", *CELLS["upstream"])}
 
 
-def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
+def record_upstream_interleaved(seeds: int, steps: int, out: Path, cpu: dict[str, list[float]], *,
+                                aa: bool = False) -> dict[str, Path]:
+    """``record_interleaved`` on the REAL upstream threads: per seed one run of ``2 x steps`` steps, the
+    scheduler queue attached at the worker's creation (``install_scheduler(ready_queue)``), then before
+    each step the threads drained and the policy switched; each pair of steps has the same compute
+    times. Split like the replica's runs."""
+    import random
+
+    from otel_kvtrace.api import start_tracing
+    from otel_kvtrace.replica.pool_worker import drain_threads
+    from otel_kvtrace.schedule import install_scheduler
+
+    (policy,) = CELLS["upstream"]
+    base = out / "upstream" / f"il-{policy}"
+    h = _harness()
+    with h.upstream_session(h.upstream_source_dir()) as up:
+        targets = up.binding.to_targets()
+        for seed in range(0, seeds + 1):  # seed 0: warm-up, not kept
+            pairs = steps if seed else WARMUP_STEPS
+            sched = step_order(seed, pairs, policy)
+            run_id = f"up-il-{policy}-s{seed:03d}"
+            clock = _StepClock(sched, cpu if seed else {})
+
+            def before(worker: Any, step: int, sched: list[str] = sched, clock: _StepClock = clock) -> None:
+                clock.stop(step)
+                if not drain_threads((worker.kv_recv_thread, worker.kv_send_thread)):
+                    raise RuntimeError(f"step {step}: the transfer threads did not drain")
+                install_scheduler(targets, "fifo" if aa else sched[step])
+                clock.start()
+
+            install_scheduler(targets, policy)  # the worker's recv thread gets the scheduler queue
+            session = start_tracing(targets, out_dir=base / "raw", run_id=run_id, resource=_upstream_resource(policy))
+            with no_gc_pause():
+                try:
+                    _drive_upstream(h, up, pair_rows(pairs), random.Random(seed), before)
+                finally:
+                    session.shutdown()
+                    install_scheduler(targets, "fifo")
+            _split_and_drop(base, run_id, sched, policy, "up", seed)
+    return {p: base / p / "traces" for p in ("fifo", policy)}
+
+
+def _split_and_drop(base: Path, run_id: str, sched: list[str], policy: str, prefix: str, seed: int) -> None:
+    """``split_run`` into ``base/<policy>`` (seed 0, the warm-up, into ``base/warmup``), then the
+    interleaved run's own files are removed."""
+    raw = base / "raw" / "traces"
+    dest = {p: base / p if seed else base / "warmup" / p for p in ("fifo", policy)}
+    split_run(raw, run_id, sched, dest, prefix, seed)
+    for f in raw.glob(f"kvtrace-{run_id}-*.jsonl"):
+        f.unlink()
+
+
+def _upstream_resource(scheduler: str) -> dict[str, str]:
+    return {"kvtrace.cfg.label": UPSTREAM_LABEL, "kvtrace.source": "upstream", "kvtrace.cfg.scheduler": scheduler}
+
+
+def _drive_upstream(h: Any, up: Any, rows: list[int], rng: Any, before_step: Any = None) -> None:
+    """One step per entry of ``rows``; step i runs row ``rows[i]``'s compute times (drawn per row, in
+    order, from ``rng``); ``before_step(worker, i)`` runs before step i (untimed)."""
     backend = h.FakeBackend(copy_s=0.0008, save_copy_s=0.0004)
     saves = {"n": 0}
     store_copy = backend.store.batch_copy
@@ -178,55 +367,89 @@ def _drive_upstream(h: Any, up: Any, steps: int, rng: Any) -> None:
 
     worker.kv_recv_thread.add_request = add_request
     req = up.request("r1", 4)
-    for _ in range(steps):
+    compute = [[0.0003 * rng.uniform(0.8, 1.2) for _ in range(8)] for _ in range(max(rows) + 1)]
+    for i, row in enumerate(rows):
+        if before_step is not None:
+            before_step(worker, i)
         worker.start_load_kv(h.SimpleNamespace(requests=[]))
         for layer in range(8):
             worker.layer_load_tasks[layer][:] = up.gva_task(layer, [req]).transfer_tasks
             worker.layer_save_tasks[layer][:] = up.gva_task(layer, [req]).transfer_tasks
-        for _ in range(8):
+        for layer in range(8):
             worker.wait_for_layer_load()
             up.gate_module.record_attention_compute_start()
-            time.sleep(0.0003 * rng.uniform(0.8, 1.2))  # the layer's compute on the host
+            time.sleep(compute[row][layer])  # the layer's compute on the host
             worker.save_kv_layer(None)
         time.sleep(0.002)  # scheduler / sampling between steps
+
+
+DEFAULT_DESIGN = "interleaved"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=SEEDS,
                     help=f"seeds per cell and policy (default {SEEDS}: about 13 min on a quiet 2-core machine)")
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=50, help="steps per run and policy")
     ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
+    ap.add_argument("--design", choices=DESIGNS, default=DEFAULT_DESIGN,
+                    help=f"interleaved: policies switched per step inside one run; separate: one run per policy "
+                         f"(default {DEFAULT_DESIGN})")
+    ap.add_argument("--aa", action="store_true",
+                    help="A/A control (interleaved only): the policy's steps run FIFO too; the measured gain must read ~0")
     ap.add_argument("--keep", type=Path, default=None, help="keep the traces in this folder (default: a temporary one)")
     args = ap.parse_args()
-    from otel_kvtrace.whatif.api import whatif
-
+    if args.aa and args.design != "interleaved":
+        ap.error("--aa needs --design interleaved")
     rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]] = []
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
-        tmp = str(args.keep) if args.keep else stack.enter_context(
-            tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-"))
+        tmp = Path(str(args.keep) if args.keep else stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="kvtrace-fidelity-")))
         for cell in args.cells:
-            cpu: dict[str, list[float]] = {}
-            if cell == "upstream":
-                dirs = record_upstream(args.seeds, args.steps, Path(tmp), cpu)
-            else:
-                dirs = record(cell, CELLS[cell], args.seeds, args.steps, Path(tmp), cpu)
-            fifo = dirs.pop("fifo")
-            try:
-                report = whatif([fifo], measured=list(dirs.values()), policies=list(dirs))
-                # the same traces predicted without the forward's GIL wait behind the recv thread (gil.py)
-                plain = whatif([fifo], measured=list(dirs.values()), policies=list(dirs), gil_lag=False)
-            except ValueError as exc:  # the live queue stayed FIFO (e.g. a slot waiter it cannot read)
-                print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
-                continue
-            without = {c["policy"]: c for v in plain.verdicts for c in v.extra.get("measured", [])}
-            for v in report.verdicts:
-                rows.extend((cell, {**c, "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]]),
-                                    "no_gil": without[c["policy"]]}, cpu)
-                            for c in v.extra.get("measured", []))
+            for fifo, dirs, cpu in _recorded(cell, args, tmp):
+                rows.extend(_compared(cell, fifo, dirs, cpu))
             print(f"# {cell}: done at {time.perf_counter() - t0:.0f} s", flush=True)
-    _print(rows, args.seeds, args.steps)
+    _print(rows, args.seeds, args.steps, args.design, args.aa)
+
+
+def _recorded(cell: str, args: argparse.Namespace, tmp: Path) -> list[tuple[Path, dict[str, Path], dict[str, list[float]]]]:
+    """The cell's recordings as (FIFO traces, {policy: traces}, CPU ms per step per policy): one group of
+    every policy (``separate``) or one group per policy, each with its own FIFO half (``interleaved``)."""
+    groups = []
+    if args.design == "separate":
+        cpu: dict[str, list[float]] = {}
+        if cell == "upstream":
+            dirs = record_upstream(args.seeds, args.steps, tmp, cpu)
+        else:
+            dirs = record(cell, CELLS[cell], args.seeds, args.steps, tmp, cpu)
+        groups.append((dirs.pop("fifo"), dirs, cpu))
+        return groups
+    for policy in CELLS[cell]:
+        cpu = {}
+        if cell == "upstream":
+            dirs = record_upstream_interleaved(args.seeds, args.steps, tmp, cpu, aa=args.aa)
+        else:
+            dirs = record_interleaved(cell, policy, args.seeds, args.steps, tmp, cpu, aa=args.aa)
+        groups.append((dirs.pop("fifo"), dirs, cpu))
+    return groups
+
+
+def _compared(cell: str, fifo: Path, dirs: dict[str, Path], cpu: dict[str, list[float]]
+              ) -> list[tuple[str, dict[str, Any], dict[str, list[float]]]]:
+    """``whatif(FIFO runs, measured=[policy runs])``, with and without the GIL-lag model: one row per policy."""
+    from otel_kvtrace.whatif.api import whatif
+
+    try:
+        report = whatif([fifo], measured=list(dirs.values()), policies=list(dirs))
+        # the same traces predicted without the forward's GIL wait behind the recv thread (gil.py)
+        plain = whatif([fifo], measured=list(dirs.values()), policies=list(dirs), gil_lag=False)
+    except ValueError as exc:  # the live queue stayed FIFO (e.g. a slot waiter it cannot read)
+        print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
+        return []
+    without = {c["policy"]: c for v in plain.verdicts for c in v.extra.get("measured", [])}
+    return [(cell, {**c, "trimmed_gain_ms": trimmed_gain(fifo, dirs[c["policy"]]), "no_gil": without[c["policy"]]},
+             cpu) for v in report.verdicts for c in v.extra.get("measured", [])]
 
 
 STALL_MS = 3.0
@@ -263,9 +486,10 @@ def _trimmed_run_means(path: Path) -> tuple[float, ...]:
     return tuple(means)
 
 
-def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds: int, steps: int) -> None:
-    print(f"# {seeds} seeds x {steps} steps per policy; gains and noise in ms; cal = with the policy's cost per "
-          "dequeue from the measured runs")
+def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds: int, steps: int,
+           design: str, aa: bool) -> None:
+    print(f"# design {design}{' (A/A control: the policy steps ran fifo)' if aa else ''}: {seeds} seeds x {steps} "
+          "steps per policy; gains and noise in ms; cal = with the policy's cost per dequeue from the measured runs")
     print(f"{'config':10} {'policy':11} {'FIFO':>7} {'pred':>7} {'cal':>7} {'cost us':>7} {'meas':>7} {'SE':>6} "
           f"{'noise':>6} {'err %':>6} {'cal %':>6} {'floor %':>7} {'corr':>5} {'trim':>6} {'CPU ms/step':>12}  "
           "verdict predicted (worst run) / measured (worst pair) / measured (95% bound)")
@@ -301,7 +525,30 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         print(f"# verdicts agree: {same_rule} of {len(rows)} cells under one rule (predicted worst run, measured "
               f"worst pair); {mixed} of {len(rows)} predicted (worst run) vs measured (95% bound), two rules")
     print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
+    if aa:
+        _print_aa(rows)
+        return
+    print(f"# the last line: design {design} ({_DESIGN_RUN[design]})")
     print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
+
+
+_DESIGN_RUN = {
+    "interleaved": "a run = one process run switching fifo / policy per step, ABBA, split into a FIFO and a policy run",
+    "separate": "a run = one whole run per policy",
+}
+
+
+def _print_aa(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]]) -> None:
+    """The A/A control's reading: both halves ran FIFO, so the measured gain is sampling (and any bias of
+    the interleave); |gain| / SE is below 2 about 95 % of the time for an unbiased design."""
+    worst = 0.0
+    for cell, c, _ in rows:
+        se = _paired_sd_se(c)[1]
+        z = abs(c["measured_gain_ms"]) / se if se else float("inf")
+        worst = max(worst, z)
+        print(f"# A/A {cell} {c['policy']} steps (ran fifo): measured gain {c['measured_gain_ms']:+.3f} ms, SE {se:.3f}, "
+              f"|gain|/SE {z:.2f}, floor {_floor(c):.1f} %")
+    print(f"aa_max_abs_gain_over_se={worst:.2f} cells={len(rows)}")
 
 
 def _paired_sd_se(c: dict[str, Any]) -> tuple[float, float]:

@@ -7,7 +7,7 @@ the same work; only the clock differs. Sampling is vectorised with numpy (one ge
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -185,3 +185,21 @@ def step_block_ranges(plan: WorkPlan, step: int) -> tuple[list[LayerBlockRange],
         if r.independent_blocks > 0:
             partial.append(LayerBlockRange(meta, r.end_block - r.independent_blocks, r.end_block))
     return full, partial
+
+
+PER_STEP_LAYER = (*DURATION_TABLES, "load_blocks", "stagger", "late_gate")
+"""The ``step * num_layers + layer`` tables of a :class:`WorkPlan`."""
+
+
+def repeat_rows(plan: WorkPlan, rows: list[int]) -> WorkPlan:
+    """A plan whose step ``i`` is ``plan``'s step ``rows[i]`` (same requests, blocks and durations): the
+    fidelity bench's interleaved design runs each step's work twice in a row, once per policy. No copy
+    fails (``fail_index`` -1)."""
+    n = plan.num_layers
+
+    def per_layer(table: list[int]) -> list[int]:
+        return [v for r in rows for v in table[r * n:(r + 1) * n]]
+
+    return replace(plan, steps=len(rows), requests=[plan.requests[r] for r in rows],
+                   blocks=[plan.blocks[r] for r in rows], fail_index=-1,
+                   **{name: per_layer(getattr(plan, name)) for name in PER_STEP_LAYER})

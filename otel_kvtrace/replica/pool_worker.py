@@ -136,6 +136,13 @@ class KVPoolWorker:
             ok = ok and not thread.is_alive()
         return ok
 
+    def drain(self, timeout_s: float = 5.0) -> bool:
+        """Between steps: both transfer threads idle (:func:`drain_threads`) and the device done with
+        what was launched, so the next step starts from idle threads and an idle device."""
+        ok = drain_threads((self.kv_recv_thread, self.kv_send_thread), timeout_s)
+        self.npu.clock.sleep_until(self.npu.compute.point_ns())
+        return ok
+
     def slot_release_time(self, layer_id: int) -> int:
         """When a sibling connector frees the layer's slot this step: ``plan.slot_release`` after the
         step started (an absolute time, whoever asks)."""
@@ -258,6 +265,18 @@ class KVPoolWorker:
                 for event in self.layer_save_finished_events:
                     event.clear()
         self.current_layer += 1
+
+
+def drain_threads(threads: tuple[object, ...], timeout_s: float = 5.0) -> bool:
+    """Wait until each transfer thread called ``task_done`` for everything queued (the final layer's
+    lease included; upstream's threads as the replica's). False when one did not finish in time."""
+    ok = True
+    for thread in threads:
+        q = getattr(thread, "request_queue", None)
+        if q is not None:
+            with q.all_tasks_done:
+                ok = q.all_tasks_done.wait_for(lambda q=q: not q.unfinished_tasks, timeout_s) and ok
+    return ok
 
 
 class SlotReleaseWaiter:

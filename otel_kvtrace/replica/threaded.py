@@ -81,14 +81,19 @@ def run_threaded(
     shutdown_timeout_s: float = 5.0,
     npu: FakeNPU | None = None,
     keep_log: bool = True,
+    plan: WorkPlan | None = None,
+    before_step: Callable[[KVPoolWorker, int], None] | None = None,
 ) -> ThreadedResult:
     """Run ``cfg`` on real threads and the real clock. Errors raised by the forward are captured.
 
     Pass ``npu`` (a real-clock ``FakeNPU``, e.g. with ``keep_kernels``) to inspect the device timeline;
-    ``keep_log=False`` drops the per-task enqueue log (memory stays flat on long runs).
+    ``keep_log=False`` drops the per-task enqueue log (memory stays flat on long runs). ``plan``: the
+    work to run (default ``build_plan(cfg)``; its ``steps`` rows are run). ``before_step(worker, step)``
+    runs on the forward thread before each step, untimed (the fidelity bench drains and switches the
+    live scheduler there); an exception in it ends the run like one in the forward.
     """
     cfg.validate()
-    plan = build_plan(cfg)
+    plan = plan if plan is not None else build_plan(cfg)
     npu = npu if npu is not None else FakeNPU(RealClock())
     set_default_device(npu)
     worker = KVPoolWorker(cfg, plan, npu, wait_timeout_s=wait_timeout_s, keep_log=keep_log)
@@ -97,7 +102,9 @@ def run_threaded(
     error: BaseException | None = None
     done = 0
     try:
-        for step in range(cfg.steps):
+        for step in range(plan.steps):
+            if before_step is not None:
+                before_step(worker, step)
             t0 = time.perf_counter_ns()
             forward_step(worker, plan, npu, step)
             step_ns.append(time.perf_counter_ns() - t0)

@@ -168,19 +168,29 @@ POINTS = tuple(
 
 def install_scheduler(targets: Targets | Mapping[str, Any], name: str) -> str:
     """Run the recv threads created from now on under ``name`` (ValueError if unknown); ``fifo``
-    removes the patch, and running threads switch to FIFO at their next ``get()`` (drains safely)."""
+    removes the patch, and running threads switch to FIFO at their next ``get()`` (drains safely).
+    Running scheduler queues switch at their next ``get()``; ``gate_group`` only where the targets' GVA
+    recv class can make the merged call (the replica's), and only on queues whose thread can: any other
+    queue keeps its policy (its thread has no merged call to make)."""
     global _active
-    name = check_scheduler(name)
+    coerced = Targets.coerce(targets)
+    name = check_scheduler(name, merged_copy=_merged_copy(coerced))
     with _lock:
         _active = name
         if name == "fifo":
             patches.uninstall(_installed)
         elif not _installed:
-            _installed.extend(patches.install(Targets.coerce(targets), None, POINTS))  # type: ignore[arg-type]
+            _installed.extend(patches.install(coerced, None, POINTS))  # type: ignore[arg-type]
         for q in list(_queues):
-            q.set_policy(name)
+            if name != "gate_group" or getattr(q.thread, "kvtrace_merged_copy", False) is True:
+                q.set_policy(name)
     _changed()
     return name
+
+
+def _merged_copy(targets: Targets) -> bool:
+    """True when a GVA recv class of ``targets`` can copy several layers in one backend call."""
+    return any(getattr(cls, "kvtrace_merged_copy", False) is True for cls in targets.recv_thread_classes)
 
 
 def install_from_env(targets: Targets | Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
