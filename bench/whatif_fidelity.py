@@ -5,10 +5,26 @@ Cells (``CELLS``): threaded replica presets on the real clock (``hol`` = slow sa
 external slot release, ``buckets`` = several cache-spec buckets with a slow save) under ``ready_queue``
 and, where the replica can make the merged backend call, ``gate_group``; and ``upstream``: the REAL
 0.23.0.post1 recv/send threads under a forward driver, ``ready_queue`` only (upstream cannot merge).
-Per seed, one traced run per policy, FIFO first on odd seeds and last on even ones (ABBA: a drift over
-the bench does not always favour one policy), after one untimed warm-up run per policy (the first runs
-of a process are slower: imports, caches); each timed run with the cyclic GC collected, frozen and off
-(collected again after it, untimed: ``no_gc_pause``). Then ``whatif(FIFO runs, measured=[policy runs])``.
+Two designs (``--design``; what a "run" is differs, the comparison does not):
+
+- ``interleaved`` (the default): per seed and policy ONE traced run of 2 x ``--steps`` steps on one
+  worker, in which the live policy is switched with ``install_scheduler`` before every step, ABBA per
+  step (pair k is FIFO then policy when k + seed is even, else policy then FIFO), both steps of a pair on
+  the same work (``plan.repeat_rows``; upstream: the same compute times). Before every step the transfer
+  threads and the device are drained (``KVPoolWorker.drain``), so a step starts from idle threads
+  whatever policy ran before it. The trace is then split by step (``split_run``) into a FIFO run and a
+  policy run of that seed. A pair of runs shares the process, its threads and the machine's state; the
+  prediction replays only FIFO steps and the measured side holds only policy steps. The FIFO steps run
+  on the scheduling queue in ``fifo`` mode (the state after a runtime switch back), not on a plain
+  ``queue.Queue``. ``--aa``: the policy's steps run FIFO too (A/A control; the last line is then
+  ``aa_max_abs_gain_over_se=<z>``).
+- ``separate``: per seed one traced run per policy, FIFO first on odd seeds and last on even ones (ABBA:
+  a drift over the bench does not always favour one policy).
+
+Both: one untimed warm-up run per policy (the first runs of a process are slower: imports, caches); each
+timed run with the cyclic GC collected, frozen and off (collected again after it, untimed:
+``no_gc_pause``). Then ``whatif(FIFO runs, measured=[policy runs])`` (interleaved: per policy, with its
+own FIFO halves).
 
 gain error = |predicted - measured| mean TTFT gain in % of max(|measured gain|, noise), noise = the larger
 run-to-run stdev of the two policies' measured mean TTFT. Printed per cell next to it: the standard
@@ -16,8 +32,8 @@ error of the measured gain (stdev of the per-seed paired gains / sqrt(seeds)) an
 sampling alone gives (``floor %`` = 100 * SE / max(|measured gain|, noise)): an error below a few floors
 is what the measurement can resolve, not a model error (a perfect model's error is 0.8 x floor on
 average, E|N(0,1)|, and below 2 x floor 95 % of the time). ``corr``: correlation of the paired runs'
-mean TTFT (it varies, -0.7 to 0.8 here: pairing by seed removes little of the run-to-run noise, and
-not reliably). ``trim``: the measured gain with each run's stall steps (TTFT more than 3 ms above the
+mean TTFT (separate runs: -0.7 to 0.8, pairing by seed removes little of the run-to-run noise, and not
+reliably; interleaved: 0.8-0.97). ``trim``: the measured gain with each run's stall steps (TTFT more than 3 ms above the
 run's median) left out of both sets, for reading only: the target and its error use ``meas``; it is
 not like-for-like with ``pred`` (the prediction is not trimmed).
 ``cal`` columns: the prediction replayed again
@@ -34,7 +50,9 @@ confidence bound) are not comparable with the confidence-bound column.
 
 Usage::
 
-    .venv/bin/python bench/whatif_fidelity.py                 # every cell, 48 seeds x 50 steps (~13 min)
+    .venv/bin/python bench/whatif_fidelity.py                 # every cell, interleaved, 40 seeds x 50 steps (~13.5 min)
+    .venv/bin/python bench/whatif_fidelity.py --design separate   # one run per policy (~13 min)
+    .venv/bin/python bench/whatif_fidelity.py --aa --seeds 16     # A/A control of the interleaved design
     .venv/bin/python bench/whatif_fidelity.py --seeds 8 --cells hol upstream   # iterating (~40 s)
     .venv/bin/python bench/whatif_fidelity.py --cells upstream --keep /tmp/fid   # traces kept for analysis
 """
@@ -64,7 +82,12 @@ SEEDS = 48
 noise, and sampling alone gives about 100 x sqrt(2 (1 - corr) / seeds) % (``floor %``): 50 % at 8 seeds,
 20 % at 48 (corr 0). More steps per run do not lower it (noise and SE shrink together); only seeds do.
 A quiet 2-core machine records a seed of every cell in about 14 s (8 seeds: 1 min 51 s), so 48 seeds
-take about 11 min plus the replays: within the 15 minutes a full run may take."""
+take about 11 min plus the replays: within the 15 minutes a full run may take. That is ``separate``'s;
+``interleaved`` records 2 x steps per policy (hol, buckets: one FIFO half per policy): 48 seeds took
+16 min 15 s (2026-12-02, load 0.9-1.0), so its default is ``SEEDS_INTERLEAVED``."""
+SEEDS_INTERLEAVED = 40
+"""Default seeds of the interleaved design (~13.5 min); its floors at 48 seeds were 1.1-7.4 % against
+4.4-11.7 % for ``separate`` (docs/whatif.md, "Fidelity", third session), x 1.1 at 40."""
 
 
 def order(seed: int, policies: tuple[str, ...]) -> tuple[str, ...]:
@@ -388,8 +411,9 @@ DEFAULT_DESIGN = "interleaved"
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--seeds", type=int, default=SEEDS,
-                    help=f"seeds per cell and policy (default {SEEDS}: about 13 min on a quiet 2-core machine)")
+    ap.add_argument("--seeds", type=int, default=None,
+                    help=f"seeds per cell and policy (default {SEEDS_INTERLEAVED} interleaved, {SEEDS} separate: "
+                         "about 13.5 / 12.5 min on a quiet 2-core machine)")
     ap.add_argument("--steps", type=int, default=50, help="steps per run and policy")
     ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     ap.add_argument("--design", choices=DESIGNS, default=DEFAULT_DESIGN,
@@ -401,6 +425,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.aa and args.design != "interleaved":
         ap.error("--aa needs --design interleaved")
+    if args.seeds is None:
+        args.seeds = SEEDS_INTERLEAVED if args.design == "interleaved" else SEEDS
     rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]] = []
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
