@@ -44,7 +44,8 @@ Design (the statistics; what is measured is unchanged):
   up to one export interval, 200 ms), so no agent work of a traced block lands in an ``off`` block.
   What the agent does during that wait is in no block: ``agent cpu/step`` shows all of its CPU.
 
-Modes (each against ``off``, one segment each in rotation): ``agent`` (default export: shared-memory
+Modes (each against ``off``, one segment each in rotation; ``--diagnose`` and the diagnostic modes: docs/export.md,
+"The two-core excess"): ``agent`` (default export: shared-memory
 ring + exporter agent process; the headline), ``disabled`` (reference: installed, compiled probes,
 agent running, ``recorder.enabled`` False, as after an internal error), ``thread`` (the in-process
 exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
