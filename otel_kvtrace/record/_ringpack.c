@@ -275,17 +275,23 @@ static PyObject *claim_out_of_range(Packer *self, PyObject *kobj) {
 static PyObject *write_impl(Packer *self, PyObject *writer, PyObject *rec, long long qidx, long long sidx,
                             int awaiting);
 
-static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
-    long long qidx, sidx;
-    int awaiting;
-    if (nargs != 5) {
-        PyErr_SetString(PyExc_TypeError, "write(writer, rec, qidx, sidx, awaiting)");
-        return NULL;
+/* 1 when a method of a live packer got ``want`` arguments; else 0 with TypeError (usage) or ValueError set. */
+static int callable_with(Packer *self, Py_ssize_t nargs, Py_ssize_t want, const char *usage) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return 0;
     }
     if (!self->have_view) {
         PyErr_SetString(PyExc_ValueError, "packer released");
-        return NULL;
+        return 0;
     }
+    return 1;
+}
+
+static PyObject *Packer_write(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    long long qidx, sidx;
+    int awaiting;
+    if (!callable_with(self, nargs, 5, "write(writer, rec, qidx, sidx, awaiting)")) return NULL;
     awaiting = PyObject_IsTrue(args[4]);
     if (awaiting < 0) return NULL;
     if (!as_int(args[2], 0, UINT32_MAX, &qidx) || !as_int(args[3], 0, UINT32_MAX, &sidx))
@@ -525,7 +531,7 @@ static int stream_bound(PyObject *mark, long long *bound) {
         ok = as_int(PyList_GET_ITEM(done_by, p), I64_MIN, I64_MAX, &b);
         for (j = (Py_ssize_t)p + 1; ok && j < end; j++) {
             ok = as_int(PyList_GET_ITEM(done_by, j), I64_MIN, I64_MAX, &x);
-            if (x < b) b = x;
+            if (ok && x < b) b = x; /* x is unset when the item is not an int */
         }
     }
     if (ok) *bound = b;
@@ -631,14 +637,7 @@ static PyObject *Packer_ship(Packer *self, PyObject *const *args, Py_ssize_t nar
     PyObject *writer, *rec, *o;
     long long kind, sidx;
     int awaiting, r;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "ship(writer, rec, awaiting)");
-        return NULL;
-    }
-    if (!self->have_view) {
-        PyErr_SetString(PyExc_ValueError, "packer released");
-        return NULL;
-    }
+    if (!callable_with(self, nargs, 3, "ship(writer, rec, awaiting)")) return NULL;
     writer = args[0];
     rec = args[1];
     if (self->queue == NULL || (awaiting = PyObject_IsTrue(args[2])) < 0) {
