@@ -115,7 +115,7 @@ def _changed() -> None:
 def attach(thread: Any, name: str) -> SchedulingQueue | None:
     """Give one not-yet-started recv thread the scheduler ``name``; None when it stays FIFO (logged)."""
     global _seen
-    q = _attach(thread, check_scheduler(name, merged_copy=getattr(thread, "kvtrace_merged_copy", False) is True))
+    q = _attach(thread, check_scheduler(name, merged_copy=merges(thread)))
     if hasattr(thread, "is_alive"):
         _threads[thread] = (_seen, q)
         _seen += 1
@@ -174,7 +174,7 @@ def install_scheduler(targets: Targets | Mapping[str, Any], name: str) -> str:
     queue keeps its policy (its thread has no merged call to make)."""
     global _active
     coerced = Targets.coerce(targets)
-    name = check_scheduler(name, merged_copy=_merged_copy(coerced))
+    name = check_scheduler(name, merged_copy=any(merges(cls) for cls in coerced.recv_thread_classes))
     with _lock:
         _active = name
         if name == "fifo":
@@ -182,15 +182,16 @@ def install_scheduler(targets: Targets | Mapping[str, Any], name: str) -> str:
         elif not _installed:
             _installed.extend(patches.install(coerced, None, POINTS))  # type: ignore[arg-type]
         for q in list(_queues):
-            if name != "gate_group" or getattr(q.thread, "kvtrace_merged_copy", False) is True:
+            if name != "gate_group" or merges(q.thread):
                 q.set_policy(name)
     _changed()
     return name
 
 
-def _merged_copy(targets: Targets) -> bool:
-    """True when a GVA recv class of ``targets`` can copy several layers in one backend call."""
-    return any(getattr(cls, "kvtrace_merged_copy", False) is True for cls in targets.recv_thread_classes)
+def merges(thread_or_class: Any) -> bool:
+    """True when a recv thread (or its class) can copy several layers in one backend call
+    (``kvtrace_merged_copy = True``, the threaded replica's GVA thread): the one test for ``gate_group``."""
+    return getattr(thread_or_class, "kvtrace_merged_copy", False) is True
 
 
 def install_from_env(targets: Targets | Mapping[str, Any], environ: Mapping[str, str] | None = None) -> str:
