@@ -167,15 +167,8 @@ def record_interleaved(preset: str, policy: str, seeds: int, steps: int, out: Pa
         cfg = scenario_configs(preset, seed=seed, steps=pairs, scheduler=policy)[0][1]
         order = step_order(seed, pairs, policy)
         run_id = f"il-{preset}-{policy}-s{seed:03d}"
-        clock = _StepClock(order, cpu if seed else {})
-
-        def before(worker: Any, step: int, order: list[str] = order, clock: _StepClock = clock) -> None:
-            clock.stop(step)
-            if not worker.drain():
-                raise RuntimeError(f"step {step}: the transfer threads did not drain")
-            install_scheduler(targets, "fifo" if aa else order[step])
-            clock.start()
-
+        before = _StepClock(order, cpu if seed else {}).switcher(targets, "fifo" if aa else None,
+                                                                 lambda worker: worker.drain())
         session = start_tracing(targets, resource=cfg.resource_attributes(), out_dir=base / "raw", run_id=run_id,
                                 npu_timing=True)
         with no_gc_pause():
@@ -201,6 +194,21 @@ class _StepClock:
 
     def start(self) -> None:
         self.c0 = time.process_time()
+
+    def switcher(self, targets: Any, only: str | None, drain: Any) -> Any:
+        """The run's ``before_step``: this step's clock stopped, the threads drained (``drain(worker)``
+        False: they did not finish), the live policy switched to the step's (``only``: that one, the A/A
+        control), the next step's clock started."""
+        from otel_kvtrace.schedule import install_scheduler
+
+        def before(worker: Any, step: int) -> None:
+            self.stop(step)
+            if not drain(worker):
+                raise RuntimeError(f"step {step}: the transfer threads did not drain")
+            install_scheduler(targets, only or self.order[step])
+            self.start()
+
+        return before
 
     def stop(self, step: int) -> None:
         if step:
@@ -331,15 +339,8 @@ def record_upstream_interleaved(seeds: int, steps: int, out: Path, cpu: dict[str
             pairs = steps if seed else WARMUP_STEPS
             sched = step_order(seed, pairs, policy)
             run_id = f"up-il-{policy}-s{seed:03d}"
-            clock = _StepClock(sched, cpu if seed else {})
-
-            def before(worker: Any, step: int, sched: list[str] = sched, clock: _StepClock = clock) -> None:
-                clock.stop(step)
-                if not drain_threads((worker.kv_recv_thread, worker.kv_send_thread)):
-                    raise RuntimeError(f"step {step}: the transfer threads did not drain")
-                install_scheduler(targets, "fifo" if aa else sched[step])
-                clock.start()
-
+            before = _StepClock(sched, cpu if seed else {}).switcher(
+                targets, "fifo" if aa else None, lambda w: drain_threads((w.kv_recv_thread, w.kv_send_thread)))
             install_scheduler(targets, policy)  # the worker's recv thread gets the scheduler queue
             session = start_tracing(targets, out_dir=base / "raw", run_id=run_id, resource=_upstream_resource(policy))
             with no_gc_pause():
