@@ -44,6 +44,7 @@ class QueueState:
         "shift",
         "shift_steps",
         "eff_rg",
+        "eff_rl",
         "eff_rs",
         "fwd_arrive",
         "fwd_end",
@@ -94,6 +95,9 @@ class QueueState:
         self.passed = [NONE] * n
         self.eff_rs = list(q.rs)
         self.eff_rg = list(q.rg)
+        self.eff_rl = list(q.rl)
+        """External slot releases, moved with their step's shift (a sibling connector's send of the slot
+        belongs to the same engine step: it comes later when the step does)."""
         self.served = bytearray(n)
         self.n_served = 0
         self.n_arrived = 0
@@ -147,7 +151,7 @@ class QueueState:
         q = self.q
         self._effective(i)
         t = self.arr[i]
-        for r in (self.eff_rs[i], self.eff_rg[i], q.rl[i]):
+        for r in (self.eff_rs[i], self.eff_rg[i], self.eff_rl[i]):
             t = max(t, r)
         return t
 
@@ -158,7 +162,7 @@ class QueueState:
         wait did not block), less ``i``'s recorded dispatch gap: the loop before ``get()`` ran before the
         sleep. Call after :meth:`ready_at`."""
         q = self.q
-        r = max(self.eff_rs[i], self.eff_rg[i], q.rl[i])
+        r = max(self.eff_rs[i], self.eff_rg[i], self.eff_rl[i])
         if r == NONE or r <= self.arr[i]:
             return 0
         kind, own = ((0, q.ws[i]) if r == self.eff_rs[i] else (1, q.wg[i]) if r == self.eff_rg[i] else (2, q.wl[i]))
@@ -244,7 +248,7 @@ class QueueState:
             if t < r:
                 t = r + q.wg[i]
             t += q.w2[i]
-            r = q.rl[i]
+            r = self.eff_rl[i]
             if t < r:
                 t = r + q.wl[i]
             self.passed[i] = t
@@ -299,7 +303,7 @@ class QueueState:
         w3 -= take
         w2 -= min(saving - take, w2)
         t += w2
-        rl = max(q.rl[i] for i in batch)
+        rl = max(self.eff_rl[i] for i in batch)
         t = rl + max(q.wl[i] for i in batch) if t < rl else t
         passed = t
         t += w3
@@ -340,7 +344,7 @@ class QueueState:
             elif ph == 2:
                 r, w, lag = self.eff_rg[i], q.w2[i], q.wg[i]
             else:
-                r, w, lag = q.rl[i], q.w3[i], q.wl[i]
+                r, w, lag = self.eff_rl[i], q.w3[i], q.wl[i]
             if ph < 3 and not det and (q.ks[i] >= 0 if ph == 1 else q.kg[i] >= 0):
                 self.phase[i] = ph
                 self.blocked[q.step[i]].append(i)
@@ -374,20 +378,24 @@ class QueueState:
 
     def _next_step_arrivals(self, s: int) -> None:
         """Step ``s``'s forward passed its last load wait: a later end starts the next step that much later
-        (its tasks are enqueued by the forward, after this step: closed loop). Never earlier: the next
-        step's external slot releases are recorded in absolute time, so an earlier start is not credited."""
+        (its tasks are enqueued by the forward, after this step: closed loop), and with it the step's
+        external slot releases (a sibling connector's send of the slot belongs to the same engine step;
+        kept in absolute time, a later step met them early: an optimistic credit for a slower policy).
+        Never earlier: a faster policy gets no cross-step credit (conservative)."""
         q = self.q
         if not self.shift_steps or s + 1 >= len(q.chain) or not q.chain[s]:
             return
         rec = self.reference_end[s]
         d = self.fwd_end[s][-1] - rec if rec != NONE and self.fwd_end[s][-1] != NONE else 0
-        if d < 0:  # later only: an earlier next step would meet external slot releases recorded in absolute time
+        if d < 0:  # later only: no cross-step credit for a faster policy
             d = 0
         self.shift[s + 1] = d
         if d:
-            arr, base = self.arr, q.arr
+            arr, base, rl = self.arr, q.arr, self.eff_rl
             for i in q.chain[s + 1]:
                 arr[i] = base[i] + d
+                if q.rl[i] != NONE:
+                    rl[i] = q.rl[i] + d
 
     def _progress_time(self, i: int) -> int:
         """When task ``i`` can run again: now for a task not started, else its pending wait's time."""
@@ -400,7 +408,7 @@ class QueueState:
             return self.eff_rs[i] + q.ws[i]
         if ph == 2:
             return self.eff_rg[i] + q.wg[i]
-        return q.rl[i] + q.wl[i]
+        return self.eff_rl[i] + q.wl[i]
 
     def _after(self, i: int) -> None:
         q = self.q
@@ -472,11 +480,18 @@ class QueueReplay:
     """Intervals the recv thread was occupied (running work or blocked in a wait), in order."""
     arrivals: list[int] | None = None
     """Replayed arrivals (moved with the forward's shift per step); None = as recorded (``arrays.arr``)."""
+    eff_rl: list[int] | None = None
+    """Replayed external slot releases (moved with their step's shift); None = as recorded (``arrays.rl``)."""
 
     @property
     def arr(self) -> list[int]:
         """Arrival per task, as replayed."""
         return self.arrivals if self.arrivals is not None else self.arrays.arr
+
+    @property
+    def rl(self) -> list[int]:
+        """External slot release per task, as replayed."""
+        return self.eff_rl if self.eff_rl is not None else self.arrays.rl
 
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
@@ -517,4 +532,4 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
         now = wake
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
                        state.fwd_arrive, state.fwd_end, state.batches,
-                       list(zip(state.busy_start, state.busy_end, strict=True)), state.arr)
+                       list(zip(state.busy_start, state.busy_end, strict=True)), state.arr, state.eff_rl)

@@ -106,7 +106,7 @@ def _run_into(rep: QueueReplay, j: int, release: list[int]) -> int:
     q = rep.arrays
     start = rep.start[j]
     work = (q.w0[j], q.w1[j], q.w2[j], q.w3[j])
-    ready = (rep.eff_rs[j], rep.eff_rg[j], q.rl[j])
+    ready = (rep.eff_rs[j], rep.eff_rg[j], rep.rl[j])
     at = release[j]
     t = 0
     for k in range(4):

@@ -126,14 +126,14 @@ def hol_events(rep: QueueReplay) -> list[HolEvent]:
     q = rep.arrays
     n = q.n
     out: list[HolEvent] = []
-    ready = [max(rep.arr[j], rep.eff_rs[j], rep.eff_rg[j], q.rl[j]) for j in range(n)]
+    ready = [max(rep.arr[j], rep.eff_rs[j], rep.eff_rg[j], rep.rl[j]) for j in range(n)]
     order = sorted(range(n), key=lambda i: rep.start[i])
     for h in order:
         t = rep.start[h] + q.w0[h]
         intervals = []
         step_h = q.step[h]
         for r, w, lag in ((rep.eff_rs[h], q.w1[h], q.ws[h]), (rep.eff_rg[h], q.w2[h], q.wg[h]),
-                          (q.rl[h], q.w3[h], q.wl[h])):
+                          (rep.rl[h], q.w3[h], q.wl[h])):
             if r > t:
                 intervals.append((t, r))  # blocked while the dependency is unmet (not the wake-up lag)
                 t = r + lag
@@ -228,7 +228,7 @@ def check_constraints(rep: QueueReplay) -> list[str]:
         p = rep.passed[i]
         if p < rep.start[i] or p > rep.complete[i]:
             bad.append(f"seq {seq}: copy point outside its service")
-        for name, r in (("save (H1)", rep.eff_rs[i]), ("gate", rep.eff_rg[i]), ("slot (H2)", q.rl[i])):
+        for name, r in (("save (H1)", rep.eff_rs[i]), ("gate", rep.eff_rg[i]), ("slot (H2)", rep.rl[i])):
             if r != NONE and p < r:
                 bad.append(f"seq {seq}: copy at {p} before its {name} ready time {r}")
         raw = q.tasks[i].recorded_slot_release_ns
