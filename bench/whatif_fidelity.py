@@ -38,8 +38,10 @@ run's median) left out of both sets, for reading only: the target and its error 
 not like-for-like with ``pred`` (the prediction is not trimmed).
 ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
-The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``cal err %``; the line before it
-gives the worst error without that cost. Before those: per cell the prediction of the same traces
+The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``err %``: the what-if's own
+prediction, from the FIFO runs alone, as ``kvtrace whatif`` makes it before anything was switched (until
+2026-12-02 it was the worst ``cal %``, which borrows the policy's cost from the very runs it is checked
+against); the line before it gives the worst ``cal %``. Before those: per cell the prediction of the same traces
 without the forward's GIL-lag model (``otel_kvtrace/whatif/gil.py``), the worst sampling floor, and the
 predicted and the measured verdict with the reason each rests on. The measured verdict is given under
 both rules: the worst-pair rule the prediction uses (worst run, any run regresses; the runs are paired by
@@ -64,6 +66,7 @@ import contextlib
 import functools
 import gc
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -88,6 +91,16 @@ take about 11 min plus the replays: within the 15 minutes a full run may take. T
 SEEDS_INTERLEAVED = 40
 """Default seeds of the interleaved design (~13.5 min); its floors at 48 seeds were 1.1-7.4 % against
 4.4-11.7 % for ``separate`` (docs/whatif.md, "Fidelity", third session), x 1.1 at 40."""
+
+
+_T0 = time.perf_counter()
+
+
+def progress(cell: str, what: str, seed: int, seeds: int) -> None:
+    """One line on stderr every 8 seeds (and at the last): a full run records for a quarter of an hour."""
+    if seed and (seed % 8 == 0 or seed == seeds):
+        print(f"# {cell} {what}: seed {seed}/{seeds} recorded at {time.perf_counter() - _T0:.0f} s",
+              file=sys.stderr, flush=True)
 
 
 def order(seed: int, policies: tuple[str, ...]) -> tuple[str, ...]:
@@ -127,6 +140,7 @@ def record(preset: str, policies: tuple[str, ...], seeds: int, steps: int, out: 
                 c0 = time.process_time()
                 run_demo(preset, seed=seed, steps=steps, scheduler=scheduler, out=out / preset / scheduler)
                 cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
+        progress(preset, "+".join(policies), seed, seeds)
     return {p: out / preset / p / "traces" for p in ("fifo", *policies)}
 
 
@@ -181,6 +195,7 @@ def record_interleaved(preset: str, policy: str, seeds: int, steps: int, out: Pa
         if result.error is not None:
             raise RuntimeError(f"{preset} {policy} seed {seed} failed: {result.error!r}") from result.error
         _split_and_drop(base, run_id, order, policy, f"il-{preset}-{policy}", seed)
+        progress(preset, policy, seed, seeds)
     return {p: base / p / "traces" for p in ("fifo", policy)}
 
 
@@ -315,6 +330,7 @@ def record_upstream(seeds: int, steps: int, out: Path, cpu: dict[str, list[float
                         install_scheduler(targets, "fifo")
                 if seed:
                     cpu.setdefault(scheduler, []).append((time.process_time() - c0) * 1e3 / steps)
+            progress("upstream", "+".join(CELLS["upstream"]), seed, seeds)
     return {p: out / "upstream" / p / "traces" for p in ("fifo", *CELLS["upstream"])}
 
 
@@ -350,6 +366,7 @@ def record_upstream_interleaved(seeds: int, steps: int, out: Path, cpu: dict[str
                     session.shutdown()
                     install_scheduler(targets, "fifo")
             _split_and_drop(base, run_id, sched, policy, "up", seed)
+            progress("upstream", policy, seed, seeds)
     return {p: base / p / "traces" for p in ("fifo", policy)}
 
 
@@ -414,7 +431,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seeds", type=int, default=None,
                     help=f"seeds per cell and policy (default {SEEDS_INTERLEAVED} interleaved, {SEEDS} separate: "
-                         "about 13.5 / 12.5 min on a quiet 2-core machine)")
+                         "about 13.5-18.5 / 12.5 min on a 2-core machine; progress on stderr every 8 seeds)")
     ap.add_argument("--steps", type=int, default=50, help="steps per run and policy")
     ap.add_argument("--cells", nargs="*", default=list(CELLS), choices=list(CELLS))
     ap.add_argument("--design", choices=DESIGNS, default=DEFAULT_DESIGN,
@@ -551,12 +568,13 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         mixed = sum(c["predicted_verdict"] == c["verdict"] for _, c, _ in rows)
         print(f"# verdicts agree: {same_rule} of {len(rows)} cells under one rule (predicted worst run, measured "
               f"worst pair); {mixed} of {len(rows)} predicted (worst run) vs measured (95% bound), two rules")
-    print(f"# without the measured per-dequeue cost: max_gain_error_pct={worst_plain:.1f}")
+    print(f"# with the per-dequeue cost taken from the measured runs (cal): max_gain_error_pct={worst:.1f}")
     if aa:
         _print_aa(rows)
         return
-    print(f"# the last line: design {design} ({_DESIGN_RUN[design]})")
-    print(f"max_gain_error_pct={worst:.1f} cells={len(rows)}")
+    print(f"# the last line: the what-if's prediction from the FIFO runs alone (err %); design {design} "
+          f"({_DESIGN_RUN[design]})")
+    print(f"max_gain_error_pct={worst_plain:.1f} cells={len(rows)}")
 
 
 _DESIGN_RUN = {
