@@ -38,11 +38,21 @@ Design (the statistics; what is measured is unchanged):
 * **Export work is charged where it runs.** ``thread``: the in-process exporter's span building holds
   the GIL; its thread is given an export interval of an hour, and after every traced block
   ``session.flush()`` exports the block's records on the forward's thread, its CPU time added to that
-  block. ``agent``: the agent is another (niced) process; what it does during a traced block is in the
-  block (CPU contention, its only way to touch the forward); before an ``off`` block that follows a
-  traced one the forward waits (untimed) until the agent has exported everything (once per two pairs,
-  up to one export interval, 200 ms), so no agent work of a traced block lands in an ``off`` block.
-  What the agent does during that wait is in no block: ``agent cpu/step`` shows all of its CPU.
+  block. ``agent``: the agent is another (``SCHED_IDLE``) process; what it does during a traced block is in
+  the block (CPU contention, its only way to touch the forward).
+* **The same untimed procedure before every block** (``--settle same``, the default since 2026-12-02,
+  helper b1): the forward drains the agent (waits until it has exported everything; nothing to wait for
+  after an off block) and then sleeps until ``--gap-ms`` (250 ms, more than the agent's 200 ms poll) has
+  passed since the block before ended, whatever the block's kind. So no agent work of a traced block lands
+  in an off block, and every block starts after the same idle. Up to then (``--settle drain-off``) only an
+  off block that followed a traced one waited for the drain (up to one poll, asleep): on this 2-vCPU VM a
+  forward that has slept starts its next blocks with both threads stacked on one core (cheaper: the GIL
+  hand-offs stay on one core), so those off blocks, and the ones right after them, ran in another
+  placement than the traced blocks and the ratio compared unlike placements (docs/export.md, "The trigger
+  of the placement asymmetry"). ``--settle none`` runs every block back to back (serving's continuous
+  forward; the agent drains at its poll, during whichever blocks run then); ``sleep-off`` is the trigger
+  experiment (the old asymmetry as a plain sleep, no agent).
+  What the agent does during a drain is in no block: ``agent cpu/step`` shows all of its CPU.
 
 Modes (each against ``off``, one segment each in rotation; ``--diagnose`` and the diagnostic modes: docs/export.md,
 "The two-core excess"): ``agent`` (default export: shared-memory
@@ -305,6 +315,55 @@ def _wait_state(pid: int, stopped: bool, timeout_s: float = 1.0) -> None:
     raise RuntimeError(f"agent {pid} did not {'stop' if stopped else 'continue'} within {timeout_s} s")
 
 
+SETTLES = ("drain-off", "sleep-off", "same", "none")
+"""What the forward does (untimed) right before a block. ``drain-off`` (the procedure up to 2026-12-02): an off
+block that follows a traced one waits for the agent to export everything (up to one poll interval, asleep);
+no other block waits. ``sleep-off``: the same asymmetry without any agent, a plain ``--gap-ms`` sleep before
+an off block that follows a traced one (the trigger experiment, for ``aa``). ``same``: every block, both
+kinds, gets the same procedure: the drain, then asleep until ``--gap-ms`` (250 ms) in all, so every block
+starts after the same idle of the forward (the post-idle regime: on this VM both threads then start on one
+core). ``none``: nothing before any block, the forward runs continuously as in serving (the agent drains at its
+poll, during whichever blocks run then: its work of a traced block may land in an off block, which lowers the
+ratio by up to its share)."""
+GAP_S = 0.25
+GAP_DEFAULT_MS = {"sleep-off": 60.0, "same": 250.0}
+"""``same``: more than the agent's poll interval (200 ms), so every drain fits in the gap; ``sleep-off``: about
+the mean drain wait of ``drain-off``."""
+
+
+def _settle(settle: str, kind: str, prev: str, session: Any, block_env: Any, up: Any, work_us: int, mode: str,
+            charge_flush: bool) -> str:
+    """Run ``settle``'s untimed procedure before a ``kind`` block after a ``prev`` block; the label of what was
+    done (for ``--diagnose``'s block classes)."""
+    if settle == "drain-off":
+        if kind == "off" and prev == "on" and not charge_flush:
+            if not session.flush(30.0):  # untimed: no agent work of a traced block in an off block
+                raise RuntimeError(f"{mode}: the agent did not export in time")
+            return "drain"
+        return prev
+    if settle == "sleep-off":
+        if kind == "off" and prev == "on":
+            time.sleep(GAP_S)
+            return "sleep"
+        return prev
+    if settle == "none":
+        return prev
+    if settle == "same":  # the drain (when there is anything to drain), then asleep until GAP_S in all
+        t0 = time.perf_counter()
+        if not charge_flush and not session.flush(30.0):
+            raise RuntimeError(f"{mode}: the agent did not export in time")
+        left = GAP_S - (time.perf_counter() - t0)
+        if left > 0:
+            time.sleep(left)
+        else:
+            _LATE[0] += 1
+        return prev
+    raise ValueError(settle)
+
+
+_LATE = [0]  # ``same``: drains that took longer than GAP_S (their block had a longer idle before it)
+
+
 class _NoSession:
     """``aa``: the second thread untraced too (subclasses no session instruments): the A/A control."""
 
@@ -329,10 +388,18 @@ class ModeResult:
     diag: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=lambda: {"on": {}, "off": {}})
     diag_tasks: dict[str, int] = dataclasses.field(default_factory=lambda: {"on": 0, "off": 0})
     diag_wall_ns: dict[str, int] = dataclasses.field(default_factory=lambda: {"on": 0, "off": 0})
+    # the same per block *class*: the kind and what the forward did right before it ("off<-drain": an off
+    # block after the untimed wait for the agent; "on<-off": a traced block right after an off block, ...)
+    diag_class: dict[str, dict[str, list[int]]] = dataclasses.field(default_factory=dict)
+    diag_class_tasks: dict[str, int] = dataclasses.field(default_factory=dict)
+    diag_class_wall_ns: dict[str, int] = dataclasses.field(default_factory=dict)
+    idle_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # per kind: untimed idle of the forward before it
+    agent_other_blocks: int = 0  # blocks at whose end the agent's main thread was not SCHED_IDLE (escalated, or normal)
+    blocks: int = 0
 
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
-             result: ModeResult, diagnose: bool = False, pin: str | None = None) -> None:
+             result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "drain-off") -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
 
@@ -383,25 +450,39 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         gc.collect()
         gc.freeze()
         gc.disable()
-        after_traced = False
+        prev = "start"
         try:
             for p in range(pairs):
                 times, objs = {}, {}
                 for kind in (("off", "on") if p % 2 == 0 else ("on", "off")):
-                    if kind == "off" and after_traced and not charge_flush:
-                        if not session.flush(30.0):  # untimed: no agent work of a traced block in an off block
-                            raise RuntimeError(f"{mode}: the agent did not export in time")
+                    block_env = traced if kind == "on" else off
+                    t_idle = time.perf_counter_ns()
+                    pre = _settle(settle, kind, prev, session, block_env, up, work_us, mode, charge_flush)
+                    result.idle_ns[kind] = result.idle_ns.get(kind, 0) + time.perf_counter_ns() - t_idle
                     if kind == "on" and stop_agent:
                         os.kill(agent_pid, signal.SIGSTOP)
                         _wait_state(agent_pid, True)
                     other = "off" if kind == "on" else "on"
                     before = probe.snapshot(tids[kind], tids[other]) if probe else None
                     n0 = gc.get_count()[0]
-                    step_ns = _block(up, traced if kind == "on" else off, steps, work_us)
+                    step_ns = _block(up, block_env, steps, work_us)
                     if probe:
-                        _add_delta(result.diag[kind], before, probe.snapshot(tids[kind], tids[other]))
+                        delta: dict[str, list[int]] = {}
+                        _add_delta(delta, before, probe.snapshot(tids[kind], tids[other]))
+                        cls = f"{kind}<-{pre}"
+                        for into in (result.diag.setdefault(kind, {}), result.diag_class.setdefault(cls, {})):
+                            for row, values in delta.items():
+                                acc = into.setdefault(row, [0] * len(_COUNTS))
+                                for i, v in enumerate(values):
+                                    acc[i] += v
                         result.diag_tasks[kind] += steps * off.num_layers
                         result.diag_wall_ns[kind] += sum(step_ns)
+                        result.diag_class_tasks[cls] = result.diag_class_tasks.get(cls, 0) + steps * off.num_layers
+                        result.diag_class_wall_ns[cls] = result.diag_class_wall_ns.get(cls, 0) + sum(step_ns)
+                    result.blocks += 1
+                    if agent_pid and hasattr(os, "SCHED_IDLE"):
+                        with contextlib.suppress(OSError):
+                            result.agent_other_blocks += os.sched_getscheduler(agent_pid) != os.SCHED_IDLE
                     if kind == "on" and stop_agent:
                         os.kill(agent_pid, signal.SIGCONT)
                         _wait_state(agent_pid, False)
@@ -413,7 +494,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
                         charged = time.thread_time_ns() - c0
                     objs[kind] = gc.get_count()[0] - n0
                     times[kind] = sum(step_ns) + charged
-                    after_traced = kind == "on"
+                    prev = kind
                 result.ratios.append(times["on"] / times["off"] - 1.0)
                 result.gc_per_step.append((objs["on"] - objs["off"]) / steps)
                 result.steps += steps
@@ -438,7 +519,8 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
-        block_ms: float, diagnose: bool = False, pin: str | None = None) -> tuple[float, int, dict[str, ModeResult]]:
+        block_ms: float, diagnose: bool = False, pin: str | None = None,
+        settle: str = "drain-off") -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}
@@ -449,7 +531,7 @@ def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers:
         steps = max(2, round(block_ms * 1e6 / step_ns))
         for _ in range(segments):
             for mode in modes:
-                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin)
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin, settle)
     return step_ns / 1e6, steps, results
 
 
@@ -472,7 +554,7 @@ def print_diagnosis(load: str, work: int, results: dict[str, ModeResult]) -> Non
     """``--diagnose``: per mode and block kind, each thread's scheduler counts per task (``_COUNTS``)."""
     print(f"  scheduler counts per task ({load}, {work} us/layer): CPU and run-queue wait in us, timeslices, "
           f"voluntary / involuntary switches; 'recv' is the block's own recv thread")
-    print(f"  {'mode':10} {'block':5} {'wall us':>8} {'thread':9} {'cpu us':>7} {'rq us':>7} {'slices':>7} "
+    print(f"  {'mode':10} {'block':10} {'wall us':>8} {'thread':9} {'cpu us':>7} {'rq us':>7} {'slices':>7} "
           f"{'vol cs':>7} {'invol cs':>8} {'sys us':>7} {'migr':>6}")
     for mode, r in results.items():
         for kind in ("off", "on"):
@@ -480,10 +562,23 @@ def print_diagnosis(load: str, work: int, results: dict[str, ModeResult]) -> Non
             if not tasks:
                 continue
             for row in _Probe.ROWS:
-                cpu, rq, slices, vcs, ics, sys_ns, migr = r.diag[kind].get(row, [0] * len(_COUNTS))
-                print(f"  {mode:10} {kind:5} {r.diag_wall_ns[kind] / tasks / 1e3:8.1f} {row:9} {cpu / tasks / 1e3:7.2f} "
-                      f"{rq / tasks / 1e3:7.2f} {slices / tasks:7.3f} {vcs / tasks:7.3f} {ics / tasks:8.3f} "
-                      f"{sys_ns / tasks / 1e3:7.2f} {migr / tasks:6.3f}")
+                _diag_row(mode, kind, r.diag_wall_ns[kind], tasks, row, r.diag[kind].get(row))
+    print("  by block class (kind <- what the forward did right before it); forward and block's recv thread only; "
+          "idle ms: the forward's untimed wait before a block, mean per block of the kind")
+    for mode, r in results.items():
+        idle = {k: v / 1e6 for k, v in r.idle_ns.items()}
+        print(f"  {mode:10} idle before off {idle.get('off', 0) / max(1, len(r.ratios)):.1f} ms, "
+              f"before on {idle.get('on', 0) / max(1, len(r.ratios)):.1f} ms")
+        for cls in sorted(r.diag_class):
+            for row in ("forward", "recv"):
+                _diag_row(mode, cls, r.diag_class_wall_ns[cls], r.diag_class_tasks[cls], row, r.diag_class[cls].get(row))
+
+
+def _diag_row(mode: str, label: str, wall_ns: int, tasks: int, row: str, counts: list[int] | None) -> None:
+    cpu, rq, slices, vcs, ics, sys_ns, migr = counts or [0] * len(_COUNTS)
+    print(f"  {mode:10} {label:10} {wall_ns / tasks / 1e3:8.1f} {row:9} {cpu / tasks / 1e3:7.2f} "
+          f"{rq / tasks / 1e3:7.2f} {slices / tasks:7.3f} {vcs / tasks:7.3f} {ics / tasks:8.3f} "
+          f"{sys_ns / tasks / 1e3:7.2f} {migr / tasks:6.3f}")
 
 
 def main() -> None:
@@ -501,15 +596,23 @@ def main() -> None:
                         help="per mode and block kind: each thread's CPU, run-queue wait, timeslices and context "
                              "switches per task (forward, recv threads, the serving process's others, the agent)")
     parser.add_argument("--pin", choices=PINS, help="diagnostic thread placement: " + PINS_HELP)
+    parser.add_argument("--settle", choices=SETTLES, default="same",
+                        help="what the forward does (untimed) before a block (default same: the same drain-and-sleep "
+                             "before every block)")
+    parser.add_argument("--gap-ms", type=float, default=None,
+                        help="--settle same: the forward's idle before every block, drain included (default 250 ms); "
+                             "sleep-off: the sleep (default 60 ms)")
     args = parser.parse_args()
     if args.pin and len(_ALLOWED) < 2:
         parser.error("--pin needs two allowed CPUs")
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
     modes = tuple(dict.fromkeys(args.modes))
+    global GAP_S
+    GAP_S = (args.gap_ms if args.gap_ms is not None else GAP_DEFAULT_MS.get(args.settle, 0.0)) / 1000
     loads = ["idle", "compete"] if args.compete else ["idle"]
     headline = None
-    print(f"load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
+    print(f"settle {args.settle} (gap {GAP_S * 1000:.0f} ms); load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
           f"median [95% CI of the median] over n pairs", flush=True)
     print(f"{'load':8} {'work/layer':>10} {'step off ms':>11} {'steps/blk':>9} {'mode':9} {'slowdown %':>10} "
           f"{'95% CI':>15} {'n':>4} {'segments':>15} {'gc/step':>8} {'agent cpu/step us':>17}")
@@ -520,7 +623,7 @@ def main() -> None:
         try:
             for work in args.work_us:
                 step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms,
-                                          args.diagnose, args.pin)
+                                          args.diagnose, args.pin, args.settle)
                 for mode in modes:
                     r = res[mode]
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
@@ -529,7 +632,9 @@ def main() -> None:
                           f"{lo:7.2f}..{hi:<6.2f} {len(r.ratios):4d} "
                           f"{100 * min(r.segments):7.2f}..{100 * max(r.segments):<6.2f} "
                           f"{statistics.median(r.gc_per_step):8.1f} "
-                          f"{agent_cpu:>17}" + (f"  ({r.dropped} records DROPPED)" if r.dropped else ""), flush=True)
+                          f"{agent_cpu:>17}" + (f"  ({r.dropped} records DROPPED)" if r.dropped else "")
+                          + (f"  agent not SCHED_IDLE at the end of {r.agent_other_blocks}/{r.blocks} blocks"
+                             if r.agent_other_blocks else ""), flush=True)
                     if load == "idle" and work == min(args.work_us) and mode == "agent":
                         headline = med
                 if args.diagnose:
@@ -538,6 +643,8 @@ def main() -> None:
             if hog is not None:
                 hog.kill()
                 hog.wait()
+    if _LATE[0]:
+        print(f"{_LATE[0]} drains took longer than --gap-ms {GAP_S * 1000:.0f}: those blocks idled longer before")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     if headline is not None:
         print(f"forward_slowdown_pct={headline:.2f}")

@@ -50,6 +50,7 @@ class DoctorReport:
             "recv_probes": self.probes,
             "gva_enqueue": self.enqueue,
             "ring_pack": ring_pack(),
+            "agent_sched": agent_policy(),
             "points": [
                 {
                     "id": p.point.id,
@@ -113,6 +114,48 @@ def ring_pack() -> str:
     return mode if not why else f"{mode}: {why}"
 
 
+def agent_policy() -> str:
+    """How the exporter agent of a session started here would be scheduled (``OTEL_KVTRACE_EXPORTER``,
+    ``_AGENT_SCHED``, ``_AGENT_NICE``, ``_AGENT_CPUS``, read as ``AgentExporter`` reads them; the policy
+    switches as ``export/agent.py:Priority`` makes them), e.g. ``SCHED_IDLE (SCHED_OTHER at nice 10 while
+    the ring is more than 1/2 full, back at 1/8); CPUs 1``."""
+    import os
+
+    from otel_kvtrace import config
+    from otel_kvtrace.export.agent import Priority
+
+    if config.exporter_mode() != config.EXPORTER_AGENT:
+        return f"no agent ({config.OTEL_KVTRACE_EXPORTER}={config.exporter_mode()}: the in-process exporter thread)"
+    nice = config.env_int(config.OTEL_KVTRACE_AGENT_NICE, config.DEFAULT_AGENT_NICE, minimum=0)
+    if config.agent_sched() == config.AGENT_SCHED_IDLE and hasattr(os, "SCHED_IDLE"):
+        policy = (f"SCHED_IDLE (SCHED_OTHER at nice {nice} while the ring is more than "
+                  f"{_fraction(Priority.ESCALATE)} full, back at {_fraction(Priority.RELAX)})")
+    else:
+        policy = f"SCHED_OTHER at nice {nice}"
+    cpus = config.agent_cpus()
+    if cpus is None:
+        return policy + "; CPUs: the serving process's"
+    allowed = sorted(set(cpus) & os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(cpus)
+    if not allowed:
+        return policy + f"; CPUs {_cpu_list(cpus)} not allowed here: the serving process's"
+    return policy + f"; CPUs {_cpu_list(allowed)}"
+
+
+def _fraction(value: float) -> str:
+    return f"1/{round(1 / value)}" if value > 0 and abs(1 / value - round(1 / value)) < 1e-9 else f"{value:g}"
+
+
+def _cpu_list(cpus: "tuple[int, ...] | list[int]") -> str:
+    """``0-3,8`` for 0, 1, 2, 3, 8 (the form ``OTEL_KVTRACE_AGENT_CPUS`` takes)."""
+    out: list[str] = []
+    for c in sorted(cpus):
+        if out and out[-1].rsplit("-", 1)[-1] == str(c - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{c}"
+        else:
+            out.append(str(c))
+    return ",".join(out)
+
+
 def _print_report(report: DoctorReport) -> None:
     from rich.console import Console
     from rich.markup import escape
@@ -137,6 +180,7 @@ def _print_report(report: DoctorReport) -> None:
     colour = "green" if report.enqueue == "compiled" else "yellow"
     console.print(f"GVA enqueue: [{colour}]{escape(report.enqueue)}[/]")
     console.print(f"ring task packer: {escape(ring_pack())}")
+    console.print(f"exporter agent scheduling: {escape(agent_policy())}")
     if b.ok:
         console.print("[green]all required patch points found: tracing can bind[/]")
     else:

@@ -139,3 +139,68 @@ def test_source_tree_leaves_no_stub_behind(upstream_root: Path) -> None:
     leaked = {m for m in set(sys.modules) - before if m.split(".")[0] in ("torch", "torch_npu", "vllm", "vllm_ascend")}
     assert not leaked
     assert sys.meta_path == meta_path
+
+
+def _doctor_json(upstream_root: Path, env: dict[str, str]) -> dict:
+    """A real ``kvtrace doctor --json`` process with ``env`` over ours (no OTEL_KVTRACE_AGENT_* of ours leaks)."""
+    import os
+    import subprocess
+
+    base = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_KVTRACE_")}
+    out = subprocess.run([sys.executable, "-m", "otel_kvtrace.cli", "doctor", "--source", str(upstream_root), "--json"],
+                         env={**base, **env}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == EXIT_OK, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "SCHED_IDLE"), reason="Linux scheduling policies")
+def test_doctor_says_the_agent_policy_the_real_agent_then_runs(upstream_root: Path, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The doctor line against the policy, nice level and CPUs read back from a real agent started with the
+    same settings: default (idle, escalation), then ``normal`` at nice 7 on one CPU, then the thread exporter."""
+    import os
+
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.record import ring as R
+    from otel_kvtrace.record.recorder import Recorder
+
+    cpu = max(os.sched_getaffinity(0))
+    cases = [({}, os.SCHED_IDLE, None, "SCHED_IDLE (SCHED_OTHER at nice 10 while the ring is more than 1/2 full, "
+                                         "back at 1/8); CPUs: the serving process's"),
+             ({"OTEL_KVTRACE_AGENT_SCHED": "normal", "OTEL_KVTRACE_AGENT_NICE": "7",
+               "OTEL_KVTRACE_AGENT_CPUS": str(cpu)}, os.SCHED_OTHER, 7, f"SCHED_OTHER at nice 7; CPUs {cpu}")]
+    for env, policy, nice, line in cases:
+        assert _doctor_json(upstream_root, env)["agent_sched"] == line
+        for key in ("OTEL_KVTRACE_AGENT_SCHED", "OTEL_KVTRACE_AGENT_NICE", "OTEL_KVTRACE_AGENT_CPUS"):
+            monkeypatch.delenv(key, raising=False)
+        for key, value in env.items():
+            monkeypatch.setenv(key, value)
+        exporter = AgentExporter(Recorder(), {"service.name": "doctor-test"}, out_dir=tmp_path)
+        pid = int(exporter.writer.hdr[R.H_AGENT_PID])
+        try:
+            assert os.sched_getscheduler(pid) == policy
+            if nice is not None:
+                assert os.getpriority(os.PRIO_PROCESS, pid) - os.getpriority(os.PRIO_PROCESS, 0) == nice
+                assert os.sched_getaffinity(pid) == {cpu}
+            else:
+                assert os.sched_getaffinity(pid) == os.sched_getaffinity(0)
+        finally:
+            exporter.shutdown()
+    report = _doctor_json(upstream_root, {"OTEL_KVTRACE_EXPORTER": "thread", "OTEL_KVTRACE_AGENT_CPUS": "0"})
+    assert report["agent_sched"].startswith("no agent (OTEL_KVTRACE_EXPORTER=thread")
+    for key in ("OTEL_KVTRACE_AGENT_SCHED", "OTEL_KVTRACE_AGENT_NICE", "OTEL_KVTRACE_EXPORTER"):
+        monkeypatch.delenv(key, raising=False)
+    table = CliRunner().invoke(main, ["doctor", "--source", str(upstream_root)], env={"OTEL_KVTRACE_AGENT_CPUS": str(cpu)})
+    assert "exporter agent scheduling: SCHED_IDLE (SCHED_OTHER at nice 10 " in table.output
+    assert f"; CPUs {cpu}\n" in table.output
+    assert _doctor_json(upstream_root, {"OTEL_KVTRACE_AGENT_CPUS": "4000-4001"})["agent_sched"].endswith(
+        "; CPUs 4000-4001 not allowed here: the serving process's")
+
+
+@pytest.mark.parametrize(("cpus", "text"), [((0, 1, 2, 3, 8), "0-3,8"), ((5,), "5"), ((1, 3, 4), "1,3-4")])
+def test_doctor_cpu_list_is_the_form_the_setting_takes(cpus: tuple[int, ...], text: str) -> None:
+    from otel_kvtrace import config
+    from otel_kvtrace.doctor import _cpu_list
+
+    assert _cpu_list(cpus) == text
+    assert config.agent_cpus({config.OTEL_KVTRACE_AGENT_CPUS: text}) == cpus
