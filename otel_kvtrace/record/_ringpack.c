@@ -107,10 +107,25 @@ static PyObject *names[N_SHIP_NAMES];
 
 /* 1 and *out set when o is an int within [lo, hi]; 0 (no exception) when it is not: the caller then
  * returns NotImplemented and the Python path decides (it packs an __index__ object, raises on a float). */
-static int as_int(PyObject *o, long long lo, long long hi, long long *out) {
+static inline int as_int(PyObject *o, long long lo, long long hi, long long *out) {
     int overflow;
     long long v;
     if (!PyLong_Check(o)) return 0; /* PyLong_AsLongLong would call __index__, i.e. Python code */
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    { /* up to two 30-bit digits (|v| < 2^60: every ns stamp, index and count) read inline; the value is
+       * the one PyLong_AsLongLongAndOverflow returns (the same digits, sign from ob_size) */
+        Py_ssize_t size = Py_SIZE(o);
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        if (size >= -2 && size <= 2) {
+            Py_ssize_t n = size < 0 ? -size : size;
+            v = n == 0 ? 0 : n == 1 ? (long long)d[0] : (long long)d[0] | (long long)d[1] << PyLong_SHIFT;
+            if (size < 0) v = -v;
+            if (v < lo || v > hi) return 0;
+            *out = v;
+            return 1;
+        }
+    }
+#endif
     v = PyLong_AsLongLongAndOverflow(o, &overflow);
     if (overflow || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
