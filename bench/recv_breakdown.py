@@ -525,7 +525,9 @@ def ship_loop(n: int, what: str) -> None:
 
     def ship() -> None:
         restore()
-        recorder._ship(True, rec)  # awaiting form: not recycled, so the same record ships again
+        # awaiting form: not recycled, so the same record ships again; through ``submit_first``, the entry
+        # the recv thread calls (a partial over ``_ship``, or the native shipper of this tree)
+        recorder.submit_first(rec)
 
     fn = ship if what == "ship" else restore
     for _ in range(50 + n):
@@ -567,7 +569,7 @@ def instructions(against: Path | None) -> None:
     for name, tree in trees:
         per = ship_instructions(tree)
         print(f"{name:6} {str(tree):32} packer {packer_in_use(tree):6} "
-              f"instructions per ship (Recorder._ship, awaiting form): {per:8.0f}")
+              f"instructions per ship (Recorder.submit_first): {per:8.0f}")
 
 
 def main(argv: list[str] | None = None) -> None:

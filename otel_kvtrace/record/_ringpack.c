@@ -92,6 +92,8 @@ static const char *attr_names[N_ATTRS] = {
     "transfer_tasks"};
 static PyObject *attrs[N_ATTRS];
 static PyObject *str_head; /* "_head": the writer's claim hint, kept as ring.py's _claim keeps it */
+/* Shipper: the recorder's attribute and methods it reads or calls, and TaskRecord.reset */
+static PyObject *str_ring_name, *str_ship_name, *str_drop_name, *str_disable_name, *str_reset_name;
 /* ship(): names read on the writer, the stream marks and upstream's transfer task (ring.py write_task) */
 enum { S_HITS, S_GENERATION, S_SHARED, S_REQ_IDS, S_BLOCKS, S_GROUP, S_LOG, S_POSITION, S_OBSERVED, S_DONE_BY,
        N_SHIP_NAMES };
@@ -105,10 +107,25 @@ static PyObject *names[N_SHIP_NAMES];
 
 /* 1 and *out set when o is an int within [lo, hi]; 0 (no exception) when it is not: the caller then
  * returns NotImplemented and the Python path decides (it packs an __index__ object, raises on a float). */
-static int as_int(PyObject *o, long long lo, long long hi, long long *out) {
+static inline int as_int(PyObject *o, long long lo, long long hi, long long *out) {
     int overflow;
     long long v;
     if (!PyLong_Check(o)) return 0; /* PyLong_AsLongLong would call __index__, i.e. Python code */
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    { /* up to two 30-bit digits (|v| < 2^60: every ns stamp, index and count) read inline; the value is
+       * the one PyLong_AsLongLongAndOverflow returns (the same digits, sign from ob_size) */
+        Py_ssize_t size = Py_SIZE(o);
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        if (size >= -2 && size <= 2) {
+            Py_ssize_t n = size < 0 ? -size : size;
+            v = n == 0 ? 0 : n == 1 ? (long long)d[0] : (long long)d[0] | (long long)d[1] << PyLong_SHIFT;
+            if (size < 0) v = -v;
+            if (v < lo || v > hi) return 0;
+            *out = v;
+            return 1;
+        }
+    }
+#endif
     v = PyLong_AsLongLongAndOverflow(o, &overflow);
     if (overflow || (v == -1 && PyErr_Occurred())) {
         PyErr_Clear();
@@ -632,18 +649,12 @@ out:
     return ok;
 }
 
-/* ship(writer, rec, awaiting) -> True, False (ring full) or NotImplemented (ring.py's path writes it). */
-static PyObject *Packer_ship(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
-    PyObject *writer, *rec, *o;
+/* ship() after its argument checks: True, False (ring full), NotImplemented, or NULL with an exception. */
+static PyObject *ship_impl(Packer *self, PyObject *writer, PyObject *rec, int awaiting) {
+    PyObject *o;
     long long kind, sidx;
-    int awaiting, r;
-    if (!callable_with(self, nargs, 3, "ship(writer, rec, awaiting)")) return NULL;
-    writer = args[0];
-    rec = args[1];
-    if (self->queue == NULL || (awaiting = PyObject_IsTrue(args[2])) < 0) {
-        PyErr_Clear();
-        Py_RETURN_NOTIMPLEMENTED;
-    }
+    int r;
+    if (self->queue == NULL) Py_RETURN_NOTIMPLEMENTED;
     if ((o = get(self, rec, A_QUEUE)) == NULL) goto python;
     r = o == self->queue;
     Py_DECREF(o);
@@ -663,6 +674,256 @@ python:
     PyErr_Clear();
     Py_RETURN_NOTIMPLEMENTED;
 }
+
+/* ship(writer, rec, awaiting) -> True, False (ring full) or NotImplemented (ring.py's path writes it). */
+static PyObject *Packer_ship(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
+    int awaiting;
+    if (!callable_with(self, nargs, 3, "ship(writer, rec, awaiting)")) return NULL;
+    if ((awaiting = PyObject_IsTrue(args[2])) < 0) {
+        PyErr_Clear();
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    return ship_impl(self, args[0], args[1], awaiting);
+}
+
+/* ---- Shipper: recorder.Recorder._ship of a ring whose writer has a packer, in C ------------------------------
+ * Recorder.attach_ring makes two (submit: awaiting False, submit_first: True) when the writer has a packer
+ * (RingWriter.native_shipper); they replace the functools.partial objects over Recorder._ship, the reference.
+ * A call does what _ship does: when the recorder's ring is still this writer, the task through ship_impl;
+ * True: next(recorder._submitted); then, not awaiting, the record reset and back into the pool when the pool
+ * has room. Every other outcome goes to Python as _ship would take it: NotImplemented -> recorder._ship(
+ * awaiting, rec, False) (the whole reference path, Packer.ship not tried again); False -> recorder._ring_drop(
+ * writer) and the recycle; an Exception -> recorder.disable("ring write failed: <repr>"), _ring_drop, the
+ * recycle; a BaseException that is not an Exception propagates, nothing recycled (as from _ship); a detached
+ * or replaced ring -> recorder._ship(awaiting, rec).
+ *
+ * The reset (TaskRecord.reset, the reference) for records of the packer's record type: every field named in
+ * ``fields`` takes the value of the same field of ``blank`` (a reset record), but a list field, which keeps its
+ * identity and gets the blank's items (clear(), deps[:] = ...). A record whose list fields are not lists, or of
+ * another type, has its own reset() called. tests/record/test_ringpack.py compares both over generated records. */
+
+#define MAX_FIELDS 40
+
+typedef struct {
+    PyObject_HEAD
+    Packer *packer;
+    vectorcallfunc vectorcall;
+    PyObject *writer, *recorder, *pool, *append, *submitted, *blank;
+    Py_ssize_t capacity;
+    int awaiting;
+    int nfields;
+    Py_ssize_t offset[MAX_FIELDS]; /* the fields' slot offsets in packer->rec_type */
+    int is_list[MAX_FIELDS];       /* the blank's value is an exact list: reset in place */
+} Shipper;
+
+static int Shipper_traverse(Shipper *self, visitproc visit, void *arg) {
+    Py_VISIT(self->packer);
+    Py_VISIT(self->writer);
+    Py_VISIT(self->recorder);
+    Py_VISIT(self->pool);
+    Py_VISIT(self->append);
+    Py_VISIT(self->submitted);
+    Py_VISIT(self->blank);
+    return 0;
+}
+
+static int Shipper_clear(Shipper *self) {
+    Py_CLEAR(self->packer);
+    Py_CLEAR(self->writer);
+    Py_CLEAR(self->recorder);
+    Py_CLEAR(self->pool);
+    Py_CLEAR(self->append);
+    Py_CLEAR(self->submitted);
+    Py_CLEAR(self->blank);
+    return 0;
+}
+
+static void Shipper_dealloc(Shipper *self) {
+    PyObject_GC_UnTrack(self);
+    Shipper_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyTypeObject PackerType;
+
+/* Shipper(packer, writer, recorder, awaiting, pool, capacity, submitted, fields, blank) */
+static int Shipper_init(Shipper *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
+    PyObject *packer, *writer, *recorder, *pool, *submitted, *fields, *blank, *append;
+    Py_ssize_t capacity, i, n;
+    int awaiting;
+    if (!PyArg_ParseTuple(args, "O!OOpOnOO!O", &PackerType, &packer, &writer, &recorder, &awaiting, &pool, &capacity,
+                          &submitted, &PyTuple_Type, &fields, &blank))
+        return -1;
+    if (((Packer *)packer)->rec_type == NULL || Py_TYPE(blank) != ((Packer *)packer)->rec_type) {
+        PyErr_SetString(PyExc_TypeError, "blank must be a record of the packer's record type");
+        return -1;
+    }
+    if (!PyIter_Check(submitted)) {
+        PyErr_SetString(PyExc_TypeError, "submitted must be an iterator");
+        return -1;
+    }
+    n = PyTuple_GET_SIZE(fields);
+    if (n > MAX_FIELDS) {
+        PyErr_SetString(PyExc_ValueError, "too many record fields");
+        return -1;
+    }
+    for (i = 0; i < n; i++) { /* each field a plain object slot of the record type, set on the blank */
+        PyObject *d = PyObject_GetAttr((PyObject *)((Packer *)packer)->rec_type, PyTuple_GET_ITEM(fields, i)), *v;
+        PyMemberDef *m;
+        if (d == NULL) return -1;
+        m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
+        Py_DECREF(d);
+        if (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
+            m->offset + (Py_ssize_t)sizeof(PyObject *) > ((Packer *)packer)->rec_type->tp_basicsize) {
+            PyErr_SetString(PyExc_TypeError, "a record field is not a plain slot");
+            return -1;
+        }
+        v = *(PyObject **)((char *)blank + m->offset);
+        if (v == NULL) {
+            PyErr_SetString(PyExc_ValueError, "a field of the blank record is unset");
+            return -1;
+        }
+        self->offset[i] = m->offset;
+        self->is_list[i] = PyList_CheckExact(v);
+    }
+    if ((append = PyObject_GetAttrString(pool, "append")) == NULL) return -1;
+    self->nfields = (int)n;
+    self->capacity = capacity;
+    self->awaiting = awaiting;
+    Py_XSETREF(self->append, append);
+#define KEEP(member, value) do { Py_INCREF(value); Py_XSETREF(self->member, value); } while (0)
+    KEEP(packer, (Packer *)packer);
+    KEEP(writer, writer);
+    KEEP(recorder, recorder);
+    KEEP(pool, pool);
+    KEEP(submitted, submitted);
+    KEEP(blank, blank);
+#undef KEEP
+    return 0;
+}
+
+/* rec back to the blank state (TaskRecord.reset). */
+static int reset_record(Shipper *self, PyObject *rec) {
+    int i;
+    PyObject *r;
+    if (Py_TYPE(rec) == self->packer->rec_type) {
+        for (i = 0; i < self->nfields; i++) { /* every list field checked before anything changes */
+            PyObject *cur = *(PyObject **)((char *)rec + self->offset[i]);
+            if (self->is_list[i] && (cur == NULL || !PyList_CheckExact(cur))) goto python;
+        }
+        for (i = 0; i < self->nfields; i++) {
+            PyObject **slot = (PyObject **)((char *)rec + self->offset[i]);
+            PyObject *want = *(PyObject **)((char *)self->blank + self->offset[i]);
+            if (self->is_list[i]) {
+                /* the blank's items into the record's own list (a list of ints or empty: no Python code) */
+                if (PyList_SetSlice(*slot, 0, PY_SSIZE_T_MAX, want) < 0) return -1;
+            } else if (*slot != want) {
+                Py_INCREF(want);
+                Py_XSETREF(*slot, want);
+            }
+        }
+        return 0;
+    }
+python:
+    r = PyObject_CallMethodNoArgs(rec, str_reset_name);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+/* _ship's recycle: reset and pooled when the pool has room (only when not awaiting). */
+static int recycle(Shipper *self, PyObject *rec) {
+    Py_ssize_t n;
+    PyObject *r;
+    if (self->awaiting) return 0;
+    if ((n = PyObject_Size(self->pool)) < 0) return -1;
+    if (n >= self->capacity) return 0;
+    if (reset_record(self, rec) < 0) return -1;
+    r = PyObject_CallOneArg(self->append, rec);
+    Py_XDECREF(r);
+    return r == NULL ? -1 : 0;
+}
+
+static PyObject *Shipper_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Shipper *self = (Shipper *)callable;
+    PyObject *rec, *ring, *done, *r, *exc_type, *exc, *tb;
+    if (PyVectorcall_NARGS(nargsf) != 1 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "ship(record)");
+        return NULL;
+    }
+    rec = args[0];
+    if ((ring = PyObject_GetAttr(self->recorder, str_ring_name)) == NULL) return NULL;
+    Py_DECREF(ring); /* only compared */
+    if (ring != self->writer || !self->packer->have_view) /* detached or replaced meanwhile: _ship decides */
+        return PyObject_CallMethodObjArgs(self->recorder, str_ship_name, self->awaiting ? Py_True : Py_False, rec, NULL);
+    done = ship_impl(self->packer, self->writer, rec, self->awaiting);
+    if (done == Py_True) {
+        Py_DECREF(done);
+        if ((r = PyIter_Next(self->submitted)) == NULL) {
+            if (!PyErr_Occurred()) PyErr_SetString(PyExc_StopIteration, "");
+            return NULL;
+        }
+        Py_DECREF(r);
+        if (recycle(self, rec) < 0) return NULL;
+        Py_RETURN_NONE;
+    }
+    if (done == Py_NotImplemented) { /* the reference path, Packer.ship not tried again */
+        Py_DECREF(done);
+        return PyObject_CallMethodObjArgs(self->recorder, str_ship_name, self->awaiting ? Py_True : Py_False, rec,
+                                          Py_False, NULL);
+    }
+    if (done == NULL) { /* _ship: except Exception -> disable, then as a drop */
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        PyErr_Fetch(&exc_type, &exc, &tb);
+        PyErr_NormalizeException(&exc_type, &exc, &tb);
+        Py_XDECREF(exc_type);
+        Py_XDECREF(tb);
+        r = exc == NULL ? NULL : PyUnicode_FromFormat("ring write failed: %R", exc);
+        Py_XDECREF(exc);
+        if (r == NULL) return NULL;
+        Py_SETREF(r, PyObject_CallMethodOneArg(self->recorder, str_disable_name, r));
+        if (r == NULL) return NULL;
+        Py_DECREF(r);
+    } else {
+        Py_DECREF(done); /* False: the ring was full */
+    }
+    if ((r = PyObject_CallMethodOneArg(self->recorder, str_drop_name, self->writer)) == NULL) return NULL;
+    Py_DECREF(r);
+    if (recycle(self, rec) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* reset(rec): the reset a recycled record gets (for the tests comparing it with TaskRecord.reset). */
+static PyObject *Shipper_reset(Shipper *self, PyObject *rec) {
+    if (reset_record(self, rec) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Shipper_methods[] = {
+    {"reset", (PyCFunction)Shipper_reset, METH_O, "reset(rec): the reset of a recycled record (TaskRecord.reset)"},
+    {NULL, NULL, 0, NULL}};
+
+static PyObject *Shipper_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Shipper *self = (Shipper *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL) self->vectorcall = Shipper_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ShipperType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.record._ringpack.Shipper",
+    .tp_basicsize = sizeof(Shipper),
+    .tp_dealloc = (destructor)Shipper_dealloc,
+    .tp_vectorcall_offset = offsetof(Shipper, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Shipper(packer, writer, recorder, awaiting, pool, capacity, submitted, fields, blank): "
+              "Recorder._ship(awaiting, rec) of that writer's ring in C",
+    .tp_methods = Shipper_methods,
+    .tp_traverse = (traverseproc)Shipper_traverse,
+    .tp_clear = (inquiry)Shipper_clear,
+    .tp_init = (initproc)Shipper_init,
+    .tp_new = Shipper_new,
+};
 
 /* remember_queue(queue, qidx): the queue ring.py just resolved (RingWriter._queues keeps it for good). */
 static PyObject *Packer_remember_queue(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
@@ -764,14 +1025,22 @@ PyMODINIT_FUNC PyInit__ringpack(void) {
     }
     for (j = 0; j < N_ATTRS; j++)
         if ((attrs[j] = PyUnicode_InternFromString(attr_names[j])) == NULL) return NULL;
-    if ((str_head = PyUnicode_InternFromString("_head")) == NULL) return NULL;
+    if ((str_head = PyUnicode_InternFromString("_head")) == NULL ||
+        (str_ring_name = PyUnicode_InternFromString("ring")) == NULL ||
+        (str_ship_name = PyUnicode_InternFromString("_ship")) == NULL ||
+        (str_drop_name = PyUnicode_InternFromString("_ring_drop")) == NULL ||
+        (str_disable_name = PyUnicode_InternFromString("disable")) == NULL ||
+        (str_reset_name = PyUnicode_InternFromString("reset")) == NULL)
+        return NULL;
     for (j = 0; j < N_SHIP_NAMES; j++)
         if ((names[j] = PyUnicode_InternFromString(ship_names[j])) == NULL) return NULL;
-    if (PyType_Ready(&PackerType) < 0) return NULL;
+    if (PyType_Ready(&PackerType) < 0 || PyType_Ready(&ShipperType) < 0) return NULL;
     m = PyModule_Create(&ringpack_module);
     if (m == NULL) return NULL;
     Py_INCREF(&PackerType);
+    Py_INCREF(&ShipperType);
     if (PyModule_AddObject(m, "Packer", (PyObject *)&PackerType) < 0 ||
+        PyModule_AddObject(m, "Shipper", (PyObject *)&ShipperType) < 0 ||
         PyModule_AddIntConstant(m, "STAGES_AT", STAGES_AT) < 0 ||
         PyModule_AddIntConstant(m, "FIXED_SIZE", (long)FIXED_SIZE) < 0 ||
         PyModule_AddObject(m, "LAYOUT", layout_dict()) < 0) {

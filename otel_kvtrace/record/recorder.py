@@ -76,8 +76,9 @@ class Recorder:
     def attach_ring(self, writer: Any) -> None:
         """Ship records through ``writer`` (a ``RingWriter``) from now on; ``None`` goes back in-process.
 
-        With a ring, ``submit``/``submit_first`` become ``functools.partial`` objects over ``_ship`` on the
-        instance: the recording thread enters one Python frame per shipped task, not two."""
+        With a ring, ``submit``/``submit_first`` become ``_ship(False, ...)``/``_ship(True, ...)`` on the
+        instance: the writer's native shipper (``RingWriter.native_shipper``: ``_ship`` in C, no Python frame
+        for the common task) when it has one, else ``functools.partial`` objects over ``_ship`` (one frame)."""
         import functools
 
         self.ring = writer
@@ -86,14 +87,18 @@ class Recorder:
             self.__dict__.pop("submit_first", None)
         else:
             writer.resolver = self._resolve_timing
-            self.submit = functools.partial(self._ship, False)  # type: ignore[method-assign]
-            self.submit_first = functools.partial(self._ship, True)  # type: ignore[method-assign]
+            native = getattr(writer, "native_shipper", None)
+            for name, awaiting in (("submit", False), ("submit_first", True)):
+                ship = native(self, awaiting) if native is not None else None
+                setattr(self, name, ship if ship is not None else functools.partial(self._ship, awaiting))
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pending records and counts are not this process's."""
         self._ready.clear()
         self._drops = itertools.count()
         self._submitted = itertools.count()
+        if self.ring is not None:  # a native shipper counts into the counter it was made with
+            self.attach_ring(self.ring)
 
     # ---- hot path -------------------------------------------------------------------------------
     def new_record(self) -> TaskRecord:
@@ -141,14 +146,16 @@ class Recorder:
             self.disable(f"ring write failed: {exc!r}")
         self._recycle_one(record)
 
-    def _ship(self, awaiting: bool, record: TaskRecord) -> None:
+    def _ship(self, awaiting: bool, record: TaskRecord, native: bool = True) -> None:
+        """One finished task into the ring (the reference of the native shipper, ``_ringpack.Shipper``, which
+        calls it with ``native=False`` for a task ``Packer.ship`` declined: then not tried again)."""
         ring = self.ring
         if ring is None:  # the ring was detached meanwhile (shutdown, fork fallback): in-process
             if not awaiting:
                 Recorder.submit(self, record)
             return
         try:
-            ok = ring.write_task(record, awaiting)  # bounds, summary index, one pack_into, commit
+            ok = ring.write_task(record, awaiting, native=native)  # bounds, summary index, one pack_into, commit
         except Exception as exc:  # noqa: BLE001 - never into the host thread
             self.disable(f"ring write failed: {exc!r}")
             ok = False

@@ -57,6 +57,7 @@ published into ``H_DROPPED``; the producer never waits.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import marshal
 import mmap
@@ -207,6 +208,7 @@ def _load_native() -> tuple[Any, str]:
 
 
 _NATIVE, _NATIVE_MISSING = _load_native()
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(TaskRecord))  # what the native shipper resets
 _NATIVE_FAILED = ""  # why constructing a Packer failed in this process (then every writer uses Python)
 _WARNED: set[str] = set()  # reasons logged already: one line each per process
 
@@ -404,8 +406,23 @@ class RingWriter:
         self._buf.release()
         self._mem.close()
 
+    def native_shipper(self, recorder: Any, awaiting: bool) -> Any:
+        """``recorder._ship(awaiting, ...)`` over this ring in C (``_ringpack.Shipper``), or None (no packer,
+        or not the recorder of this package): what ``Recorder.attach_ring`` installs as ``submit``."""
+        packer = self._packer
+        if packer is None or packer.record_type is not TaskRecord or not hasattr(recorder, "_pool"):
+            return None
+        blank = TaskRecord()
+        blank.reset()
+        try:
+            return _NATIVE.Shipper(packer, self, recorder, awaiting, recorder._pool, recorder.capacity,
+                                   recorder._submitted, _RECORD_FIELDS, blank)
+        except Exception as exc:  # noqa: BLE001 - the Python _ship works
+            _warn_once(f"native shipper failed ({type(exc).__name__}: {exc}); shipping through Recorder._ship")
+            return None
+
     # -- per task -----------------------------------------------------------------------------------
-    def write_task(self, rec: Any, awaiting: bool, summary: Any = None) -> bool:
+    def write_task(self, rec: Any, awaiting: bool, summary: Any = None, native: bool = True) -> bool:
         """One task record in one slot; False when the ring had no room (the caller counts the drop).
 
         Stamps, dependency bounds and stages are copied as they are, after the NPU bounds were tightened
@@ -417,9 +434,10 @@ class RingWriter:
         With the native packer the common task (its queue the one resolved last, no error, only stream-order
         marks, the shared transfer data of the last summary) is done by ``Packer.ship`` alone; everything
         else goes through the code below, the reference (``tests/record/test_ringpack.py``: same bytes).
+        ``native=False``: ``Packer.ship`` is not tried (it declined this task already).
         """
         packer = self._packer
-        if packer is not None and summary is None:
+        if packer is not None and summary is None and native:
             done = packer.ship(self, rec, awaiting)
             if done is not NotImplemented:
                 return done

@@ -685,3 +685,134 @@ def test_ship_takes_the_common_task_and_leaves_the_rest_to_python(monkeypatch: p
     for r in declined:
         assert packer.ship(native, r, False) is NotImplemented
     assert native._head == head + 1
+
+
+# -- the native shipper (``_ringpack.Shipper``) against ``Recorder._ship`` ----------------------------------------
+
+
+def _fields(rec: TaskRecord) -> list[tuple[str, type, Any]]:
+    """Every field of ``rec``: name, type and value (so ``True`` is not ``1``)."""
+    return [(f.name, type(getattr(rec, f.name)), getattr(rec, f.name)) for f in dataclasses.fields(rec)]
+
+
+def _lists(rec: TaskRecord) -> list[int]:
+    return [id(rec.stages), id(rec.deps), id(rec.npu_marks), id(rec.holds)]
+
+
+@st.composite
+def used_records(draw: Any) -> TaskRecord:
+    """A record as the recorder recycles it: every field set, the fields ``records()`` leaves alone too."""
+    rec = draw(records())[0]
+    rec.transfer_tasks = draw(st.sampled_from([None, object(), [1, 2]]))
+    rec.npu_marks.extend((draw(st.integers(0, 4)), object()) for _ in range(draw(st.integers(0, 3))))
+    rec.holds.extend(draw(st.lists(st.integers(0, 1), max_size=2)))
+    rec.consumer_release = draw(st.integers(0, 3))
+    rec.error = draw(st.sampled_from([None, ValueError("x")]))
+    return rec
+
+
+def _shipper_pair(nslots: int, commit: int, monkeypatch: pytest.MonkeyPatch,
+                  cls: Any = R.RingWriter) -> tuple[Any, Any]:
+    """(recorder shipping through the native shipper, recorder shipping through ``Recorder._ship`` and the
+    Python packer), each on its own fresh ring of the same shape."""
+    from otel_kvtrace.record.recorder import Recorder
+
+    native, python = _pair(nslots, commit, monkeypatch, cls)
+    recorders = (Recorder(capacity=4), Recorder(capacity=4))
+    for recorder, writer in zip(recorders, (native, python)):
+        recorder.attach_ring(writer)
+    assert type(recorders[0].submit) is NATIVE.Shipper and type(recorders[0].submit_first) is NATIVE.Shipper
+    assert type(recorders[1].submit).__name__ == "partial"  # the reference: no packer, no shipper
+    return recorders
+
+
+@needs_native
+@settings(max_examples=120, deadline=None)
+@given(rec=used_records())
+def test_the_shippers_reset_is_taskrecord_reset(rec: TaskRecord) -> None:
+    """The reset of a recycled record in C (every field from a blank record, lists kept and refilled) equals
+    ``TaskRecord.reset``, field by field and type by type, and keeps the record's own lists."""
+    from otel_kvtrace.record.recorder import Recorder
+
+    fd, mem = R.create_memfd(128)
+    os.close(fd)
+    writer = R.RingWriter(mem)
+    shipper = writer.native_shipper(Recorder(), False)
+    twin = dataclasses.replace(rec, stages=list(rec.stages), deps=list(rec.deps), npu_marks=list(rec.npu_marks),
+                               holds=list(rec.holds))
+    lists = _lists(rec)
+    shipper.reset(rec)
+    twin.reset()
+    assert _fields(rec) == _fields(twin) == _fields(TaskRecord())
+    assert _lists(rec) == lists
+    rec.stages = (1, 2, 3)  # not a list: TaskRecord.reset itself runs (and raises, as it does)
+    with pytest.raises(AttributeError):
+        shipper.reset(rec)
+    assert rec.stages == (1, 2, 3) and rec.queue is None
+
+
+def _recorder_state(recorder: Any) -> tuple[Any, ...]:
+    return (recorder.submitted, recorder.dropped, recorder.disabled_reason, recorder.pending,
+            [_fields(r) for r in recorder._pool])
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(shipped(), st.integers(0, 2)), min_size=1, max_size=60))
+def test_the_native_shipper_ships_what_recorder_ship_ships(
+        commit: int, batch: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``submit``/``submit_first`` in C against ``Recorder._ship`` (the Python packer behind it): after every
+    task the same ring bytes, claim hint, submitted and dropped counts (a ring of 128 slots not drained fills:
+    drops), disabled reason (records the Python path raises on), in-process hand-off, and pool: the same
+    recycled records, reset alike; an awaiting task is not recycled by either."""
+    recorders = _shipper_pair(128, commit, monkeypatch)
+    writers = [r.ring for r in recorders]
+    readers = [R.RingReader(w._mem) for w in writers]
+    for (rec, awaiting), consume in batch:
+        twins = [_copy_marks(rec), _copy_marks(rec)]
+        for recorder, twin in zip(recorders, twins):
+            (recorder.submit_first if awaiting else recorder.submit)(twin)
+        assert writers[0]._mem[:] == writers[1]._mem[:]
+        assert writers[0]._head == writers[1]._head
+        assert _recorder_state(recorders[0]) == _recorder_state(recorders[1])
+        assert _fields(twins[0]) == _fields(twins[1])
+        if consume == 0:
+            for reader in readers:
+                reader.poll(10_000)
+                reader.consumed()
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_failed_native_ship_disables_tracing_as_recorder_ship_does(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim hint that cannot be stored (an exception after the claim): the slot is committed void, tracing
+    turns off with the same reason, the task counts as dropped and its record is recycled, in both."""
+    recorders = _shipper_pair(128, commit, monkeypatch, _FailingHead)
+    for recorder in recorders:
+        recorder.ring.write_task(TaskRecord(queue=QUEUE, seq=1, t_enqueue=5), False)  # the queue is known now
+        recorder.ring.fail = True
+        recorder.submit(TaskRecord(queue=QUEUE, seq=2, t_enqueue=6))
+    assert recorders[0].disabled_reason == "ring write failed: RuntimeError('claim hint not stored')"
+    assert _recorder_state(recorders[0]) == _recorder_state(recorders[1])
+    assert recorders[0].dropped == 1 and len(recorders[0]._pool) == 1
+    assert recorders[0].ring._mem[:] == recorders[1].ring._mem[:]
+
+
+@needs_native
+def test_the_native_shipper_leaves_a_detached_ring_to_recorder_ship(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shut down while a recording thread still holds ``submit``: the record goes in-process, as ``_ship``
+    sends it, and nothing is written to the ring any more; a fork re-attaches a fresh shipper."""
+    recorder, _reference = _shipper_pair(128, R.COMMIT_STORE_ORDER, monkeypatch)
+    writer = recorder.ring
+    submit = recorder.submit
+    recorder.ring = None
+    rec = TaskRecord(queue=QUEUE, seq=9)
+    submit(rec)
+    assert recorder.pending == 1 and recorder.drain(1) == [rec] and writer._head == 0
+    recorder.ring = writer
+    recorder.after_fork()
+    assert recorder.submit is not submit and type(recorder.submit) is NATIVE.Shipper
+    recorder.submit(TaskRecord(queue=QUEUE, seq=10))
+    assert recorder.submitted == 1  # the child's counter, not the parent's
