@@ -399,7 +399,7 @@ class ModeResult:
 
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
-             result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "drain-off") -> None:
+             result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "same") -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
 
@@ -520,7 +520,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
         block_ms: float, diagnose: bool = False, pin: str | None = None,
-        settle: str = "drain-off") -> tuple[float, int, dict[str, ModeResult]]:
+        settle: str = "same") -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}

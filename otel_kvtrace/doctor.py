@@ -117,7 +117,7 @@ def ring_pack() -> str:
 def agent_policy() -> str:
     """How the exporter agent of a session started here would be scheduled (``OTEL_KVTRACE_EXPORTER``,
     ``_AGENT_SCHED``, ``_AGENT_NICE``, ``_AGENT_CPUS``, read as ``AgentExporter`` reads them; the policy
-    switches as ``export/agent.py:Priority`` makes them), e.g. ``SCHED_IDLE (SCHED_OTHER at nice 10 while
+    switches as ``export/agent.py:Priority`` makes them), e.g. ``SCHED_IDLE (SCHED_OTHER at nice +10 while
     the ring is more than 1/2 full, back at 1/8); CPUs 1``."""
     import os
 
@@ -128,10 +128,14 @@ def agent_policy() -> str:
         return f"no agent ({config.OTEL_KVTRACE_EXPORTER}={config.exporter_mode()}: the in-process exporter thread)"
     nice = config.env_int(config.OTEL_KVTRACE_AGENT_NICE, config.DEFAULT_AGENT_NICE, minimum=0)
     if config.agent_sched() == config.AGENT_SCHED_IDLE and hasattr(os, "SCHED_IDLE"):
-        policy = (f"SCHED_IDLE (SCHED_OTHER at nice {nice} while the ring is more than "
-                  f"{_fraction(Priority.ESCALATE)} full, back at {_fraction(Priority.RELAX)})")
+        escalation = (f"SCHED_OTHER at nice +{nice} while the ring is more than {_fraction(Priority.ESCALATE)} "
+                      f"full, back at {_fraction(Priority.RELAX)}")
+        blocked = _escalation_blocked(nice)
+        if blocked:
+            escalation = f"stays SCHED_IDLE: leaving it is not permitted here ({blocked})"
+        policy = f"SCHED_IDLE ({escalation})"
     else:
-        policy = f"SCHED_OTHER at nice {nice}"
+        policy = f"SCHED_OTHER at nice +{nice}"
     cpus = config.agent_cpus()
     if cpus is None:
         return policy + "; CPUs: the serving process's"
@@ -141,6 +145,21 @@ def agent_policy() -> str:
     return policy + f"; CPUs {_cpu_list(allowed)}"
 
 
+def _escalation_blocked(nice: int) -> str:
+    """Why the agent could not leave SCHED_IDLE, or "" when it can: Linux lets an unprivileged process
+    leave it only when ``RLIMIT_NICE`` allows its nice value (``20 - nice <= limit``)."""
+    import os
+    import resource
+
+    if os.geteuid() == 0:
+        return ""
+    limit = resource.getrlimit(resource.RLIMIT_NICE)[0]
+    level = min(19, os.getpriority(os.PRIO_PROCESS, 0) + nice)
+    if limit == resource.RLIM_INFINITY or 20 - level <= limit:
+        return ""
+    return f"not root, RLIMIT_NICE={limit} < {20 - level}"
+
+
 def _fraction(value: float) -> str:
     return f"1/{round(1 / value)}" if value > 0 and abs(1 / value - round(1 / value)) < 1e-9 else f"{value:g}"
 
@@ -148,7 +167,7 @@ def _fraction(value: float) -> str:
 def _cpu_list(cpus: "tuple[int, ...] | list[int]") -> str:
     """``0-3,8`` for 0, 1, 2, 3, 8 (the form ``OTEL_KVTRACE_AGENT_CPUS`` takes)."""
     out: list[str] = []
-    for c in sorted(cpus):
+    for c in sorted(set(cpus)):
         if out and out[-1].rsplit("-", 1)[-1] == str(c - 1):
             out[-1] = f"{out[-1].split('-')[0]}-{c}"
         else:

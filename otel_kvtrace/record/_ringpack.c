@@ -751,6 +751,10 @@ static int Shipper_init(Shipper *self, PyObject *args, PyObject *Py_UNUSED(kwds)
     PyObject *packer, *writer, *recorder, *pool, *submitted, *fields, *blank, *append;
     Py_ssize_t capacity, i, n;
     int awaiting;
+    if (self->recorder != NULL) { /* borrowed pointers of a ship in progress must not be swapped */
+        PyErr_SetString(PyExc_TypeError, "Shipper already initialised");
+        return -1;
+    }
     if (!PyArg_ParseTuple(args, "O!OOpOnOO!O", &PackerType, &packer, &writer, &recorder, &awaiting, &pool, &capacity,
                           &submitted, &PyTuple_Type, &fields, &blank))
         return -1;
@@ -851,6 +855,10 @@ static PyObject *Shipper_vectorcall(PyObject *callable, PyObject *const *args, s
         return NULL;
     }
     rec = args[0];
+    if (self->recorder == NULL) { /* never initialised, or cleared by the GC */
+        PyErr_SetString(PyExc_TypeError, "Shipper not initialised");
+        return NULL;
+    }
     if ((ring = PyObject_GetAttr(self->recorder, str_ring_name)) == NULL) return NULL;
     Py_DECREF(ring); /* only compared */
     if (ring != self->writer || !self->packer->have_view) /* detached or replaced meanwhile: _ship decides */
@@ -877,7 +885,7 @@ static PyObject *Shipper_vectorcall(PyObject *callable, PyObject *const *args, s
         PyErr_NormalizeException(&exc_type, &exc, &tb);
         Py_XDECREF(exc_type);
         Py_XDECREF(tb);
-        r = exc == NULL ? NULL : PyUnicode_FromFormat("ring write failed: %R", exc);
+        r = exc == NULL ? PyUnicode_FromString("ring write failed") : PyUnicode_FromFormat("ring write failed: %R", exc);
         Py_XDECREF(exc);
         if (r == NULL) return NULL;
         Py_SETREF(r, PyObject_CallMethodOneArg(self->recorder, str_disable_name, r));
@@ -894,6 +902,10 @@ static PyObject *Shipper_vectorcall(PyObject *callable, PyObject *const *args, s
 
 /* reset(rec): the reset a recycled record gets (for the tests comparing it with TaskRecord.reset). */
 static PyObject *Shipper_reset(Shipper *self, PyObject *rec) {
+    if (self->packer == NULL) {
+        PyErr_SetString(PyExc_TypeError, "Shipper not initialised");
+        return NULL;
+    }
     if (reset_record(self, rec) < 0) return NULL;
     Py_RETURN_NONE;
 }

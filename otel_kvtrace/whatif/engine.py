@@ -95,9 +95,9 @@ class QueueState:
         self.passed = [NONE] * n
         self.eff_rs = list(q.rs)
         self.eff_rg = list(q.rg)
+        # external slot releases, moved with their step's shift (a sibling connector's send of the slot
+        # belongs to the same engine step: it comes later when the step does)
         self.eff_rl = list(q.rl)
-        """External slot releases, moved with their step's shift (a sibling connector's send of the slot
-        belongs to the same engine step: it comes later when the step does)."""
         self.served = bytearray(n)
         self.n_served = 0
         self.n_arrived = 0
@@ -381,7 +381,10 @@ class QueueState:
         (its tasks are enqueued by the forward, after this step: closed loop), and with it the step's
         external slot releases (a sibling connector's send of the slot belongs to the same engine step;
         kept in absolute time, a later step met them early: an optimistic credit for a slower policy).
-        Never earlier: a faster policy gets no cross-step credit (conservative)."""
+        Never earlier: a faster policy gets no cross-step credit. That is now a choice, not forced (the
+        slot releases move with the step either way): the forward's work between steps is not in the
+        traces, so whether the next step could have started earlier is not known; symmetric shifting was
+        not re-evaluated."""
         q = self.q
         if not self.shift_steps or s + 1 >= len(q.chain) or not q.chain[s]:
             return

@@ -784,6 +784,34 @@ def test_the_native_shipper_ships_what_recorder_ship_ships(
 
 
 @needs_native
+def test_common_tasks_are_shipped_and_recycled_in_c_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above would also pass if the shipper always fell back to ``Recorder._ship``: here
+    the Python path is made to fail, and tasks of a known queue are shipped until the ring is full, so
+    both the shipped (recycled) and the ring-full (dropped) cases run in C alone."""
+    from otel_kvtrace.record.recorder import Recorder
+
+    native, _ = _shipper_pair(128, R.COMMIT_STORE_ORDER, monkeypatch)
+    native.ring.write_task(TaskRecord(queue=QUEUE, seq=0, t_enqueue=1), False)  # the queue is known now
+
+    def python_path(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("the Python path ran")
+
+    monkeypatch.setattr(Recorder, "_ship", python_path)
+    for seq in range(1, 200):
+        native.submit(TaskRecord(queue=QUEUE, seq=seq, t_enqueue=10 + seq))
+    assert native.disabled_reason is None
+    assert native.submitted > 0 and native.dropped > 0 and native.submitted + native.dropped == 199
+    assert len(native._pool) == 4  # recycled, up to the pool's capacity
+
+
+@needs_native
+def test_an_uninitialised_shipper_raises_instead_of_crashing() -> None:
+    for call in (lambda s: s(TaskRecord()), lambda s: s.reset(TaskRecord())):
+        with pytest.raises(TypeError, match="not initialised"):
+            call(NATIVE.Shipper.__new__(NATIVE.Shipper))
+
+
+@needs_native
 @pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
 def test_a_failed_native_ship_disables_tracing_as_recorder_ship_does(
         commit: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,6 +7,7 @@ method renamed, one with a parameter renamed, so the report must say missing / s
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -157,7 +158,7 @@ def _doctor_json(upstream_root: Path, env: dict[str, str]) -> dict:
 def test_doctor_says_the_agent_policy_the_real_agent_then_runs(upstream_root: Path, tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The doctor line against the policy, nice level and CPUs read back from a real agent started with the
-    same settings: default (idle, escalation), then ``normal`` at nice 7 on one CPU, then the thread exporter."""
+    same settings: default (idle, escalation), then ``normal`` at nice +7 on one CPU, then the thread exporter."""
     import os
 
     from otel_kvtrace.export.agent_link import AgentExporter
@@ -165,10 +166,10 @@ def test_doctor_says_the_agent_policy_the_real_agent_then_runs(upstream_root: Pa
     from otel_kvtrace.record.recorder import Recorder
 
     cpu = max(os.sched_getaffinity(0))
-    cases = [({}, os.SCHED_IDLE, None, "SCHED_IDLE (SCHED_OTHER at nice 10 while the ring is more than 1/2 full, "
+    cases = [({}, os.SCHED_IDLE, None, "SCHED_IDLE (SCHED_OTHER at nice +10 while the ring is more than 1/2 full, "
                                          "back at 1/8); CPUs: the serving process's"),
              ({"OTEL_KVTRACE_AGENT_SCHED": "normal", "OTEL_KVTRACE_AGENT_NICE": "7",
-               "OTEL_KVTRACE_AGENT_CPUS": str(cpu)}, os.SCHED_OTHER, 7, f"SCHED_OTHER at nice 7; CPUs {cpu}")]
+               "OTEL_KVTRACE_AGENT_CPUS": str(cpu)}, os.SCHED_OTHER, 7, f"SCHED_OTHER at nice +7; CPUs {cpu}")]
     for env, policy, nice, line in cases:
         assert _doctor_json(upstream_root, env)["agent_sched"] == line
         for key in ("OTEL_KVTRACE_AGENT_SCHED", "OTEL_KVTRACE_AGENT_NICE", "OTEL_KVTRACE_AGENT_CPUS"):
@@ -191,7 +192,7 @@ def test_doctor_says_the_agent_policy_the_real_agent_then_runs(upstream_root: Pa
     for key in ("OTEL_KVTRACE_AGENT_SCHED", "OTEL_KVTRACE_AGENT_NICE", "OTEL_KVTRACE_EXPORTER"):
         monkeypatch.delenv(key, raising=False)
     table = CliRunner().invoke(main, ["doctor", "--source", str(upstream_root)], env={"OTEL_KVTRACE_AGENT_CPUS": str(cpu)})
-    assert "exporter agent scheduling: SCHED_IDLE (SCHED_OTHER at nice 10 " in table.output
+    assert "exporter agent scheduling: SCHED_IDLE (SCHED_OTHER at nice +10 " in table.output
     assert f"; CPUs {cpu}\n" in table.output
     assert _doctor_json(upstream_root, {"OTEL_KVTRACE_AGENT_CPUS": "4000-4001"})["agent_sched"].endswith(
         "; CPUs 4000-4001 not allowed here: the serving process's")
@@ -204,3 +205,21 @@ def test_doctor_cpu_list_is_the_form_the_setting_takes(cpus: tuple[int, ...], te
 
     assert _cpu_list(cpus) == text
     assert config.agent_cpus({config.OTEL_KVTRACE_AGENT_CPUS: text}) == cpus
+
+
+def test_the_doctor_says_when_the_agent_may_not_leave_sched_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unprivileged with RLIMIT_NICE 0 (Linux's default) the agent cannot return to SCHED_OTHER: the line
+    must not promise the escalation; as root, or with a limit that allows the level, it does."""
+    import resource
+
+    from otel_kvtrace import doctor
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getpriority", lambda *_a: 0)
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (0, 0))
+    assert doctor._escalation_blocked(10) == "not root, RLIMIT_NICE=0 < 10"
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (10, 10))
+    assert doctor._escalation_blocked(10) == ""
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    monkeypatch.setattr(resource, "getrlimit", lambda _r: (0, 0))
+    assert doctor._escalation_blocked(10) == ""

@@ -118,7 +118,7 @@ def test_saves_queued_on_the_send_thread_do_not_move_earlier_with_the_forward(ab
         assert forward_only > 0.3  # forward-only: the save of layer 5 comes > 0.3 ms earlier (1.2-1.4 seen)
         # send-thread FIFO: it stays queued; only the device's part of its NPU sync moves with the issue
         # (0.17-0.20 ms seen on a loaded 2-core machine): a fraction of the forward-only credit
-        assert send_fifo < 0.3 and send_fifo < 0.25 * forward_only
+        assert send_fifo < 0.25 * forward_only
     finally:
         from otel_kvtrace.whatif.policy import Policy
 
