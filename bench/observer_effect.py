@@ -325,16 +325,20 @@ starts after the same idle of the forward (the post-idle regime: on this VM both
 core). ``none``: nothing before any block, the forward runs continuously as in serving (the agent drains at its
 poll, during whichever blocks run then: its work of a traced block may land in an off block, which lowers the
 ratio by up to its share)."""
-GAP_S = 0.25
 GAP_DEFAULT_MS = {"sleep-off": 60.0, "same": 250.0}
 """``same``: more than the agent's poll interval (200 ms), so every drain fits in the gap; ``sleep-off``: about
 the mean drain wait of ``drain-off``."""
 
 
-def _settle(settle: str, kind: str, prev: str, session: Any, block_env: Any, up: Any, work_us: int, mode: str,
-            charge_flush: bool) -> str:
-    """Run ``settle``'s untimed procedure before a ``kind`` block after a ``prev`` block; the label of what was
-    done (for ``--diagnose``'s block classes)."""
+def gap_s(settle: str, gap_ms: float | None = None) -> float:
+    """The forward's untimed idle of ``settle`` in seconds (``--gap-ms``, else the procedure's default)."""
+    return (gap_ms if gap_ms is not None else GAP_DEFAULT_MS.get(settle, 0.0)) / 1000
+
+
+def _settle(settle: str, gap: float, kind: str, prev: str, session: Any, mode: str, charge_flush: bool,
+            result: "ModeResult") -> str:
+    """Run ``settle``'s untimed procedure (idle ``gap`` s) before a ``kind`` block after a ``prev`` block; the
+    label of what was done (for ``--diagnose``'s block classes)."""
     if settle == "drain-off":
         if kind == "off" and prev == "on" and not charge_flush:
             if not session.flush(30.0):  # untimed: no agent work of a traced block in an off block
@@ -343,25 +347,23 @@ def _settle(settle: str, kind: str, prev: str, session: Any, block_env: Any, up:
         return prev
     if settle == "sleep-off":
         if kind == "off" and prev == "on":
-            time.sleep(GAP_S)
+            time.sleep(gap)
             return "sleep"
         return prev
     if settle == "none":
         return prev
-    if settle == "same":  # the drain (when there is anything to drain), then asleep until GAP_S in all
+    if settle == "same":  # the drain (when there is anything to drain), then asleep until ``gap`` in all
         t0 = time.perf_counter()
         if not charge_flush and not session.flush(30.0):
             raise RuntimeError(f"{mode}: the agent did not export in time")
-        left = GAP_S - (time.perf_counter() - t0)
+        left = gap - (time.perf_counter() - t0)
         if left > 0:
             time.sleep(left)
         else:
-            _LATE[0] += 1
+            result.late_drains += 1
         return prev
     raise ValueError(settle)
 
-
-_LATE = [0]  # ``same``: drains that took longer than GAP_S (their block had a longer idle before it)
 
 
 class _NoSession:
@@ -394,14 +396,18 @@ class ModeResult:
     diag_class_tasks: dict[str, int] = dataclasses.field(default_factory=dict)
     diag_class_wall_ns: dict[str, int] = dataclasses.field(default_factory=dict)
     idle_ns: dict[str, int] = dataclasses.field(default_factory=dict)  # per kind: untimed idle of the forward before it
+    late_drains: int = 0  # ``same``: drains that took longer than the gap (their block idled longer before it)
     agent_other_blocks: int = 0  # blocks at whose end the agent's main thread was not SCHED_IDLE (escalated, or normal)
     blocks: int = 0
 
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
-             result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "same") -> None:
+             result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "same",
+             gap: float | None = None) -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
+
+    gap = gap_s(settle) if gap is None else gap
 
     targets, sub = _traced_copy(up)
     env = dict(_MODE_ENV.get(mode, {}))
@@ -457,7 +463,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
                 for kind in (("off", "on") if p % 2 == 0 else ("on", "off")):
                     block_env = traced if kind == "on" else off
                     t_idle = time.perf_counter_ns()
-                    pre = _settle(settle, kind, prev, session, block_env, up, work_us, mode, charge_flush)
+                    pre = _settle(settle, gap, kind, prev, session, mode, charge_flush, result)
                     result.idle_ns[kind] = result.idle_ns.get(kind, 0) + time.perf_counter_ns() - t_idle
                     if kind == "on" and stop_agent:
                         os.kill(agent_pid, signal.SIGSTOP)
@@ -520,7 +526,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
         block_ms: float, diagnose: bool = False, pin: str | None = None,
-        settle: str = "same") -> tuple[float, int, dict[str, ModeResult]]:
+        settle: str = "same", gap: float | None = None) -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}
@@ -531,7 +537,7 @@ def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers:
         steps = max(2, round(block_ms * 1e6 / step_ns))
         for _ in range(segments):
             for mode in modes:
-                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin, settle)
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin, settle, gap)
     return step_ns / 1e6, steps, results
 
 
@@ -608,11 +614,11 @@ def main() -> None:
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
     modes = tuple(dict.fromkeys(args.modes))
-    global GAP_S
-    GAP_S = (args.gap_ms if args.gap_ms is not None else GAP_DEFAULT_MS.get(args.settle, 0.0)) / 1000
+    gap = gap_s(args.settle, args.gap_ms)
     loads = ["idle", "compete"] if args.compete else ["idle"]
     headline = None
-    print(f"settle {args.settle} (gap {GAP_S * 1000:.0f} ms); load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
+    late = 0  # ``same``: drains longer than the gap, over every run
+    print(f"settle {args.settle} (gap {gap * 1000:.0f} ms); load average {os.getloadavg()[0]:.2f} at start; ratios per pair of adjacent blocks (ABBA), "
           f"median [95% CI of the median] over n pairs", flush=True)
     print(f"{'load':8} {'work/layer':>10} {'step off ms':>11} {'steps/blk':>9} {'mode':9} {'slowdown %':>10} "
           f"{'95% CI':>15} {'n':>4} {'segments':>15} {'gc/step':>8} {'agent cpu/step us':>17}")
@@ -623,7 +629,8 @@ def main() -> None:
         try:
             for work in args.work_us:
                 step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms,
-                                          args.diagnose, args.pin, args.settle)
+                                          args.diagnose, args.pin, args.settle, gap)
+                late += sum(r.late_drains for r in res.values())
                 for mode in modes:
                     r = res[mode]
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
@@ -643,8 +650,8 @@ def main() -> None:
             if hog is not None:
                 hog.kill()
                 hog.wait()
-    if _LATE[0]:
-        print(f"{_LATE[0]} drains took longer than --gap-ms {GAP_S * 1000:.0f}: those blocks idled longer before")
+    if late:
+        print(f"{late} drains took longer than --gap-ms {gap * 1000:.0f}: those blocks idled longer before")
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     if headline is not None:
         print(f"forward_slowdown_pct={headline:.2f}")

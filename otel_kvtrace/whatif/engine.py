@@ -379,12 +379,9 @@ class QueueState:
     def _next_step_arrivals(self, s: int) -> None:
         """Step ``s``'s forward passed its last load wait: a later end starts the next step that much later
         (its tasks are enqueued by the forward, after this step: closed loop), and with it the step's
-        external slot releases (a sibling connector's send of the slot belongs to the same engine step;
-        kept in absolute time, a later step met them early: an optimistic credit for a slower policy).
-        Never earlier: a faster policy gets no cross-step credit. That is now a choice, not forced (the
-        slot releases move with the step either way): the forward's work between steps is not in the
-        traces, so whether the next step could have started earlier is not known; symmetric shifting was
-        not re-evaluated."""
+        external slot releases (a sibling connector's send of the slot belongs to the same engine step).
+        Never earlier: the traces do not hold the forward's work between steps, so whether the next step
+        could have started earlier is unknown; a faster policy gets no cross-step credit (conservative)."""
         q = self.q
         if not self.shift_steps or s + 1 >= len(q.chain) or not q.chain[s]:
             return
