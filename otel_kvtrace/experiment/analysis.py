@@ -2,7 +2,8 @@
 
 Per run (from its own files): TTFT percentiles and output throughput (``load.json``), HOL events and total
 (``queries/hol_summary.sql`` over the run's traces), mean queue wait and consumer wait per recv task
-and wait percentiles (``queries/task_waits.sql``), peak host RSS and peak tasks in flight (the resource series).
+and wait percentiles (``queries/task_waits.sql``), peak tasks in flight (exact, from the traces: the most
+recv tasks of one queue between enqueue and completion at once) and peak host RSS (the resource series).
 
 Factor analysis (``factor_effects``) works inside **complete sub-grids** only (cells that agree on every
 other factor), so a grid with collapsed axes or failed cells cannot mix one factor's effect into another's:
@@ -29,6 +30,7 @@ from typing import Any
 import orjson
 
 from otel_kvtrace.student_t import t975
+from otel_kvtrace.whatif.metrics import peak_inflight
 
 METRICS = ("hol_total_ms", "queue_wait_ms", "consumer_wait_ms", "ttft_p50_ms")
 """Metrics the factor analysis explains (per run): HOL total, mean queue / consumer wait per task, TTFT p50."""
@@ -67,7 +69,7 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
         "tasks": int(waits["tasks"]),
         "peak_host_rss_mb": _peak(res, "host_rss_bytes", 2**20),
         "peak_npu_allocated_mb": _peak(res, "npu_max_allocated_bytes", 2**20),
-        "peak_inflight_tasks": _peak(res, "tasks_in_flight"),
+        "peak_inflight_tasks": _peak_inflight(con),
         "peak_outstanding_leases": _peak(res, "outstanding_leases"),
         "peak_backend_copies_pending": _peak(res, "backend_copies_pending"),
     }
@@ -76,6 +78,20 @@ def run_metrics(rdir: Path) -> dict[str, Any]:
 def _peak(res: dict[str, Any], field: str, scale: float = 1) -> float | int | None:
     peak = res.get(field, {}).get("peak")
     return None if peak is None else (peak / scale if scale != 1 else peak)
+
+
+def _peak_inflight(con: Any) -> int:
+    """The most recv tasks of one queue enqueued and not completed at once, from every task's own
+    timestamps (the sampled ``tasks_in_flight`` series can miss a short peak between two samples). A task
+    without a completion stays in flight to the end of the run."""
+    rows = con.execute("SELECT queue, ts_enqueue, coalesce(ts_complete, (SELECT max(ts_complete) FROM tasks)) "
+                       "FROM tasks WHERE ts_enqueue IS NOT NULL").fetchall()
+    by_queue: dict[Any, tuple[list[int], list[int]]] = {}
+    for q, enq, done in rows:
+        arr, complete = by_queue.setdefault(q, ([], []))
+        arr.append(enq)
+        complete.append(done if done is not None else enq)
+    return max((peak_inflight(arr, complete) for arr, complete in by_queue.values()), default=0)
 
 
 def _stage_means(con: Any, stages: Sequence[str]) -> dict[str, float]:
