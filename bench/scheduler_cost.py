@@ -9,7 +9,11 @@ Printed side by side, medians over every recv-thread dequeue / every waited laye
   calls that waited on the queue's condition (their CPU includes the wake-up's own system time);
 - ``wake lag us`` per layer: the forward's ``consumer_wait`` end minus the task's ``completion`` end,
   for layers the forward was already waiting on (the woken forward's wait for the GIL is in it);
-- ``cpu ms/step``: process CPU per forward step.
+- ``cpu ms/step``: process CPU per forward step;
+- ``busy dispatch us``: the recv thread's gap from one task's completion to the next dequeue, median over
+  in-order dequeues that found it busy (``whatif.measured.busy_dispatch_ns``, per run, then the median
+  over runs): the policy's own cost per dequeue as the what-if sees it, which its prediction (from FIFO
+  runs) does not contain.
 
 Usage::
 
@@ -118,6 +122,7 @@ def main() -> None:
     gets: dict[str, list[tuple[int, bool]]] = {v: [] for v in variants}
     lags: dict[str, dict[int, list[float]]] = {v: defaultdict(list) for v in variants}
     cpu: dict[str, list[float]] = {v: [] for v in variants}
+    dispatch: dict[str, list[float]] = {v: [] for v in variants}
     plain, cond_wait = queue.Queue.get, threading.Condition.wait
     with tempfile.TemporaryDirectory(prefix="kvtrace-schedcost-") as tmp:
         out = Path(tmp)
@@ -144,8 +149,27 @@ def main() -> None:
                 cpu[v].append((time.process_time() - c0) * 1e3 / args.steps)
                 for layer, x in wake_lags(res.scenarios[0].trace_files).items():
                     lags[v][layer].extend(x)
+                dispatch[v].append(_busy_dispatch_us(res.scenarios[0].trace_files))
             print(f"seed {seed}/{args.seeds} done", flush=True)
     _print(variants, gets, lags, cpu, args)
+    row = _row(variants)
+    row("busy dispatch us", [statistics.median(dispatch[v]) for v in variants], ".2f")
+
+
+def _busy_dispatch_us(files: list[Path]) -> float:
+    """One run's median busy in-order dispatch gap (us), as ``kvtrace whatif --measured`` reads it."""
+    from otel_kvtrace.load import load_traces
+    from otel_kvtrace.whatif.measured import busy_dispatch_ns
+    from otel_kvtrace.whatif.task import tasks_from_duckdb
+
+    return busy_dispatch_ns(tasks_from_duckdb(load_traces(files).con)) / 1e3
+
+
+def _row(variants: list[str]) -> Any:
+    def row(label: str, values: list[float], fmt: str) -> None:
+        base = values[0]
+        print(f"{label:24}" + "".join(f"{format(x, fmt):>18} ({x / base:5.2f})" for x in values))
+    return row
 
 
 def _q(v: list[float], q: float) -> float:
@@ -157,10 +181,7 @@ def _print(variants: list[str], gets: dict[str, list[tuple[int, bool]]], lags: d
     print(f"\n{args.preset}: {args.seeds} seeds x {args.steps} steps per variant, order rotated per seed; "
           "(ratio) = / fifo")
     print(f"{'':24}" + "".join(f"{v:>26}" for v in variants))
-
-    def row(label: str, values: list[float], fmt: str) -> None:
-        base = values[0]
-        print(f"{label:24}" + "".join(f"{format(x, fmt):>18} ({x / base:5.2f})" for x in values))
+    row = _row(variants)
 
     for label, blocked in (("get cpu us, no wait", False), ("get cpu us, waited", True)):
         xs = [[c / 1e3 for c, w in gets[v] if w is blocked] for v in variants]

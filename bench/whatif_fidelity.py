@@ -36,6 +36,10 @@ mean TTFT (separate runs: -0.7 to 0.8, pairing by seed removes little of the run
 reliably; interleaved: 0.8-0.97). ``trim``: the measured gain with each run's stall steps (TTFT more than 3 ms above the
 run's median) left out of both sets, for reading only: the target and its error use ``meas``; it is
 not like-for-like with ``pred`` (the prediction is not trimmed).
+Per cell also each layer's load completion under the policy minus FIFO's, measured (policy runs against
+FIFO runs) and predicted (replays of the FIFO runs), and their mean difference over the layers the
+prediction does not change (``in_order_excess_us``: the live policy's own cost where its decisions change
+nothing, which a replay of FIFO runs cannot contain).
 ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``err %``: the what-if's own
@@ -554,6 +558,14 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         g = c["no_gil"]
         print(f"# {cell} {c['policy']}: without the GIL-lag model (gil.py): pred {g['predicted_gain_ms']:.3f} "
               f"cal {g['calibrated_gain_ms']:.3f} err {g['gain_error_pct']:.1f} % cal {g['calibrated_gain_error_pct']:.1f} %")
+    for cell, c, _ in rows:  # where the misses are, layer by layer (measured/predicted effect of the policy)
+        effects = c.get("layer_effects") or []
+        excess = c.get("in_order_excess_us")
+        if effects:
+            per_layer = " ".join(f"L{int(e['layer'])} {e['measured_us']:+.0f}/{e['predicted_us']:+.0f}" for e in effects)
+            print(f"# {cell} {c['policy']}: load done minus FIFO's per layer, measured/predicted us: {per_layer}; "
+                  f"excess where the prediction changes nothing: "
+                  f"{'n/a' if excess is None else f'{excess:+.1f} us'}")
     floors = [(_floor(c), cell, c["policy"]) for cell, c, _ in rows]
     if floors:
         f, cell, policy = max(floors)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import click
 
 from otel_kvtrace import config
 from otel_kvtrace.cli_options import output_options
 from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
+from otel_kvtrace.whatif.measured import UNCHANGED_US
 from otel_kvtrace.whatif.task import BOUNDS
 
 
@@ -135,6 +137,7 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
             if cost:
                 console.print(f"calibrated: replayed with +{cost:.1f} us per dequeue, the policy's own cost taken "
                               "from the measured runs", soft_wrap=True)
+            _print_in_order(console, c)
             console.print(f"noise {c['noise_ms']:.3f} ms; gain error {c['gain_error_pct']:.1f}% "
                           f"({len(c['fifo_runs'])} FIFO / {len(c['policy_runs'])} {escape(c['policy'])} runs); "
                           f"measured verdict (95% confidence bound): [bold]{escape(c['verdict'])}[/bold]: "
@@ -148,6 +151,18 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
                 console.print(f"measured verdict, worst-pair rule (as the prediction's): "
                               f"[bold]{escape(c['verdict_worst'])}[/bold]: {escape(c['reason_worst'])}",
                               soft_wrap=True)
+
+
+def _print_in_order(console: Any, c: dict[str, Any]) -> None:
+    """The live policy's cost on the layers it is predicted not to change (``in_order_excess_us``)."""
+    excess = c.get("in_order_excess_us")
+    if excess is None:
+        return
+    unchanged = [e for e in c["layer_effects"] if abs(e["predicted_us"]) < UNCHANGED_US]
+    console.print(f"where the prediction leaves FIFO's order and times ({len(unchanged)} of "
+                  f"{len(c['layer_effects'])} layers), the measured load completion is {excess:+.1f} us from "
+                  "the predicted one on average: the live policy's own cost there (its decisions, its wake-ups), "
+                  "which the prediction from FIFO runs does not contain", soft_wrap=True)
 
 
 @click.command("sweep")

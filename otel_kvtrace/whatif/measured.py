@@ -131,9 +131,45 @@ class Comparison:
     ``predicted_verdict``. Only with seed pairs (else ``n/a``)."""
     reason_worst: str = ""
     measured_evidence_worst: dict[str, Any] = field(default_factory=dict)
+    layer_effects: list[dict[str, float]] = field(default_factory=list)
+    """Per layer (:func:`layer_effects`): the policy's load completion minus FIFO's, measured and predicted."""
+    in_order_excess_us: float | None = None
+    """What the live policy costs where the prediction says it changes nothing (:func:`in_order_excess_us`)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+
+
+def layer_effects(layers: dict[str, dict[str, list[float]]]) -> list[dict[str, float]]:
+    """Per layer, the policy's mean load completion minus FIFO's in us: ``measured`` (policy runs against
+    FIFO runs), ``predicted`` (the policy's replay against the FIFO replay of the same runs, so the FIFO
+    replay's own error cancels) and ``miss`` = measured - predicted. [] without all four profiles."""
+    need = ("predicted", "measured", "fifo_replayed", "fifo_measured")
+    if not all(layers.get(k, {}).get("layer") for k in need):
+        return []
+
+    def done(kind: str, layer: float) -> float:
+        return layers[kind]["load_done_ms"][layers[kind]["layer"].index(layer)]
+
+    out = []
+    for x in sorted(set.intersection(*(set(layers[k]["layer"]) for k in need))):
+        meas = (done("measured", x) - done("fifo_measured", x)) * 1e3
+        pred = (done("predicted", x) - done("fifo_replayed", x)) * 1e3
+        out.append({"layer": x, "measured_us": meas, "predicted_us": pred, "miss_us": meas - pred})
+    return out
+
+
+UNCHANGED_US = 1.0
+"""A layer whose predicted completion is within this of FIFO's is one the policy does not change."""
+
+
+def in_order_excess_us(effects: list[dict[str, float]]) -> float | None:
+    """Mean ``miss`` over the layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``):
+    what the live policy costs where its decisions change nothing (its ``get()`` decision, waking from
+    a sleep in ``get()`` instead of in the task's own wait), which a replay of FIFO runs does not contain.
+    None when the prediction changes every layer."""
+    xs = [e["miss_us"] for e in effects if abs(e["predicted_us"]) < UNCHANGED_US]
+    return statistics.fmean(xs) if xs else None
 
 
 def gain_error_pct(predicted_ms: float, measured_ms: float, noise_ms: float) -> float:
@@ -169,7 +205,10 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
     layers = {
         "predicted": _mean_profile([r.layers.get(policy, {}) for r in fifo_replayed]),
         "measured": _mean_profile([r.layers.get(MEASURED, {}) for r in policy_measured]),
+        "fifo_replayed": _mean_profile([r.layers.get("fifo", {}) for r in fifo_replayed]),
+        "fifo_measured": _mean_profile([r.layers.get(MEASURED, {}) for r in fifo_measured]),
     }
+    effects = layer_effects(layers)
     return Comparison(cfg_label, policy, [r.run_id for r in fifo_replayed], [r.run_id for r in policy_measured],
                       predicted, measured, fifo_meas, pred_gain, meas_gain, noise,
                       gain_error_pct(pred_gain, meas_gain, noise), dispatch_ns / 1e3, cal_gain,
@@ -180,7 +219,8 @@ def compare(fifo_replayed: list[RunSummary], fifo_measured: list[RunSummary], po
                       "seed" if pairs else "none", note,
                       worst.verdict if worst else "n/a",
                       worst.reason if worst else "no worst pair: the runs are not paired by seed",
-                      {"gains": worst.gains, "noise_ms": worst.noise_ms} if worst else {})
+                      {"gains": worst.gains, "noise_ms": worst.noise_ms} if worst else {},
+                      effects, in_order_excess_us(effects))
 
 
 def _predicted_verdict(fifo_replayed: list[RunSummary], policy: str, cfg_label: str) -> ConfigVerdict:

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from otel_kvtrace.demo import run_demo
 from otel_kvtrace.whatif.api import whatif
 from otel_kvtrace.whatif.cli import whatif_command
-from otel_kvtrace.whatif.measured import gain_error_pct
+from otel_kvtrace.whatif.measured import gain_error_pct, in_order_excess_us, layer_effects
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +44,14 @@ def test_predicted_next_to_measured_with_the_measured_verdict(ab: tuple[Path, Pa
         gain_error_pct(c["predicted_gain_ms"], c["measured_gain_ms"], c["noise_ms"]))
     assert c["verdict"] in ("keep FIFO", "switch to ready_queue") and c["reason"]
     assert c["layers"]["measured"]["layer"] == list(map(float, range(8)))
+    # per layer: the policy's effect against FIFO, measured against the FIFO recordings and predicted
+    # against the FIFO replay (the FIFO runs' own profile, the replay's own one)
+    rec_layers = _fifo_layers(fifo)
+    assert c["layers"]["fifo_measured"]["load_done_ms"] == pytest.approx(rec_layers)
+    assert c["layers"]["fifo_replayed"]["load_done_ms"] == pytest.approx(v.layers["fifo"]["load_done_ms"])
+    (e3,) = [e for e in c["layer_effects"] if e["layer"] == 3.0]
+    assert e3["measured_us"] == pytest.approx(1e3 * (c["layers"]["measured"]["load_done_ms"][3] - rec_layers[3]))
+    assert e3["miss_us"] == pytest.approx(e3["measured_us"] - e3["predicted_us"])
 
 
 def _fifo_layers(fifo: Path) -> list[float]:
@@ -58,6 +66,23 @@ def _fifo_layers(fifo: Path) -> list[float]:
     return [sum(col) / len(col) for col in zip(*profiles, strict=True)]
 
 
+def test_in_order_excess_is_the_mean_miss_where_the_prediction_changes_nothing() -> None:
+    def profile(*done_ms: float) -> dict[str, list[float]]:
+        return {"layer": [float(i) for i in range(len(done_ms))], "load_done_ms": list(done_ms),
+                "consumer_wait_ms": [0.0] * len(done_ms)}
+
+    layers = {"fifo_measured": profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": profile(1.0, 2.0, 3.0, 9.0),
+              # the policy is predicted to change only layer 3 (3 ms earlier); live, it also ran
+              # layers 1 and 2 20 and 30 us later than FIFO did, and layer 3 2.9 ms earlier
+              "predicted": profile(1.0, 2.0, 3.0, 6.0), "measured": profile(1.0, 2.02, 3.03, 6.1)}
+    effects = layer_effects(layers)
+    assert [round(e["measured_us"]) for e in effects] == [0, 20, 30, -2900]
+    assert [round(e["predicted_us"]) for e in effects] == [0, 0, 0, -3000]
+    assert in_order_excess_us(effects) == pytest.approx(50 / 3)  # layers 0-2: 0, 20, 30 us
+    assert in_order_excess_us(effects[3:]) is None  # every layer changed: nothing to read it from
+    assert layer_effects({**layers, "fifo_measured": {}}) == []
+
+
 def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path: Path) -> None:
     fifo, rq = ab
     out = tmp_path / "v.json"
@@ -68,6 +93,7 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     # the demo's run ids name their seeds (-s1..-s3): paired by seed, and judged by the worst-pair rule too
     assert "paired by seed: 3 pairs" in res.output
     assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
+    assert "the live policy's own cost there" in res.output  # hol: layers 0-2 are predicted as FIFO's
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]
