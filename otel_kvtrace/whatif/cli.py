@@ -160,9 +160,10 @@ def _print_in_order(console: Any, c: dict[str, Any]) -> None:
         return
     unchanged = [e for e in c["layer_effects"] if abs(e["predicted_us"]) < UNCHANGED_US]
     console.print(f"where the prediction leaves FIFO's order and times ({len(unchanged)} of "
-                  f"{len(c['layer_effects'])} layers), the measured load completion is {excess:+.1f} us from "
-                  "the predicted one on average: the live policy's own cost there (its decisions, its wake-ups), "
-                  "which the prediction from FIFO runs does not contain", soft_wrap=True)
+                  f"{len(c['layer_effects'])} layers), the measured load completion differs from the predicted "
+                  f"one by {excess:+.1f} us on average: what running the policy live costs (+) or saves (-) "
+                  "where its decisions change nothing (its decisions, its wake-ups, its effect on the other "
+                  "threads), which the prediction from FIFO runs does not contain", soft_wrap=True)
 
 
 @click.command("sweep")

@@ -165,9 +165,9 @@ UNCHANGED_US = 1.0
 
 def in_order_excess_us(effects: list[dict[str, float]]) -> float | None:
     """Mean ``miss`` over the layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``):
-    what the live policy costs where its decisions change nothing (its ``get()`` decision, waking from
-    a sleep in ``get()`` instead of in the task's own wait), which a replay of FIFO runs does not contain.
-    None when the prediction changes every layer."""
+    what running the policy live costs (or saves) where its decisions change nothing (its ``get()``
+    decision, waking from a sleep in ``get()`` instead of in the task's own wait, its effect on the other
+    threads), which a replay of FIFO runs does not contain. None when the prediction changes every layer."""
     xs = [e["miss_us"] for e in effects if abs(e["predicted_us"]) < UNCHANGED_US]
     return statistics.fmean(xs) if xs else None
 

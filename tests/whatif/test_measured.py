@@ -93,7 +93,7 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     # the demo's run ids name their seeds (-s1..-s3): paired by seed, and judged by the worst-pair rule too
     assert "paired by seed: 3 pairs" in res.output
     assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
-    assert "the live policy's own cost there" in res.output  # hol: layers 0-2 are predicted as FIFO's
+    assert "where its decisions change nothing" in res.output  # hol: layers 0-2 are predicted as FIFO's
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]
