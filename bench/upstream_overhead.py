@@ -241,7 +241,7 @@ GAP_S = 0.25
 200 ms poll, so the agent's drain fits in it."""
 
 SETTLES = ("same", "sleep")
-"""The untimed procedure between chunks. ``same`` (default): the mode's drain, the agent's waited for on the
+"""The untimed procedure between CPU chunks (not before ``measure``'s latency rounds). ``same`` (default): the mode's drain, the agent's waited for on the
 CPU, then on the CPU until ``GAP_S`` has passed, in every mode: no chunk starts after a sleep. ``sleep``
 (the procedure up to 2026-12-06, a diagnostic): the drain only, the agent's waited for asleep
 (``session.flush``: 5 ms sleeps until the agent's next poll, ~150 ms), every other mode's at once; so only
@@ -300,8 +300,9 @@ def _settle(session: Any, settle: str = "same", gap_s: float = GAP_S) -> bool:
     if session is not None:
         if session.exporter is None:
             session.recorder.recycle(session.recorder.drain(1 << 20))
-        elif settle == "sleep" or not _drained_on_cpu(session, t0 + gap_s + DRAIN_SLACK_S):
-            on_time = settle == "sleep"
+        elif (settle == "sleep" or getattr(session.exporter, "writer", None) is None  # in-process: on this thread
+              or not _drained_on_cpu(session, t0 + gap_s + DRAIN_SLACK_S)):
+            on_time = settle == "sleep" or getattr(session.exporter, "writer", None) is None
             if not session.flush(30.0):
                 raise RuntimeError("the exporter did not export the chunk's records in 30 s")
     if settle == "same":
