@@ -25,6 +25,7 @@ Usage::
     KVTRACE_UPSTREAM_SRC=/tmp/vllm-ascend-main .venv/bin/python bench/upstream_overhead.py
     .venv/bin/python bench/upstream_overhead.py --breakdown     # per-component recv-thread CPU
     .venv/bin/python bench/upstream_overhead.py --commit-modes  # crc vs store-order ring commit
+    .venv/bin/python bench/upstream_overhead.py --settle-ab     # CPU table, procedure between chunks same vs sleep
 """
 
 from __future__ import annotations
@@ -231,42 +232,99 @@ def frames_per_task(tasks: int, num_layers: int, blocks: int, exporter: str | No
     return counts[0] / tasks, counts[1] / tasks
 
 
+CHUNK = 100
+"""Tasks per measured chunk: between chunks (not measured) the records are shipped and recycled, as in a
+serving process, so every chunk runs in the steady state (no pool exhaustion, no full ring)."""
+
+GAP_S = 0.25
+"""``same``: how long the procedure between chunks lasts in every mode, on the CPU: more than the agent's
+200 ms poll, so the agent's drain fits in it."""
+
+SETTLES = ("same", "sleep")
+"""The untimed procedure between CPU chunks (not before ``measure``'s latency rounds). ``same`` (default): the mode's drain, the agent's waited for on the
+CPU, then on the CPU until ``GAP_S`` has passed, in every mode: no chunk starts after a sleep. ``sleep``
+(the procedure up to 2026-12-06, a diagnostic): the drain only, the agent's waited for asleep
+(``session.flush``: 5 ms sleeps until the agent's next poll, ~150 ms), every other mode's at once; so only
+the agent's chunks started after the thread had left the CPU, which costs CPU per task in every mode
+(docs/export.md, "The agent's extra recv CPU in upstream_overhead: the bench's sleep")."""
+
+DRAIN_SLACK_S = 1.0
+"""``same``: how much longer than ``GAP_S`` the agent's drain is waited for on the CPU before it is waited for
+asleep (an idle-policy agent gets little CPU while another process keeps the other core busy)."""
+
+LATE_DRAINS: dict[str, int] = {}
+"""``same``: per mode, chunks before which the agent had not drained within ``GAP_S + DRAIN_SLACK_S`` on the
+CPU (then waited for asleep, as ``sleep`` does: such a chunk starts after a sleep)."""
+
+
 def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int,
-                modes: tuple[str, ...] = CPU_MODES) -> dict[str, list[tuple[float, float]]]:
-    """Per mode (untraced, traced), per round: CPU ns per add_request and per _handle_request."""
+                modes: tuple[str, ...] = CPU_MODES, settles: tuple[str, ...] = ("same",),
+                gap_s: float = GAP_S) -> dict[str, list[tuple[float, float]]]:
+    """Per mode, per round: CPU ns per add_request and per _handle_request. With several ``settles`` (the
+    procedure between chunks, ``SETTLES``), each mode runs under each of them in the same rounds, keyed
+    ``mode@settle``; with one, keyed by mode. Chunks that followed a late drain: ``LATE_DRAINS``."""
 
     h = _load_harness()
-    out: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
+    keys = [(mode, settle) for settle in settles for mode in modes]
+    out: dict[str, list[tuple[float, float]]] = {_key(m, s, settles): [] for m, s in keys}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-cpu-") as tmp:
         targets = up.binding.to_targets()
         for _ in range(rounds):
-            for mode in out:
+            for mode, settle in keys:
+                key = _key(mode, settle, settles)
                 session = _start(targets, mode, tmp, "bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
                 _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
                 chunks = []
                 for _ in range(max(1, tasks // CHUNK)):
-                    _settle(session)
+                    if not _settle(session, settle, gap_s):
+                        LATE_DRAINS[key] = LATE_DRAINS.get(key, 0) + 1
                     chunks.append(_cpu_per_call(up, env, CHUNK, num_layers, blocks))
-                out[mode].append((statistics.fmean(c[0] for c in chunks), statistics.fmean(c[1] for c in chunks)))
+                out[key].append((statistics.fmean(c[0] for c in chunks), statistics.fmean(c[1] for c in chunks)))
                 if session is not None:
                     session.shutdown()
     return out
 
 
-CHUNK = 100
-"""Tasks per measured chunk: between chunks (not measured) the records are shipped and recycled, as in a
-serving process, so every chunk runs in the steady state (no pool exhaustion, no full ring)."""
+def _key(mode: str, settle: str, settles: tuple[str, ...]) -> str:
+    return mode if len(settles) == 1 else f"{mode}@{settle}"
 
 
-def _settle(session: Any) -> None:
-    """Ship what was recorded (agent: flushed to the agent; in-process: drained and recycled)."""
-    if session is None:
-        return
-    if session.exporter is None:
-        session.recorder.recycle(session.recorder.drain(1 << 20))
-    else:
-        session.flush(30.0)
+def _settle(session: Any, settle: str = "same", gap_s: float = GAP_S) -> bool:
+    """Ship what was recorded (agent: until the agent exported it; in-process: drained and recycled) by the
+    procedure ``settle`` (``SETTLES``). False when ``same`` had to wait for the agent asleep (a late drain)."""
+    t0 = time.perf_counter()
+    if settle not in SETTLES:
+        raise ValueError(f"settle {settle!r} is not one of {SETTLES}")
+    on_time = True
+    if session is not None:
+        if session.exporter is None:
+            session.recorder.recycle(session.recorder.drain(1 << 20))
+        elif (settle == "sleep" or getattr(session.exporter, "writer", None) is None  # in-process: on this thread
+              or not _drained_on_cpu(session, t0 + gap_s + DRAIN_SLACK_S)):
+            on_time = settle == "sleep" or getattr(session.exporter, "writer", None) is None
+            if not session.flush(30.0):
+                raise RuntimeError("the exporter did not export the chunk's records in 30 s")
+    if settle == "same":
+        while time.perf_counter() - t0 < gap_s:  # on the CPU: this thread does not leave it between chunks
+            pass
+    return on_time
+
+
+def _drained_on_cpu(session: Any, deadline: float) -> bool:
+    """Busy-wait (never asleep) until the agent exported everything written so far; False at ``deadline``
+    or for an exporter without a ring (the in-process thread: ``session.flush`` waits for it)."""
+    from otel_kvtrace.record import ring
+
+    writer = getattr(session.exporter, "writer", None)
+    if writer is None:
+        return False
+    hdr = writer.hdr
+    target = hdr[ring.H_HEAD]
+    while hdr[ring.H_READ] < target:
+        if time.perf_counter() > deadline:
+            return False
+    return True
 
 
 def _pct(values: list[int], q: float) -> float:
@@ -291,18 +349,56 @@ def commit_modes(args: Any) -> None:
               f"{min(added) / 1e3:7.1f}..{max(added) / 1e3:<7.1f}")
     latency_diff = [c - o for c, o in zip(round_medians["traced+agent:crc"], round_medians["traced+agent:order"],
                                           strict=True)]
-    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks, modes)
-    print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK}), median over rounds of the "
-          "added CPU:")
+    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks, modes,
+                      (args.settle,), args.gap_ms / 1000)
+    print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK}, settle {args.settle}), "
+          "median over rounds of the added CPU:")
     for mode in modes[1:]:
         enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
         handle = statistics.median(t[1] - u[1] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
         print(f"  {mode:20} add_request +{enq / 1e3:.2f} us, _handle_request +{handle / 1e3:.2f} us (probes + ring write)")
     diff = [c[1] - o[1] for c, o in zip(cpu["traced+agent:crc"], cpu["traced+agent:order"], strict=True)]
     print(f"crc - order, per round (recv CPU us): {' '.join(f'{d / 1e3:+.2f}' for d in diff)}")
+    _print_late_drains()
     print(f"load average {os.getloadavg()[0]:.2f} at end")
     print(f"commit_crc_minus_order_cpu_us={statistics.median(diff) / 1e3:.2f} "
           f"latency_crc_minus_order_us={statistics.median(latency_diff) / 1e3:.1f}")
+
+
+def _print_late_drains() -> None:
+    if LATE_DRAINS:
+        print("late drains (chunks that started after waiting for the agent asleep): "
+              + ", ".join(f"{key} {n}" for key, n in sorted(LATE_DRAINS.items())))
+
+
+def settle_ab(args: Any) -> None:
+    """``--settle-ab``: the CPU table under both procedures between chunks (``SETTLES``), in the same rounds."""
+    import os
+
+    modes = ("untraced", "traced", "traced+agent")
+    rounds = max(5, args.rounds // 2)
+    print(f"load average {os.getloadavg()[0]:.2f} at start, {time.strftime('%H:%M:%S')} UTC", flush=True)
+    cpu = measure_cpu(max(args.tasks, 1000), rounds, args.layers, args.blocks, modes, SETTLES, args.gap_ms / 1000)
+    print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK}); {rounds} rounds, each "
+          f"mode under each procedure in every round; median over rounds of the added CPU against untraced under "
+          f"the same procedure (same: {args.gap_ms:.0f} ms on the CPU between chunks):")
+    print(f"{'procedure':10} {'untraced us':>12} " + " ".join(f"{m + ' +us':>18}" for m in modes[1:])
+          + f" {'agent - traced':>15}")
+    for settle in SETTLES:
+        base = cpu[f"untraced@{settle}"]
+        added = {m: [t[1] - u[1] for t, u in zip(cpu[f"{m}@{settle}"], base, strict=True)] for m in modes[1:]}
+        gap = statistics.median(a - t for a, t in zip(added["traced+agent"], added["traced"], strict=True))
+        print(f"{settle:10} {statistics.median(u[1] for u in base) / 1e3:12.1f} "
+              + " ".join(f"{statistics.median(added[m]) / 1e3:+18.1f}" for m in modes[1:]) + f" {gap / 1e3:+15.1f}")
+    for settle in SETTLES:
+        for m in modes[1:]:
+            enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[f"{m}@{settle}"], cpu[f"untraced@{settle}"],
+                                                                 strict=True))
+            per_round = " ".join(f"{(t[1] - u[1]) / 1e3:+.1f}" for t, u in zip(cpu[f"{m}@{settle}"],
+                                                                              cpu[f"untraced@{settle}"], strict=True))
+            print(f"  {settle:6} {m:13} add_request +{enq / 1e3:.2f} us; _handle_request per round: {per_round}")
+    _print_late_drains()
+    print(f"load average {os.getloadavg()[0]:.2f} at end, {time.strftime('%H:%M:%S')} UTC")
 
 
 def main() -> None:
@@ -313,6 +409,13 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=16, help="blocks per task (default 16)")
     parser.add_argument("--commit-modes", action="store_true",
                         help="traced+agent under OTEL_KVTRACE_RING_COMMIT=order and =crc, side by side (see above)")
+    parser.add_argument("--settle", choices=SETTLES, default="same",
+                        help="the untimed procedure between CPU chunks (default same: the drain, then on the CPU "
+                             "until --gap-ms in every mode; sleep: the old one, the agent's drain asleep)")
+    parser.add_argument("--gap-ms", type=float, default=GAP_S * 1000,
+                        help="--settle same: the procedure's length in every mode (default 250 ms)")
+    parser.add_argument("--settle-ab", action="store_true",
+                        help="only the CPU table, under both --settle procedures side by side in the same rounds")
     parser.add_argument("--breakdown", action="store_true",
                         help="print the recv thread's added CPU per component instead (bench/recv_breakdown.py)")
     args = parser.parse_args()
@@ -328,6 +431,9 @@ def main() -> None:
         parser.error("--layers must be >= 2 (layer l waits for the save of layer l-1)")
     if args.commit_modes:
         commit_modes(args)
+        return
+    if args.settle_ab:
+        settle_ab(args)
         return
     results = measure(args.tasks, args.rounds, args.layers, args.blocks)
     # The machine is shared: compare modes within each round (they ran back to back), then take the
@@ -348,10 +454,11 @@ def main() -> None:
     for mode in MODES[1:]:
         added_cpu = statistics.median(m - b for m, b in zip(PROCESS_CPU[mode], base_cpu, strict=True))
         print(f"  {mode:15} +{added_cpu / 1e3:.1f} us on {statistics.median(base_cpu) / 1e3:.1f} us")
-    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks)
+    cpu = measure_cpu(max(args.tasks, 1000), max(5, args.rounds // 2), args.layers, args.blocks, CPU_MODES,
+                      (args.settle,), args.gap_ms / 1000)
     base_handle = statistics.median(u[1] for u in cpu["untraced"])
     print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK} with the records shipped "
-          "between them), median over rounds of the added CPU:")
+          f"between them, settle {args.settle}), median over rounds of the added CPU:")
     added: dict[str, tuple[float, float]] = {}
     for mode in CPU_MODES[1:]:
         enq = statistics.median(t[0] - u[0] for t, u in zip(cpu[mode], cpu["untraced"], strict=True))
@@ -368,6 +475,7 @@ def main() -> None:
                   f" add_request {enq_frames:.1f}, _handle_request {handle_frames:.1f}")
     latency_added = statistics.median(
         m - b for m, b in zip(round_medians["traced+agent"], round_medians["untraced"], strict=True))
+    _print_late_drains()
     print(f"added_latency_us={latency_added / 1e3:.1f} added_forward_cpu_us={added_enqueue / 1e3:.1f} "
           f"added_recv_cpu_us={added_handle / 1e3:.1f}")
 
