@@ -168,7 +168,8 @@ def _busy_dispatch_us(files: list[Path]) -> float:
 def _row(variants: list[str]) -> Any:
     def row(label: str, values: list[float], fmt: str) -> None:
         base = values[0]
-        print(f"{label:24}" + "".join(f"{format(x, fmt):>18} ({x / base:5.2f})" for x in values))
+        print(f"{label:24}" + "".join(f"{format(x, fmt):>18} ({x / base if base else float('nan'):5.2f})"
+                                      for x in values))
     return row
 
 

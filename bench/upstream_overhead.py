@@ -262,15 +262,16 @@ def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int,
                 gap_s: float = GAP_S) -> dict[str, list[tuple[float, float]]]:
     """Per mode, per round: CPU ns per add_request and per _handle_request. With several ``settles`` (the
     procedure between chunks, ``SETTLES``), each mode runs under each of them in the same rounds, keyed
-    ``mode@settle``; with one, keyed by mode. Chunks that followed a late drain: ``LATE_DRAINS``."""
+    ``mode@settle``; with one, keyed by mode; the order of the modes is reversed every other round. Chunks
+    that followed a late drain: ``LATE_DRAINS``."""
 
     h = _load_harness()
     keys = [(mode, settle) for settle in settles for mode in modes]
     out: dict[str, list[tuple[float, float]]] = {_key(m, s, settles): [] for m, s in keys}
     with h.upstream_session(h.upstream_source_dir()) as up, tempfile.TemporaryDirectory(prefix="kvtrace-cpu-") as tmp:
         targets = up.binding.to_targets()
-        for _ in range(rounds):
-            for mode, settle in keys:
+        for rnd in range(rounds):
+            for mode, settle in (keys if rnd % 2 == 0 else keys[::-1]):  # no mode always after the same one
                 key = _key(mode, settle, settles)
                 session = _start(targets, mode, tmp, "bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
@@ -377,7 +378,8 @@ def settle_ab(args: Any) -> None:
 
     modes = ("untraced", "traced", "traced+agent")
     rounds = max(5, args.rounds // 2)
-    print(f"load average {os.getloadavg()[0]:.2f} at start, {time.strftime('%H:%M:%S')} UTC", flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at start, {time.strftime('%H:%M:%S', time.gmtime())} UTC",
+          flush=True)
     cpu = measure_cpu(max(args.tasks, 1000), rounds, args.layers, args.blocks, modes, SETTLES, args.gap_ms / 1000)
     print(f"\nCPU per task on the calling thread (synchronous, GC off, chunks of {CHUNK}); {rounds} rounds, each "
           f"mode under each procedure in every round; median over rounds of the added CPU against untraced under "
@@ -398,7 +400,7 @@ def settle_ab(args: Any) -> None:
                                                                               cpu[f"untraced@{settle}"], strict=True))
             print(f"  {settle:6} {m:13} add_request +{enq / 1e3:.2f} us; _handle_request per round: {per_round}")
     _print_late_drains()
-    print(f"load average {os.getloadavg()[0]:.2f} at end, {time.strftime('%H:%M:%S')} UTC")
+    print(f"load average {os.getloadavg()[0]:.2f} at end, {time.strftime('%H:%M:%S', time.gmtime())} UTC")
 
 
 def main() -> None:

@@ -30,7 +30,6 @@ from typing import Any
 import orjson
 
 from otel_kvtrace.student_t import t975
-from otel_kvtrace.whatif.metrics import peak_inflight
 
 METRICS = ("hol_total_ms", "queue_wait_ms", "consumer_wait_ms", "ttft_p50_ms")
 """Metrics the factor analysis explains (per run): HOL total, mean queue / consumer wait per task, TTFT p50."""
@@ -81,17 +80,12 @@ def _peak(res: dict[str, Any], field: str, scale: float = 1) -> float | int | No
 
 
 def _peak_inflight(con: Any) -> int:
-    """The most recv tasks of one queue enqueued and not completed at once, from every task's own
-    timestamps (the sampled ``tasks_in_flight`` series can miss a short peak between two samples). A task
-    without a completion stays in flight to the end of the run."""
-    rows = con.execute("SELECT queue, ts_enqueue, coalesce(ts_complete, (SELECT max(ts_complete) FROM tasks)) "
-                       "FROM tasks WHERE ts_enqueue IS NOT NULL").fetchall()
-    by_queue: dict[Any, tuple[list[int], list[int]]] = {}
-    for q, enq, done in rows:
-        arr, complete = by_queue.setdefault(q, ([], []))
-        arr.append(enq)
-        complete.append(done if done is not None else enq)
-    return max((peak_inflight(arr, complete) for arr, complete in by_queue.values()), default=0)
+    """The most recv tasks of one queue enqueued and not completed at once: ``queries/queue_depth_summary.sql``
+    over every task's own timestamps (the sampled ``tasks_in_flight`` series can miss a short peak between
+    two samples; a task without a completion stays in flight)."""
+    from otel_kvtrace.analyse import run_query
+
+    return max((int(r["max_inflight"] or 0) for r in run_query(con, "queue_depth_summary").records()), default=0)
 
 
 def _stage_means(con: Any, stages: Sequence[str]) -> dict[str, float]:

@@ -12,7 +12,7 @@ import click
 from otel_kvtrace import config
 from otel_kvtrace.cli_options import output_options
 from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
-from otel_kvtrace.whatif.measured import UNCHANGED_US
+from otel_kvtrace.whatif.measured import unchanged_layers
 from otel_kvtrace.whatif.task import BOUNDS
 
 
@@ -158,12 +158,10 @@ def _print_in_order(console: Any, c: dict[str, Any]) -> None:
     excess = c.get("in_order_excess_us")
     if excess is None:
         return
-    unchanged = [e for e in c["layer_effects"] if abs(e["predicted_us"]) < UNCHANGED_US]
-    console.print(f"where the prediction leaves FIFO's order and times ({len(unchanged)} of "
-                  f"{len(c['layer_effects'])} layers), the measured load completion differs from the predicted "
-                  f"one by {excess:+.1f} us on average: what running the policy live costs (+) or saves (-) "
-                  "where its decisions change nothing (its decisions, its wake-ups, its effect on the other "
-                  "threads), which the prediction from FIFO runs does not contain", soft_wrap=True)
+    console.print(f"on the {len(unchanged_layers(c['layer_effects']))} of {len(c['layer_effects'])} layers the "
+                  f"prediction leaves as FIFO has them, the live load completion is {excess:+.1f} us from the "
+                  "predicted one (mean over runs, no confidence bound): the policy's own cost (+) or saving (-)",
+                  soft_wrap=True)
 
 
 @click.command("sweep")

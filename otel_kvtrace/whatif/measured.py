@@ -143,7 +143,8 @@ class Comparison:
 def layer_effects(layers: dict[str, dict[str, list[float]]]) -> list[dict[str, float]]:
     """Per layer, the policy's mean load completion minus FIFO's in us: ``measured`` (policy runs against
     FIFO runs), ``predicted`` (the policy's replay against the FIFO replay of the same runs, so the FIFO
-    replay's own error cancels) and ``miss`` = measured - predicted. [] without all four profiles."""
+    replay's own error cancels) and ``miss`` = measured - predicted; only the layers all four profiles
+    have (a layer missing from one is left out). [] without all four profiles."""
     need = ("predicted", "measured", "fifo_replayed", "fifo_measured")
     if not all(layers.get(k, {}).get("layer") for k in need):
         return []
@@ -163,12 +164,18 @@ UNCHANGED_US = 1.0
 """A layer whose predicted completion is within this of FIFO's is one the policy does not change."""
 
 
+def unchanged_layers(effects: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``)."""
+    return [e for e in effects if abs(e["predicted_us"]) < UNCHANGED_US]
+
+
 def in_order_excess_us(effects: list[dict[str, float]]) -> float | None:
     """Mean ``miss`` over the layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``):
     what running the policy live costs (or saves) where its decisions change nothing (its ``get()``
     decision, waking from a sleep in ``get()`` instead of in the task's own wait, its effect on the other
-    threads), which a replay of FIFO runs does not contain. None when the prediction changes every layer."""
-    xs = [e["miss_us"] for e in effects if abs(e["predicted_us"]) < UNCHANGED_US]
+    threads), which a replay of FIFO runs does not contain. A difference of means over the runs, without a
+    confidence bound: read it next to the noise. None when the prediction changes every layer."""
+    xs = [e["miss_us"] for e in unchanged_layers(effects)]
     return statistics.fmean(xs) if xs else None
 
 

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from otel_kvtrace.demo import run_demo
 from otel_kvtrace.whatif.api import whatif
 from otel_kvtrace.whatif.cli import whatif_command
-from otel_kvtrace.whatif.measured import gain_error_pct, in_order_excess_us, layer_effects
+from otel_kvtrace.whatif.measured import gain_error_pct, in_order_excess_us, layer_effects, unchanged_layers
 
 
 @pytest.fixture(scope="module")
@@ -51,6 +51,8 @@ def test_predicted_next_to_measured_with_the_measured_verdict(ab: tuple[Path, Pa
     assert c["layers"]["fifo_replayed"]["load_done_ms"] == pytest.approx(v.layers["fifo"]["load_done_ms"])
     (e3,) = [e for e in c["layer_effects"] if e["layer"] == 3.0]
     assert e3["measured_us"] == pytest.approx(1e3 * (c["layers"]["measured"]["load_done_ms"][3] - rec_layers[3]))
+    assert e3["predicted_us"] == pytest.approx(
+        1e3 * (c["layers"]["predicted"]["load_done_ms"][3] - v.layers["fifo"]["load_done_ms"][3]))
     assert e3["miss_us"] == pytest.approx(e3["measured_us"] - e3["predicted_us"])
 
 
@@ -71,13 +73,15 @@ def test_in_order_excess_is_the_mean_miss_where_the_prediction_changes_nothing()
         return {"layer": [float(i) for i in range(len(done_ms))], "load_done_ms": list(done_ms),
                 "consumer_wait_ms": [0.0] * len(done_ms)}
 
-    layers = {"fifo_measured": profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": profile(1.0, 2.0, 3.0, 9.0),
-              # the policy is predicted to change only layer 3 (3 ms earlier); live, it also ran
-              # layers 1 and 2 20 and 30 us later than FIFO did, and layer 3 2.9 ms earlier
-              "predicted": profile(1.0, 2.0, 3.0, 6.0), "measured": profile(1.0, 2.02, 3.03, 6.1)}
+    # the FIFO replay misses the FIFO runs by 40 us at layer 2; the policy is predicted to change only
+    # layer 3 (3 ms earlier than the FIFO replay); live, it also ran layers 1 and 2 20 and 30 us later
+    # than FIFO did, and layer 3 2.9 ms earlier
+    layers = {"fifo_measured": profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": profile(1.0, 2.0, 2.96, 9.0),
+              "predicted": profile(1.0, 2.0, 2.96, 6.0), "measured": profile(1.0, 2.02, 3.03, 6.1)}
     effects = layer_effects(layers)
     assert [round(e["measured_us"]) for e in effects] == [0, 20, 30, -2900]
-    assert [round(e["predicted_us"]) for e in effects] == [0, 0, 0, -3000]
+    assert [round(e["predicted_us"]) for e in effects] == [0, 0, 0, -3000]  # against the FIFO replay
+    assert unchanged_layers(effects) == effects[:3]
     assert in_order_excess_us(effects) == pytest.approx(50 / 3)  # layers 0-2: 0, 20, 30 us
     assert in_order_excess_us(effects[3:]) is None  # every layer changed: nothing to read it from
     assert layer_effects({**layers, "fifo_measured": {}}) == []
@@ -93,7 +97,7 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     # the demo's run ids name their seeds (-s1..-s3): paired by seed, and judged by the worst-pair rule too
     assert "paired by seed: 3 pairs" in res.output
     assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
-    assert "where its decisions change nothing" in res.output  # hol: layers 0-2 are predicted as FIFO's
+    assert "the policy's own cost (+) or saving (-)" in res.output  # hol: layers 0-2 are predicted as FIFO's
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]
