@@ -294,38 +294,24 @@ def _key(mode: str, settle: str, settles: tuple[str, ...]) -> str:
 def _settle(session: Any, settle: str = "same", gap_s: float = GAP_S) -> bool:
     """Ship what was recorded (agent: until the agent exported it; in-process: drained and recycled) by the
     procedure ``settle`` (``SETTLES``). False when ``same`` had to wait for the agent asleep (a late drain)."""
-    t0 = time.perf_counter()
     if settle not in SETTLES:
         raise ValueError(f"settle {settle!r} is not one of {SETTLES}")
+    t0 = time.perf_counter()
     on_time = True
-    if session is not None:
-        if session.exporter is None:
-            session.recorder.recycle(session.recorder.drain(1 << 20))
-        elif (settle == "sleep" or getattr(session.exporter, "writer", None) is None  # in-process: on this thread
-              or not _drained_on_cpu(session, t0 + gap_s + DRAIN_SLACK_S)):
-            on_time = settle == "sleep" or getattr(session.exporter, "writer", None) is None
-            if not session.flush(30.0):
-                raise RuntimeError("the exporter did not export the chunk's records in 30 s")
+    if session is not None and session.exporter is None:
+        session.recorder.recycle(session.recorder.drain(1 << 20))
+    elif session is not None:
+        # ``same`` waits for the agent's drain on the CPU, asleep only when it is late; the thread exporter
+        # (no ring) exports on this thread in its own flush
+        on_cpu = settle == "same" and getattr(session.exporter, "writer", None) is not None
+        drained = on_cpu and session.exporter.force_flush(gap_s + DRAIN_SLACK_S, poll_s=0)
+        on_time = drained or not on_cpu
+        if not drained and not session.flush(30.0):
+            raise RuntimeError("the exporter did not export the chunk's records in 30 s")
     if settle == "same":
         while time.perf_counter() - t0 < gap_s:  # on the CPU: this thread does not leave it between chunks
             pass
     return on_time
-
-
-def _drained_on_cpu(session: Any, deadline: float) -> bool:
-    """Busy-wait (never asleep) until the agent exported everything written so far; False at ``deadline``
-    or for an exporter without a ring (the in-process thread: ``session.flush`` waits for it)."""
-    from otel_kvtrace.record import ring
-
-    writer = getattr(session.exporter, "writer", None)
-    if writer is None:
-        return False
-    hdr = writer.hdr
-    target = hdr[ring.H_HEAD]
-    while hdr[ring.H_READ] < target:
-        if time.perf_counter() > deadline:
-            return False
-    return True
 
 
 def _pct(values: list[int], q: float) -> float:

@@ -24,32 +24,30 @@ from pathlib import Path
 
 
 def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]) -> tuple[float, float, list[float]]:
-    """(measured gain, noise, predicted gain per cost) of one kept cell, in ms."""
+    """(measured gain, noise, predicted gain per cost) of one kept cell, in ms: the measured side and the
+    0 us prediction are ``kvtrace whatif --measured``'s own (:func:`whatif`), the others the same FIFO runs
+    replayed again with the cost (``replay_run(dispatch_ns=...)``, as its ``cal`` column is)."""
     from otel_kvtrace.load import load_traces
-    from otel_kvtrace.whatif.measured import MEASURED, measured_summary
+    from otel_kvtrace.whatif.api import whatif
     from otel_kvtrace.whatif.replay import group_runs, replay_run
     from otel_kvtrace.whatif.saves import saves_from_duckdb
     from otel_kvtrace.whatif.task import tasks_from_duckdb
 
-    fifo_loaded = load_traces([fifo])
-    saves = saves_from_duckdb(fifo_loaded.con)
-    (label, fifo_runs), = group_runs(tasks_from_duckdb(fifo_loaded.con)).items()
-    (_, policy_runs), = group_runs(tasks_from_duckdb(load_traces([measured]).con)).items()
-
-    def ttft(runs: dict) -> list[float]:  # type: ignore[type-arg]
-        return [measured_summary(ts, run_id=r, cfg_label=label).figures[MEASURED]["ttft_ms_mean"] for r, ts in runs.items()]
-
-    fifo_ttft, policy_ttft = ttft(fifo_runs), ttft(policy_runs)
-    gain = statistics.fmean(fifo_ttft) - statistics.fmean(policy_ttft)
-    noise = max(statistics.stdev(fifo_ttft), statistics.stdev(policy_ttft))
+    (verdict,) = whatif([fifo], measured=[measured], policies=[policy]).verdicts
+    (c,) = verdict.extra["measured"]
+    loaded = load_traces([fifo])
+    saves = saves_from_duckdb(loaded.con)
+    (label, fifo_runs), = group_runs(tasks_from_duckdb(loaded.con)).items()
     predicted = []
     for cost in costs:
-        cost_ns = {policy: int(cost * 1000)} if cost else None
-        reps = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves, dispatch_ns=cost_ns).summary()
-                for r, ts in fifo_runs.items()]
+        if not cost:
+            predicted.append(c["predicted_gain_ms"])
+            continue
+        reps = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves,
+                           dispatch_ns={policy: int(cost * 1000)}).summary() for r, ts in fifo_runs.items()]
         predicted.append(statistics.fmean(x.figures["fifo"]["ttft_ms_mean"] - x.figures[policy]["ttft_ms_mean"]
                                           for x in reps))
-    return gain, noise, predicted
+    return c["measured_gain_ms"], c["noise_ms"], predicted
 
 
 def main() -> None:

@@ -312,6 +312,12 @@ class RingWriter:
         # ``npu_resolver``) before the task is written; stream-order bounds need no callback.
         self.resolver: Any = None
         self.overflow_logged = False
+        # the one summary rule, bound here: ``export.spans`` imports ``record.recorder``, which imports this
+        # module, so it cannot be imported at the top; an import statement per call cost ~3 µs in context on
+        # every step's first task, a recv thread's
+        from otel_kvtrace.export.spans import summarize_transfer_tasks
+
+        self._summarize = summarize_transfer_tasks
         # The C task packer (``_ringpack.c``, same bytes; ``pack_mode``), or None: the Python path below.
         self._packer: Any = None
         if pack_mode()[0] == "native":
@@ -547,8 +553,7 @@ class RingWriter:
         ``key``: the shared data's identity key, remembered for ``write_task``'s next lookup."""
         generation = self._req_generation
         if summary is None:
-            summarize = _SUMMARIZE if _SUMMARIZE is not None else _load_summarize()
-            summary = summarize(tasks, MAX_REQS + 1)  # one past the cut, so it is flagged
+            summary = self._summarize(tasks, MAX_REQS + 1)  # one past the cut, so it is flagged
         groups = summary.group_ids
         reqs = summary.request_ids
         blocks = summary.num_blocks & 0xFFFFFFFF
@@ -613,20 +618,6 @@ class RingWriter:
         room = BODY_BYTES - ERROR_FIXED.size - sum(map(len, parts))
         parts.append(_utf8(stack[-room:] if len(stack) > room else stack, room))
         self._write(MSG_ERROR, ERROR_FIXED.pack(qidx, seq, *map(len, parts)) + b"".join(parts))
-
-
-_SUMMARIZE: Any = None
-"""``export.spans.summarize_transfer_tasks`` (the one summary rule), imported at its first use and kept: spans
-imports ``record.recorder``, which imports this module, so it cannot be imported at the top; an import
-statement in ``_summary_index`` cost ~3 µs in context on every step's first task, a recv thread's."""
-
-
-def _load_summarize() -> Any:
-    global _SUMMARIZE
-    from otel_kvtrace.export.spans import summarize_transfer_tasks
-
-    _SUMMARIZE = summarize_transfer_tasks
-    return summarize_transfer_tasks
 
 
 _CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)

@@ -264,3 +264,40 @@ def test_a_forked_child_closes_its_copies_of_the_parent_agents_pipes(tmp_path: P
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         exporter.shutdown()
+
+
+def test_force_flush_on_the_cpu_waits_for_the_agent_and_gives_up_at_its_deadline(tmp_path: Path) -> None:
+    """``poll_s=0`` (a benchmark that must not leave the CPU between chunks): returns once the agent has
+    exported every task written, and False at the deadline when the agent cannot drain (stopped)."""
+    from export_records import fill_record
+
+    from otel_kvtrace.export.agent_link import AgentExporter
+    from otel_kvtrace.export.worker import build_resource
+    from otel_kvtrace.record import ring as R
+    from otel_kvtrace.record.recorder import Recorder
+
+    recorder = Recorder()
+    exporter = AgentExporter(recorder, build_resource({}), out_dir=tmp_path)
+    hdr = exporter.writer.hdr
+
+    def write(n: int, start: int) -> None:
+        for i in range(start, start + n):
+            rec = recorder.new_record()
+            fill_record(rec, seq=i)
+            recorder.submit(rec)
+
+    try:
+        write(50, 0)
+        assert exporter.force_flush(30.0, poll_s=0) and hdr[R.H_READ] >= hdr[R.H_HEAD]
+        os.kill(exporter._proc.pid, signal.SIGSTOP)
+        try:
+            write(50, 50)
+            start = time.monotonic()
+            assert not exporter.force_flush(0.3, poll_s=0)
+            assert time.monotonic() - start < 5.0 and hdr[R.H_READ] < hdr[R.H_HEAD]
+        finally:
+            os.kill(exporter._proc.pid, signal.SIGCONT)
+        assert exporter.force_flush(30.0, poll_s=0)
+    finally:
+        exporter.shutdown()
+    assert exporter.stats().recorded == 100
