@@ -1,12 +1,13 @@
 """How the what-if's error on kept fidelity traces moves with a per-dequeue cost of the live policy.
 
-``bench/whatif_fidelity.py --keep DIR`` keeps each cell's FIFO and policy runs. This replays every kept
-cell's FIFO runs again with the policy charged ``X`` us per dequeue (the replay's ``dispatch_ns``: on the
-served task's start, and through ``gil.py`` on the forward's wake-up lag behind the recv thread) for each
-``--costs`` value, and prints the predicted gain and its error against the measured gain of the kept
-policy runs (``gain_error_pct``, the bench's ``err %``). It answers whether one cost per dequeue could
-explain a cell's miss (docs/whatif.md, "Latest table: 2026-12-06"); it is not a prediction (the cost is
-swept, not derived).
+``bench/whatif_fidelity.py --keep DIR`` keeps each cell's FIFO and policy runs. This prints, per kept
+cell, the prediction as ``kvtrace whatif`` makes it (``derived``: the cost per dequeue sized from the FIFO
+recording, ``otel_kvtrace/whatif/decision.py``; its value per queue in us), then replays the cell's FIFO
+runs again with the policy charged ``X`` us per dequeue instead (the replay's ``dispatch_ns``: on the served
+task's start, and through ``gil.py`` on the forward's wake-up lag behind the recv thread) for each
+``--costs`` value, with the predicted gain and its error against the measured gain of the kept policy runs
+(``gain_error_pct``, the bench's ``err %``). The swept columns answer whether another cost per dequeue
+would explain a cell's miss (docs/whatif.md); they are not predictions (the cost is swept, not derived).
 
 Usage::
 
@@ -23,10 +24,12 @@ import sys
 from pathlib import Path
 
 
-def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]) -> tuple[float, float, list[float]]:
-    """(measured gain, noise, predicted gain per cost) of one kept cell, in ms: the measured side and the
-    0 us prediction are ``kvtrace whatif --measured``'s own (:func:`whatif`), the others the same FIFO runs
-    replayed again with the cost (``replay_run(dispatch_ns=...)``, as its ``cal`` column is)."""
+def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]
+                ) -> tuple[float, float, float, list[int], list[float]]:
+    """(measured gain, noise, derived prediction, derived costs per run and queue in ns, predicted gain per cost) of
+    one kept cell, gains in ms: the measured side and the derived prediction are ``kvtrace whatif
+    --measured``'s own (:func:`whatif`), the others the same FIFO runs replayed again with the cost
+    (``replay_run(dispatch_ns=...)``, as its ``cal`` column is)."""
     from otel_kvtrace.load import load_traces
     from otel_kvtrace.whatif.api import whatif
     from otel_kvtrace.whatif.replay import group_runs, replay_run
@@ -39,15 +42,15 @@ def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]) -> 
     saves = saves_from_duckdb(loaded.con)
     (label, fifo_runs), = group_runs(tasks_from_duckdb(loaded.con)).items()
     predicted = []
+    derived: list[int] = []
     for cost in costs:
-        if not cost:
-            predicted.append(c["predicted_gain_ms"])
-            continue
-        reps = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves,
-                           dispatch_ns={policy: int(cost * 1000)}).summary() for r, ts in fifo_runs.items()]
+        runs = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves,
+                           dispatch_ns={policy: int(cost * 1000)}) for r, ts in fifo_runs.items()]
+        derived = [ns for run in runs for ns in run.decision_ns.values()]
+        reps = [run.summary() for run in runs]
         predicted.append(statistics.fmean(x.figures["fifo"]["ttft_ms_mean"] - x.figures[policy]["ttft_ms_mean"]
                                           for x in reps))
-    return c["measured_gain_ms"], c["noise_ms"], predicted
+    return c["measured_gain_ms"], c["noise_ms"], c["predicted_gain_ms"], derived, predicted
 
 
 def main() -> None:
@@ -64,11 +67,15 @@ def main() -> None:
         found = [d for d in found if d.parent.name in args.cells]
     if not found:
         sys.exit(f"error: no kept interleaved cell (<cell>/il-<policy>/) under {args.kept}")
-    print(f"{'cell':10} {'policy':11} {'meas':>7} {'noise':>6}  " + "  ".join(f"{c:>6g} us: pred (err %)" for c in args.costs))
+    print(f"{'cell':10} {'policy':11} {'meas':>7} {'noise':>6}  {'derived us':>11}: pred (err %)  "
+          + "  ".join(f"{c:>6g} us: pred (err %)" for c in args.costs))
     for d in found:
         policy = d.name.removeprefix("il-")
-        gain, noise, predicted = cell_errors(d / "fifo" / "traces", d / policy / "traces", policy, args.costs)
-        print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  " + "  ".join(
+        gain, noise, pred, derived, predicted = cell_errors(d / "fifo" / "traces", d / policy / "traces", policy,
+                                                            args.costs)
+        used = f"{statistics.median(derived) / 1000:.1f}" if policy == "ready_queue" and derived else "0"
+        print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  {used:>11}: {pred:+8.3f} "
+              f"({gain_error_pct(pred, gain, noise):5.1f})  " + "  ".join(
             f"{p:+8.3f} ({gain_error_pct(p, gain, noise):5.1f})" for p in predicted), flush=True)
 
 

@@ -38,15 +38,16 @@ run's median) left out of both sets, for reading only: the target and its error 
 not like-for-like with ``pred`` (the prediction is not trimmed).
 Per cell also each layer's load completion under the policy minus FIFO's, measured (policy runs against
 FIFO runs) and predicted (replays of the FIFO runs), and their mean difference over the layers the
-prediction does not change (``in_order_excess_us``: the live policy's own cost where its decisions change
-nothing, which a replay of FIFO runs cannot contain).
+policy's replay serves in FIFO order (``in_order_excess_us``: what running the policy live costs there
+beyond the cost per dequeue the prediction charges, ``otel_kvtrace/whatif/decision.py``).
 ``cal`` columns: the prediction replayed again
 with the policy's own cost per dequeue TAKEN FROM THE MEASURED RUNS (``dispatch_cost_ns``, labelled).
 The last line, ``max_gain_error_pct=<x> cells=<n>``, is the worst ``err %``: the what-if's own
-prediction, from the FIFO runs alone, as ``kvtrace whatif`` makes it before anything was switched (until
+prediction, from the FIFO runs alone (its cost per dequeue and GIL models sized from them), as
+``kvtrace whatif`` makes it before anything was switched (until
 2026-12-02 it was the worst ``cal %``, which borrows the policy's cost from the very runs it is checked
 against); the line before it gives the worst ``cal %``. Before those: per cell the prediction of the same traces
-without the forward's GIL-lag model (``otel_kvtrace/whatif/gil.py``), the worst sampling floor, and the
+without the GIL models (the forward's wake-up lag and the send thread's copy, ``otel_kvtrace/whatif/gil.py``), the worst sampling floor, and the
 predicted and the measured verdict with the reason each rests on. The measured verdict is given under
 both rules: the worst-pair rule the prediction uses (worst run, any run regresses; the runs are paired by
 seed) and the 95% confidence bound of the mean paired gain (``kvtrace whatif --measured``'s verdict).

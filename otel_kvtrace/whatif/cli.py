@@ -12,7 +12,7 @@ import click
 from otel_kvtrace import config
 from otel_kvtrace.cli_options import output_options
 from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
-from otel_kvtrace.whatif.measured import unchanged_layers
+from otel_kvtrace.whatif.measured import in_order_layers
 from otel_kvtrace.whatif.task import BOUNDS
 
 
@@ -154,13 +154,14 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
 
 
 def _print_in_order(console: Any, c: dict[str, Any]) -> None:
-    """The live policy's cost on the layers it is predicted not to change (``in_order_excess_us``)."""
+    """The live policy's cost beyond the prediction on the layers it serves in order (``in_order_excess_us``)."""
     excess = c.get("in_order_excess_us")
     if excess is None:
         return
-    console.print(f"on the {len(unchanged_layers(c['layer_effects']))} of {len(c['layer_effects'])} layers the "
-                  f"prediction leaves as FIFO has them, the live load completion is {excess:+.1f} us from the "
-                  "predicted one (mean over runs, no confidence bound): the policy's own cost (+) or saving (-)",
+    console.print(f"on the {len(in_order_layers(c['layer_effects']))} of {len(c['layer_effects'])} layers the "
+                  f"policy serves in FIFO order, the live load completion is {excess:+.1f} us from the predicted "
+                  "one (mean over runs, no confidence bound): a cost (+) or saving (-) of running the policy live "
+                  "that the prediction does not contain",
                   soft_wrap=True)
 
 

@@ -55,12 +55,13 @@ class QueueArrays:
     """Forward wake-up lag per chain position: recorded wait end minus load completion when it blocked."""
     step_count: list[int]
     call_overhead_ns: int
-    send: list[list[tuple[int, int, int, int, int, int]]] | None = None
+    send: list[list[tuple[int, int, int, int, int, int, int, int]]] | None = None
     """Per step, the send thread's saves in enqueue order: (chain position the issue follows, issue
     lag after that forward pass or the rebased issue time when the position is -1, work before the NPU
-    sync (-1: no sync recorded, the whole service is the last field), the device's lag after the issue
-    (``NONE``: none), work after the device point, recorded completion); None without recorded saves
-    (save times then move with the forward alone; :mod:`otel_kvtrace.whatif.saves`)."""
+    sync (-1: no sync recorded, the whole service is the work after the device point), the device's lag
+    after the issue (``NONE``: none), work after the device point, recorded completion, the copy's
+    start within that work (``NONE``: no copy recorded), the copy's recorded duration); None without
+    recorded saves (save times then move with the forward alone; :mod:`otel_kvtrace.whatif.saves`)."""
     send_index: list[int] | None = None
     """Per task, the index in ``send[step]`` of its save source, or -1."""
     gap0: list[int] | None = None
@@ -172,7 +173,7 @@ def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _For
     for sv, dev in zip(saves, device_lags(saves), strict=True):  # enqueue order, one send thread
         s = step_index.get(sv.step)
         start = sv.enqueue_ns if prev_done is None else max(sv.enqueue_ns, prev_done)
-        pre, post = _split_at_sync(sv, start, dev)
+        pre, post, resume = _split_at_sync(sv, start, dev)
         prev_done = sv.complete_ns
         if s is None:
             continue
@@ -180,7 +181,9 @@ def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _For
         end = fwd.rec_end[s][pos] if pos >= 0 else NONE
         issue = rb(sv.enqueue_ns) - end if end != NONE else rb(sv.enqueue_ns)
         where[s].setdefault(sv.layer_id, len(send[s]))
-        send[s].append((pos if end != NONE else -1, issue, pre, NONE if pre < 0 else dev, post, rb(sv.complete_ns)))
+        copy_at, copy_ns = _copy_in(sv, resume)
+        send[s].append((pos if end != NONE else -1, issue, pre, NONE if pre < 0 else dev, post, rb(sv.complete_ns),
+                        copy_at, copy_ns))
     index = []
     for i, t in enumerate(tasks):
         s = step_index[t.step]
@@ -188,17 +191,24 @@ def _send_columns(tasks: list[ReplayTask], step_index: dict[int, int], fwd: _For
     return send, index
 
 
-def _split_at_sync(sv: SaveTask, start: int, dev: int | None) -> tuple[int, int]:
-    """(work before the NPU sync, work after the device point) of one recorded save served from
-    ``start``; (-1, service) when no usable sync is recorded (the whole service is then work). After the
-    device point: from the sync's end where it blocked on the device, else from its start (the sync's
-    own few us are work)."""
+def _split_at_sync(sv: SaveTask, start: int, dev: int | None) -> tuple[int, int, int]:
+    """(work before the NPU sync, work after the device point, where that work starts) of one recorded
+    save served from ``start``; (-1, service, start) when no usable sync is recorded (the whole service
+    is then work). After the device point: from the sync's end where it blocked on the device, else from
+    its start (the sync's own few us are work)."""
     service = max(0, sv.complete_ns - start)
     if dev is None or sv.sync_start_ns is None or sv.sync_end_ns is None or sv.sync_start_ns < start:
-        return -1, service
+        return -1, service, start
     device_at = sv.enqueue_ns + dev
     resume = sv.sync_end_ns if device_at > sv.sync_start_ns else sv.sync_start_ns
-    return sv.sync_start_ns - start, max(0, sv.complete_ns - resume)
+    return sv.sync_start_ns - start, max(0, sv.complete_ns - resume), resume
+
+
+def _copy_in(sv: SaveTask, resume: int) -> tuple[int, int]:
+    """(the copy's start after ``resume``, its duration); (NONE, 0) when no copy is recorded after it."""
+    if sv.copy_start_ns is None or sv.copy_end_ns is None or sv.copy_start_ns < resume:
+        return NONE, 0
+    return sv.copy_start_ns - resume, sv.copy_end_ns - sv.copy_start_ns
 
 
 def _dependency_positions(tasks: list[ReplayTask], step: list[int], fwd: _ForwardChains) -> tuple[list[int], list[int]]:

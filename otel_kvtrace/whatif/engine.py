@@ -61,7 +61,9 @@ class QueueState:
         "q",
         "ready",
         "reference_end",
+        "save_extra",
         "send_done",
+        "send_post",
         "served",
         "start",
         "step_left",
@@ -70,7 +72,7 @@ class QueueState:
 
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0,
                  reference_end: list[int] | None = None, shift_steps: bool = True,
-                 lag_ns: list[list[int]] | None = None) -> None:
+                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
@@ -116,6 +118,10 @@ class QueueState:
         self.busy_start: list[int] = []
         self.busy_end: list[int] = []
         self.send_done: list[list[int]] = [[] for _ in q.chain]
+        self.send_post: list[list[int]] = [[] for _ in q.chain]
+        """Per step and save, when its work after the device point started (its copy is in it)."""
+        self.save_extra = save_extra_ns
+        """Per step and save, time added to that work (None: as recorded; :mod:`otel_kvtrace.whatif.gil`)."""
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -201,16 +207,19 @@ class QueueState:
         under the replayed forward; the load sees it with its recorded lag after the save completed."""
         sends = self.q.send[s]  # type: ignore[index]
         done = self.send_done[s]
+        extra = self.save_extra[s] if self.save_extra is not None else None
         prev = done[-1] if done else NONE
         while len(done) <= j:
-            pos, issue, pre, dev, post, _ = sends[len(done)]
+            k = len(done)
+            pos, issue, pre, dev, post = sends[k][:5]
             at = self.fwd_end[s][pos] + issue if pos >= 0 else issue + self.shift[s]
             t = at if prev == NONE else max(at, prev)
             if pre >= 0:  # the NPU sync waits for the device, which moves with the issue
                 t += pre
                 if dev != NONE and at + dev > t:
                     t = at + dev
-            prev = t + post
+            self.send_post[s].append(t)
+            prev = t + post + (extra[k] if extra is not None else 0)
             done.append(prev)
         rec_done = sends[j][5]
         t = done[j] + (recorded - rec_done if recorded != NONE else 0)
@@ -482,6 +491,10 @@ class QueueReplay:
     """Replayed arrivals (moved with the forward's shift per step); None = as recorded (``arrays.arr``)."""
     eff_rl: list[int] | None = None
     """Replayed external slot releases (moved with their step's shift); None = as recorded (``arrays.rl``)."""
+    send_post: list[list[int]] | None = None
+    """Per step, the replayed start of each save's work after the device point (the saves replayed so far)."""
+    dispatch: int = 0
+    """The policy's cost per dequeue this replay charged (``replay_queue(dispatch_ns=...)``)."""
 
     @property
     def arr(self) -> list[int]:
@@ -496,7 +509,7 @@ class QueueReplay:
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
                  reference_end: list[int] | None = None, shift_steps: bool = True,
-                 lag_ns: list[list[int]] | None = None) -> QueueReplay:
+                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
     ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
@@ -507,9 +520,11 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     by how much the previous step's forward ended after ``reference_end`` (per step; default the recorded
     ends; never earlier; ``shift_steps=False``: as recorded).
     ``lag_ns``: per step and chain position, the forward's wake-up lag after the load (default
-    ``q.lag``, as recorded under FIFO).
+    ``q.lag``, as recorded under FIFO). ``save_extra_ns``: per step and save, time added to the save's
+    work after its device point (default none; :mod:`otel_kvtrace.whatif.gil`).
     """
-    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps, lag_ns)
+    state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps, lag_ns,
+                       save_extra_ns)
     n = q.n
     arr = q.arr
     select = policy.select
@@ -532,4 +547,5 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
         now = wake
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
                        state.fwd_arrive, state.fwd_end, state.batches,
-                       list(zip(state.busy_start, state.busy_end, strict=True)), state.arr, state.eff_rl)
+                       list(zip(state.busy_start, state.busy_end, strict=True)), state.arr, state.eff_rl,
+                       state.send_post, dispatch_ns)

@@ -186,3 +186,132 @@ def adjusted_lags(q: QueueArrays, model: GilModel, fifo_runs: list[list[int]],
             row.append(max(0, int(base + model.slope * (policy_runs[s][p] - fifo_runs[s][p]))))
         out.append(row)
     return out
+
+
+# ---- the send thread's copy, woken behind the recv thread ------------------------------------------------
+#
+# The send thread sleeps in each save's copy (``backend_submit``) and, when the sleep ends, needs the GIL
+# back; while the recv thread runs Python without blocking it waits, so the copy ends behind the end of
+# that run. A policy moves the recv thread's runs, so it moves these waits (measured on the real
+# 0.23.0.post1 recv thread: the copies of saves 3-5 ended 9-37 us earlier under ``ready_queue``, where
+# the recv thread slept in its own copy instead of running beside them; docs/whatif.md, "The send
+# thread's copy and the GIL"). Sized from the FIFO recording, per queue:
+#
+# - per save position in a step, the copy's uncontended duration: a low quantile (``UNCONTENDED_Q``) of
+#   its recorded durations;
+# - the send thread's run from taking the GIL back to the copy's end (``tail_ns``): the median, over
+#   the FIFO copies during whose second half a recv-thread run ended, of the copy's end minus that end;
+# - so the send thread wakes ``wake[k] = uncontended - tail`` into the copy at position ``k``, and waits
+#   there for the rest of any recv-thread run in progress. A policy's save gets the difference between
+#   that wait on its replayed timeline and on the FIFO replay's (FIFO gets none).
+
+UNCONTENDED_Q = 0.1
+"""The quantile of a save position's recorded copy durations taken as its duration without a GIL wait."""
+
+
+@dataclass(slots=True, frozen=True)
+class SendModel:
+    """Where in each save's copy the send thread wakes and needs the GIL back."""
+
+    wake: list[int]
+    """Per save position in a step: the copy's offset (ns) at which the send thread wakes."""
+    tail_ns: int
+    """The send thread's run from taking the GIL back to the copy's end (median of ``points``)."""
+    points: int
+
+
+def recv_busy(rep: QueueReplay, release: str) -> list[tuple[int, int]]:
+    """The recv thread's GIL-holding runs on a replayed timeline, sorted: each served task's work from its
+    start (the policy's cost per dequeue included), less the waits that block, its backend call (it
+    sleeps in the copy) and, with ``release == "meta+copy"``, its metadata build. Only for replays of
+    whole tasks (a merged batch's own timeline is not rebuilt): [] when ``rep`` merged any."""
+    if rep.batches:
+        return []
+    q = rep.arrays
+    out: list[tuple[int, int]] = []
+    for i in range(q.n):
+        if rep.start[i] == NONE:
+            continue
+        t = q.tasks[i]
+        holes = [(t.copy_at_ns, t.copy_at_ns + t.backend_submit_ns)] if t.copy_at_ns is not None else []
+        if release == "meta+copy" and t.meta_at_ns is not None:
+            holes.append((t.meta_at_ns, t.meta_at_ns + t.meta_ns))
+        at, x = rep.start[i], -rep.dispatch  # the replay's clock, and the work offset (the dispatch before 0)
+        work = (q.w0[i] + rep.dispatch, q.w1[i], q.w2[i], q.w3[i])
+        ready = (rep.eff_rs[i], rep.eff_rg[i], rep.rl[i])
+        lag = (q.ws[i], q.wg[i], q.wl[i])
+        for k in range(4):
+            out.extend((at + a - x, at + b - x) for a, b in _less(x, x + work[k], holes))
+            at += work[k]
+            x += work[k]
+            if k < 3 and ready[k] != NONE and ready[k] > at:
+                at = ready[k] + lag[k]
+    out.sort()
+    merged: list[tuple[int, int]] = []
+    for a, b in out:  # pieces that touch are one run (the thread did not let go of the GIL between them)
+        if merged and a <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(b, merged[-1][1]))
+        else:
+            merged.append((a, b))
+    return merged
+
+
+def _less(a: int, b: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``[a, b)`` less ``holes`` (work offsets), as non-empty intervals."""
+    parts = [(a, b)]
+    for h0, h1 in holes:
+        parts = [p for x0, x1 in parts for p in ((x0, min(x1, h0)), (max(x0, h1), x1)) if p[0] < p[1]]
+    return parts
+
+
+def _copies(rep: QueueReplay) -> list[tuple[int, int, int, int]]:
+    """(step, save position, replayed copy start, recorded copy duration) of every replayed save with a
+    recorded copy."""
+    q = rep.arrays
+    if q.send is None or rep.send_post is None:
+        return []
+    return [(s, k, post + q.send[s][k][6], q.send[s][k][7])
+            for s, posts in enumerate(rep.send_post) for k, post in enumerate(posts) if q.send[s][k][6] != NONE]
+
+
+def fit_send(fifo: QueueReplay, busy: list[tuple[int, int]]) -> SendModel | None:
+    """The model from the FIFO replay (which reproduces the recording) and its recv-thread runs; None
+    without recorded copies or with fewer than ``MIN_POINTS`` copies a run ended in."""
+    copies = _copies(fifo)
+    by_pos: dict[int, list[int]] = {}
+    for _, k, _, d in copies:
+        by_pos.setdefault(k, []).append(d)
+    if not copies or not busy:
+        return None
+    uncontended = {k: sorted(ds)[int(UNCONTENDED_Q * (len(ds) - 1))] for k, ds in by_pos.items()}
+    ends = [y for _, y in busy]
+    tails = []
+    for _, k, c, d in copies:
+        j = bisect.bisect_right(ends, c + d) - 1
+        if j >= 0 and ends[j] > c + uncontended[k] // 2:
+            tails.append(c + d - ends[j])
+    if len(tails) < MIN_POINTS:
+        return None
+    tail = int(statistics.median(tails))
+    wake = [max(0, uncontended.get(k, 0) - tail) for k in range(max(by_pos) + 1)]
+    return SendModel(wake, tail, len(tails))
+
+
+def copy_waits(rep: QueueReplay, busy: list[tuple[int, int]], model: SendModel) -> dict[tuple[int, int], int]:
+    """(step, save position) -> the send thread's wait for the GIL at its copy's wake-up on ``rep``'s
+    timeline: the rest of the recv-thread run in progress then, 0 when none is."""
+    starts = [x for x, _ in busy]
+    out = {}
+    for s, k, c, _ in _copies(rep):
+        w = c + model.wake[k] if k < len(model.wake) else c
+        j = bisect.bisect_right(starts, w) - 1
+        out[(s, k)] = busy[j][1] - w if j >= 0 and busy[j][1] > w else 0
+    return out
+
+
+def save_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_waits: dict[tuple[int, int], int]
+               ) -> list[list[int]]:
+    """Per step and save position, the policy's copy wait minus FIFO's (0 where either is unknown)."""
+    q = rep.arrays
+    return [[policy_waits.get((s, k), 0) - fifo_waits.get((s, k), 0) if (s, k) in fifo_waits else 0
+             for k in range(len(saves))] for s, saves in enumerate(q.send or [])]

@@ -152,30 +152,35 @@ def layer_effects(layers: dict[str, dict[str, list[float]]]) -> list[dict[str, f
     def done(kind: str, layer: float) -> float:
         return layers[kind]["load_done_ms"][layers[kind]["layer"].index(layer)]
 
+    predicted = layers["predicted"]
     out = []
     for x in sorted(set.intersection(*(set(layers[k]["layer"]) for k in need))):
         meas = (done("measured", x) - done("fifo_measured", x)) * 1e3
         pred = (done("predicted", x) - done("fifo_replayed", x)) * 1e3
-        out.append({"layer": x, "measured_us": meas, "predicted_us": pred, "miss_us": meas - pred})
+        in_order = predicted["in_order"][predicted["layer"].index(x)] == 1.0 if "in_order" in predicted \
+            else abs(pred) < UNCHANGED_US
+        out.append({"layer": x, "measured_us": meas, "predicted_us": pred, "miss_us": meas - pred,
+                    "in_order": in_order})
     return out
 
 
 UNCHANGED_US = 1.0
-"""A layer whose predicted completion is within this of FIFO's is one the policy does not change."""
+"""Summaries stored before the replay marked in-order layers: a layer whose predicted completion is within
+this of FIFO's is taken as one the policy serves in order."""
 
 
-def unchanged_layers(effects: list[dict[str, float]]) -> list[dict[str, float]]:
-    """The layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``)."""
-    return [e for e in effects if abs(e["predicted_us"]) < UNCHANGED_US]
+def in_order_layers(effects: list[dict[str, float]]) -> list[dict[str, float]]:
+    """The layers the policy's replay serves in FIFO order in every step (``in_order``)."""
+    return [e for e in effects if e["in_order"]]
 
 
 def in_order_excess_us(effects: list[dict[str, float]]) -> float | None:
-    """Mean ``miss`` over the layers the prediction leaves where FIFO has them (|predicted| < ``UNCHANGED_US``):
-    what running the policy live costs (or saves) where its decisions change nothing (its ``get()``
-    decision, waking from a sleep in ``get()`` instead of in the task's own wait, its effect on the other
-    threads), which a replay of FIFO runs does not contain. A difference of means over the runs, without a
-    confidence bound: read it next to the noise. None when the prediction changes every layer."""
-    xs = [e["miss_us"] for e in unchanged_layers(effects)]
+    """Mean ``miss`` over the layers the policy's replay serves in FIFO order (:func:`in_order_layers`):
+    what running the policy live costs (or saves) where its decisions reorder nothing, beyond the cost per
+    dequeue the prediction charges (:mod:`.decision`): its effect on the other threads, a wake-up from a
+    sleep in ``get()`` instead of in the task's own wait. A difference of means over the runs, without a
+    confidence bound: read it next to the noise. None when the policy reorders every layer."""
+    xs = [e["miss_us"] for e in in_order_layers(effects)]
     return statistics.fmean(xs) if xs else None
 
 
@@ -305,6 +310,7 @@ def _mean_profile(profiles: list[dict[str, list[float]]]) -> dict[str, list[floa
         return {}
     common = sorted(set.intersection(*(set(p["layer"]) for p in profiles)))
     out: dict[str, list[float]] = {"layer": common}
-    for key in ("load_done_ms", "consumer_wait_ms"):
-        out[key] = [statistics.fmean(p[key][p["layer"].index(x)] for p in profiles) for x in common]
+    for key in ("load_done_ms", "consumer_wait_ms", "in_order"):
+        if all(key in p for p in profiles):  # in_order: the fraction of runs that served the layer in order
+            out[key] = [statistics.fmean(p[key][p["layer"].index(x)] for p in profiles) for x in common]
     return out

@@ -23,10 +23,13 @@ INF = 1 << 62
 
 class Policy:
     """Base class: set ``name``, implement ``select``. ``uses_ready_index`` asks the engine to keep
-    arrived tasks indexed by when they can next make progress (``state.ready`` / ``state.waiting``)."""
+    arrived tasks indexed by when they can next make progress (``state.ready`` / ``state.waiting``).
+    ``probes_head``: the live ``get()`` checks the head's waits on every dequeue, a cost FIFO does not
+    pay (:mod:`otel_kvtrace.whatif.decision` sizes it from the FIFO recording)."""
 
     name: ClassVar[str] = ""
     uses_ready_index: ClassVar[bool] = False
+    probes_head: ClassVar[bool] = False
     _registry: ClassVar[dict[str, type[Policy]]] = {}
 
     def __init_subclass__(cls, **kwargs: object) -> None:

@@ -29,7 +29,8 @@ from otel_kvtrace.whatif.metrics import (
     validate_fifo,
     validation_from,
 )
-from otel_kvtrace.whatif.policy import get_policy, policy_names
+from otel_kvtrace.whatif.decision import decision_cost_ns
+from otel_kvtrace.whatif.policy import Policy, get_policy, policy_names
 from otel_kvtrace.whatif.saves import SaveTask, process_key
 from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
 
@@ -67,6 +68,8 @@ class RunReplay:
     hol: list[HolEvent] = field(default_factory=list)
     gil: dict[str, gil.GilModel | None] = field(default_factory=dict)
     """queue -> the forward wake-up model fitted on its FIFO recording (None: not fitted)."""
+    decision_ns: dict[str, int] = field(default_factory=dict)
+    """queue -> the cost per dequeue charged to policies that probe the head (:mod:`.decision`)."""
 
     @property
     def hol_ms(self) -> float:
@@ -95,9 +98,12 @@ class RunReplay:
 
     def layer_profile(self, policy: str) -> dict[str, list[float]]:
         """Per physical layer, means over (queue, step): load completion after the step's first enqueue
-        and the forward's consumer wait, in ms (``layer`` lists the layers)."""
+        and the forward's consumer wait, in ms (``layer`` lists the layers); ``in_order``: 1.0 where the
+        policy served that layer's load, and every load of its step before it, in FIFO order in every step
+        (no later task started before it, none merged with it), else 0.0."""
         done: dict[int, list[int]] = {}
         wait: dict[int, list[int]] = {}
+        reordered: set[int] = set()
         for per in self.replays.values():
             rep = per[policy]
             q = rep.arrays
@@ -108,12 +114,28 @@ class RunReplay:
                     done.setdefault(layer, []).append(rep.complete[i] - first)
                     if rep.fwd_arrive[s][p] != NONE:
                         wait.setdefault(layer, []).append(rep.fwd_end[s][p] - rep.fwd_arrive[s][p])
+                reordered.update(q.layer[i] for i in _after_first_reorder(rep, chain))
         layers = sorted(done)
         return {
             "layer": [float(x) for x in layers],
             "load_done_ms": [sum(done[x]) / len(done[x]) / 1e6 for x in layers],
             "consumer_wait_ms": [sum(wait.get(x, [0])) / max(1, len(wait.get(x, []))) / 1e6 for x in layers],
+            "in_order": [0.0 if x in reordered else 1.0 for x in layers],
         }
+
+
+def _after_first_reorder(rep: QueueReplay, chain: list[int]) -> list[int]:
+    """The tasks of one step (``chain``, in seq order) from the first one a later task started before
+    (or with: a merged batch) on."""
+    starts = [rep.start[i] for i in chain]
+    later = NONE
+    first = len(chain)
+    for p in range(len(chain) - 1, -1, -1):  # suffix minimum of the starts after p
+        if p + 1 < len(chain):
+            later = starts[p + 1] if later == NONE else min(later, starts[p + 1])
+            if starts[p] >= later:
+                first = p
+    return chain[first:]
 
 
 @dataclass(slots=True)
@@ -172,7 +194,8 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
     save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
     forward alone. ``dispatch_ns``: per policy, its own cost per dequeue on top of FIFO's
-    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one. ``gil_lag``: a policy's
+    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one. A policy not in it that probes
+    the head (``Policy.probes_head``) is charged the cost the FIFO recording gives (:mod:`.decision`). ``gil_lag``: a policy's
     forward wake-up lags follow the recv thread's run after each load (:mod:`.gil`, sized from the FIFO
     recording); False = FIFO's recorded lags.
 
@@ -187,34 +210,27 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     figs: dict[str, list[QueueFigures]] = {name: [] for name in names}
     hol: list[HolEvent] = []
     models: dict[str, gil.GilModel | None] = {}
+    decision: dict[str, int] = {}
     for queue, qtasks in group_by_queue(tasks).items():
         arrays = QueueArrays.from_tasks(qtasks, (saves or {}).get(process_key(queue)))
+        decision[queue] = decision_cost_ns(qtasks)
         replays[queue] = {}
         reference: list[int] | None = None
+        coupling: _Coupling | None = None
         for name, policy in instances.items():
             try:
-                extra = (dispatch_ns or {}).get(name, 0) if name != "fifo" else 0
-                # FIFO is the reference: as recorded; a policy's steps move by its forward's shift from it
-                rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra, reference_end=reference,
-                                   shift_steps=name != "fifo")
-                if name != "fifo" and gil_model is not None:
-                    # the forward's wake-up behind the recv thread's run after each load (gil.py): read the
-                    # policy's runs off its replay, then replay again with the lags they give
-                    runs = gil.run_after(rep, release, extra, gil_model.loop_ns)
-                    rep = replay_queue(arrays, policy, feedback=feedback, dispatch_ns=extra,
-                                       reference_end=reference, shift_steps=True,
-                                       lag_ns=gil.adjusted_lags(arrays, gil_model, fifo_runs, runs))
+                if name == "fifo":  # the reference: as recorded
+                    rep = replay_queue(arrays, policy, feedback=feedback, shift_steps=False)
+                    reference = [e[-1] if e else NONE for e in rep.fwd_end]
+                    coupling = _Coupling.fit(arrays, rep) if gil_lag else None
+                    models[queue] = coupling.forward if coupling is not None else None
+                else:  # a policy's steps move by its forward's shift from FIFO's
+                    rep = _replay_policy(arrays, policy, coupling, feedback=feedback, reference=reference,
+                                         dispatch=_dispatch(name, policy, dispatch_ns, decision[queue]))
             except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
                 raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
                                     f"policy {name!r}: {exc}") from exc
             replays[queue][name] = rep
-            if name == "fifo":
-                reference = [e[-1] if e else NONE for e in rep.fwd_end]
-                gil_model = gil.fit(arrays, rep) if gil_lag else None
-                if gil_model is not None:
-                    release = gil.release_points(arrays, gil_model.release)
-                    fifo_runs = gil.run_after(rep, release, 0, gil_model.loop_ns)
-                models[queue] = gil_model
             f = queue_figures(rep, with_hol=name == "fifo")
             hol.extend(f.hol)
             figs[name].append(f)
@@ -224,7 +240,61 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         run_id = run_id or first.run_id
         cfg_label = cfg_label or first.cfg_label
     figures = {name: summarise(name, figs[name]) for name in names}
-    return RunReplay(run_id, cfg_label, replays, figures, validation, hol, models)
+    return RunReplay(run_id, cfg_label, replays, figures, validation, hol, models, decision)
+
+
+@dataclass(slots=True)
+class _Coupling:
+    """What the FIFO replay of one queue gives the GIL models (:mod:`.gil`): the forward's wake-up lag
+    and the send thread's copy wake-up, both behind the recv thread's runs."""
+
+    forward: gil.GilModel | None
+    release: list[int]
+    fifo_runs: list[list[int]]
+    release_set: str
+    send: gil.SendModel | None
+    fifo_waits: dict[tuple[int, int], int]
+
+    @classmethod
+    def fit(cls, arrays: QueueArrays, fifo: QueueReplay) -> _Coupling:
+        forward = gil.fit(arrays, fifo)
+        release_set = forward.release if forward is not None else gil.RELEASES[0]
+        release = gil.release_points(arrays, release_set)
+        runs = gil.run_after(fifo, release, 0, forward.loop_ns) if forward is not None else []
+        busy = gil.recv_busy(fifo, release_set)
+        send = gil.fit_send(fifo, busy)
+        waits = gil.copy_waits(fifo, busy, send) if send is not None else {}
+        return cls(forward, release, runs, release_set, send, waits)
+
+
+def _replay_policy(arrays: QueueArrays, policy: Policy, coupling: _Coupling | None, *, feedback: str,
+                   reference: list[int] | None, dispatch: int) -> QueueReplay:
+    """One policy's replay: plain, then again with the forward's wake-up lags that the recv thread's runs
+    on it give, then again with the send thread's copy waits those runs give (:mod:`.gil`)."""
+    kw: dict[str, Any] = {"feedback": feedback, "dispatch_ns": dispatch, "reference_end": reference,
+                          "shift_steps": True}
+    rep = replay_queue(arrays, policy, **kw)
+    if coupling is None:
+        return rep
+    if coupling.forward is not None:
+        runs = gil.run_after(rep, coupling.release, dispatch, coupling.forward.loop_ns)
+        kw["lag_ns"] = gil.adjusted_lags(arrays, coupling.forward, coupling.fifo_runs, runs)
+        rep = replay_queue(arrays, policy, **kw)
+    if coupling.send is not None:
+        busy = gil.recv_busy(rep, coupling.release_set)
+        if busy:
+            waits = gil.copy_waits(rep, busy, coupling.send)
+            rep = replay_queue(arrays, policy, save_extra_ns=gil.save_extra(rep, coupling.fifo_waits, waits), **kw)
+    return rep
+
+
+def _dispatch(name: str, policy: Policy, given: Mapping[str, int] | None, decision_ns: int) -> int:
+    """The policy's cost per dequeue above FIFO's: as given, else the decision's (probing policies)."""
+    if name == "fifo":
+        return 0
+    if given is not None and name in given:
+        return given[name]
+    return decision_ns if policy.probes_head else 0
 
 
 def config_key(cfg_label: str | None, path: str | None, scheduler: str | None = None) -> str:

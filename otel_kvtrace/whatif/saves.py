@@ -15,7 +15,7 @@ done (1 us). So ``c_j`` is split at the sync: ``R'_j = max(S'_j + pre_j, A'_j + 
 blocked (its end), else at most the sync start and taken as ``min(that bound, the queue's median
 device lag over the syncs that blocked)`` (:func:`device_lags`). Found comparing the replayed
 ``gate_group`` with the live one: the replay served layer 1's save 210-240 us early.
-Input: the ``kvtrace.send.task`` spans and their ``save_npu_sync`` child (docs/schema.md).
+Input: the ``kvtrace.send.task`` spans and their ``save_npu_sync`` and ``backend_submit`` children (docs/schema.md).
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class SaveTask:
     sync_start_ns: int | None = None
     sync_end_ns: int | None = None
     """The ``save_npu_sync`` stage (the send thread's wait for the save's NPU event); None: not recorded."""
+    copy_start_ns: int | None = None
+    copy_end_ns: int | None = None
+    """The ``backend_submit`` stage (the save's copy; the send thread sleeps in it and wakes behind the
+    GIL, :mod:`otel_kvtrace.whatif.gil`); None: not recorded."""
 
 
 SYNC_BLOCKED_NS = 20_000
@@ -64,6 +68,11 @@ def _blocked(sv: SaveTask) -> bool:
         and sv.sync_end_ns - sv.sync_start_ns > SYNC_BLOCKED_NS
 
 
+def _within(start: Any, end: Any, done: int) -> tuple[int | None, int | None]:
+    """A child stage's (start, end), or (None, None) when absent or ending after the save completed."""
+    return (int(start), int(end)) if start is not None and end is not None and end <= done else (None, None)
+
+
 def process_key(queue: str) -> str:
     """The part of a queue id naming the process and ranks (the thread name dropped): recv and send
     queues of one worker share it."""
@@ -76,18 +85,21 @@ def saves_from_duckdb(con: Any) -> dict[str, list[SaveTask]]:
         rows = con.execute(
             "SELECT s.attrs['kvtrace.queue'], CAST(s.attrs['kvtrace.step'] AS BIGINT), "
             "CAST(s.attrs['kvtrace.layer_id'] AS BIGINT), CAST(s.attrs['kvtrace.ts.enqueue'] AS BIGINT), "
-            "CAST(s.attrs['kvtrace.ts.complete'] AS BIGINT), min(c.start_ns), max(c.end_ns) FROM spans s "
-            "LEFT JOIN spans c ON c.trace_id = s.trace_id AND c.parent_span_id = s.span_id "
-            "AND c.name = 'save_npu_sync' WHERE s.name = 'kvtrace.send.task' "
+            "CAST(s.attrs['kvtrace.ts.complete'] AS BIGINT), "
+            "min(c.start_ns) FILTER (WHERE c.name = 'save_npu_sync'), "
+            "max(c.end_ns) FILTER (WHERE c.name = 'save_npu_sync'), "
+            "min(c.start_ns) FILTER (WHERE c.name = 'backend_submit'), "
+            "max(c.end_ns) FILTER (WHERE c.name = 'backend_submit') "
+            "FROM spans s LEFT JOIN spans c ON c.trace_id = s.trace_id AND c.parent_span_id = s.span_id "
+            "AND c.name IN ('save_npu_sync', 'backend_submit') WHERE s.name = 'kvtrace.send.task' "
             "AND s.attrs['kvtrace.ts.complete'] IS NOT NULL AND s.attrs['kvtrace.ts.enqueue'] IS NOT NULL "
             "GROUP BY s.span_id, 1, 2, 3, 4, 5 ORDER BY 1, 4").fetchall()
     except Exception:  # no spans view (a tasks-only input): saves stay as recorded on the recv side
         return {}
     out: dict[str, list[SaveTask]] = {}
-    for queue, step, layer, enq, done, sync0, sync1 in rows:
+    for queue, step, layer, enq, done, sync0, sync1, copy0, copy1 in rows:
         if queue is None or step is None or layer is None:
             continue
-        sync = (int(sync0), int(sync1)) if sync0 is not None and sync1 is not None and sync1 <= done else (None, None)
-        out.setdefault(process_key(str(queue)), []).append(
-            SaveTask(int(step), int(layer), int(enq), int(done), *sync))
+        out.setdefault(process_key(str(queue)), []).append(SaveTask(
+            int(step), int(layer), int(enq), int(done), *_within(sync0, sync1, done), *_within(copy0, copy1, done)))
     return out

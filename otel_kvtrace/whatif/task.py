@@ -83,6 +83,12 @@ class ReplayTask:
     previous completion (or the arrival) to this dequeue."""
     meta_at_ns: int | None = None
     """The same offset to the start of the ``meta_build`` stage (``None``: not recorded)."""
+    meta_ns: int = 0
+    """The ``meta_build`` stage's duration (the threaded replica sleeps in it)."""
+    check_ns: tuple[int | None, int | None, int | None] = (None, None, None)
+    """Per wait (save, gate, slot): its recorded duration where it returned without blocking (its
+    dependency met by the wait's start: the readiness check alone, timed in situ); -1: it blocked or its
+    dependency time is unknown; None: the task has no such wait recorded (:mod:`.decision`)."""
     recorded_start_ns: int | None = None
     recorded_complete_ns: int | None = None
     consumer_wait_start_ns: int | None = None
@@ -155,6 +161,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
     ready: list[int | None] = [None, None, None]
     wake = [0, 0, 0]
     waits: list[tuple[int, int] | None] = [None, None, None]
+    check: list[int | None] = [None, None, None]
     for kind in (SAVE, GATE, SLOT):
         times = [t for t in (_dep_time(row, d, bound) for d in WAIT_DEPS[kind]) if t is not None]
         exact = all(_int(_get(row, f"ts_dep_{d}")) is not None for d in WAIT_DEPS[kind]
@@ -163,6 +170,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         wait = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
         r = max(times) if times else None
         if wait is not None:
+            check[kind] = wait[1] - wait[0] if r is not None and r <= wait[0] else -1
             if r is None or r > wait[1]:
                 r = wait[1]  # satisfied no later than the waiter's return
             elif exact and r > wait[0]:
@@ -194,7 +202,8 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
     cstage = _stage(row, "completion")
     bstage = _stage(row, "backend_submit")
     copy_at = _work_offset(bstage, dequeue, waits)
-    meta_at = _work_offset(_stage(row, "meta_build"), dequeue, waits)
+    mstage = _stage(row, "meta_build")
+    meta_at = _work_offset(mstage, dequeue, waits)
     cwait = _stage(row, "consumer_wait")
     gate = _int(row.get("gate_id"))
     src = _int(row.get("wait_for_save_layer"))
@@ -206,6 +215,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         arrival_ns=arrival,
         work_ns=(work[0], work[1], work[2], work[3]),
         wake_ns=(wake[0], wake[1], wake[2]),
+        check_ns=(check[0], check[1], check[2]),
         ready_save_ns=ready[SAVE],
         ready_gate_ns=ready[GATE],
         ready_slot_ns=ready[SLOT],
@@ -218,6 +228,7 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         recorded_slot_release_ns=_int(_get(row, "ts_dep_slot_release")),
         copy_at_ns=copy_at,
         meta_at_ns=meta_at,
+        meta_ns=(mstage[1] - mstage[0]) if mstage else 0,
         recorded_start_ns=dequeue,
         recorded_complete_ns=complete,
         consumer_wait_start_ns=cwait[0] if cwait else None,

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from otel_kvtrace.demo import run_demo
 from otel_kvtrace.whatif.api import whatif
 from otel_kvtrace.whatif.cli import whatif_command
-from otel_kvtrace.whatif.measured import gain_error_pct, in_order_excess_us, layer_effects, unchanged_layers
+from otel_kvtrace.whatif.measured import gain_error_pct, in_order_excess_us, in_order_layers, layer_effects
 
 
 @pytest.fixture(scope="module")
@@ -68,10 +68,14 @@ def _fifo_layers(fifo: Path) -> list[float]:
     return [sum(col) / len(col) for col in zip(*profiles, strict=True)]
 
 
+def _profile(*done_ms: float) -> dict[str, list[float]]:
+    return {"layer": [float(i) for i in range(len(done_ms))], "load_done_ms": list(done_ms),
+            "consumer_wait_ms": [0.0] * len(done_ms)}
+
+
 def test_in_order_excess_is_the_mean_miss_where_the_prediction_changes_nothing() -> None:
-    def profile(*done_ms: float) -> dict[str, list[float]]:
-        return {"layer": [float(i) for i in range(len(done_ms))], "load_done_ms": list(done_ms),
-                "consumer_wait_ms": [0.0] * len(done_ms)}
+    """Summaries stored without ``in_order`` marks (older sweeps): in order = predicted within 1 us of FIFO."""
+    profile = _profile
 
     # the FIFO replay misses the FIFO runs by 40 us at layer 2; the policy is predicted to change only
     # layer 3 (3 ms earlier than the FIFO replay); live, it also ran layers 1 and 2 20 and 30 us later
@@ -81,10 +85,25 @@ def test_in_order_excess_is_the_mean_miss_where_the_prediction_changes_nothing()
     effects = layer_effects(layers)
     assert [round(e["measured_us"]) for e in effects] == [0, 20, 30, -2900]
     assert [round(e["predicted_us"]) for e in effects] == [0, 0, 0, -3000]  # against the FIFO replay
-    assert unchanged_layers(effects) == effects[:3]
+    assert in_order_layers(effects) == effects[:3]
     assert in_order_excess_us(effects) == pytest.approx(50 / 3)  # layers 0-2: 0, 20, 30 us
     assert in_order_excess_us(effects[3:]) is None  # every layer changed: nothing to read it from
     assert layer_effects({**layers, "fifo_measured": {}}) == []
+
+
+def test_in_order_layers_are_the_replay_s_own_marks_whatever_the_decision_cost_moved() -> None:
+    """With a cost per dequeue charged, in-order layers move too (+15 us here): the replay's marks say
+    which layers the policy served in FIFO order, and the excess is the live miss beyond that cost."""
+    predicted = {**_profile(1.015, 2.015, 2.975, 6.0), "in_order": [1.0, 1.0, 1.0, 0.0]}
+    layers = {"fifo_measured": _profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": _profile(1.0, 2.0, 2.96, 9.0),
+              "predicted": predicted, "measured": _profile(1.0, 2.02, 3.03, 6.1)}
+    effects = layer_effects(layers)
+    assert [round(e["predicted_us"]) for e in effects] == [15, 15, 15, -3000]
+    assert in_order_layers(effects) == effects[:3]
+    assert in_order_excess_us(effects) == pytest.approx((-15 + 5 + 15) / 3)
+    # a layer served out of order in one run of two (mean mark 0.5) is not in order
+    layers["predicted"] = {**predicted, "in_order": [1.0, 0.5, 1.0, 0.0]}
+    assert [e["layer"] for e in in_order_layers(layer_effects(layers))] == [0.0, 2.0]
 
 
 def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path: Path) -> None:
@@ -97,7 +116,7 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     # the demo's run ids name their seeds (-s1..-s3): paired by seed, and judged by the worst-pair rule too
     assert "paired by seed: 3 pairs" in res.output
     assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
-    assert "the policy's own cost (+) or saving (-)" in res.output  # hol: layers 0-2 are predicted as FIFO's
+    assert "layers the policy serves in FIFO order" in res.output  # hol: layers 0-2 are served in order
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]

@@ -29,6 +29,7 @@ from otel_kvtrace.whatif.policy import INF, Policy
 
 class ReadyQueue(Policy):
     name = "ready_queue"
+    probes_head = True
 
     def select(self, state: QueueState, now: int) -> list[int] | int:
         q = state.q
