@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import shlex
+import statistics
 import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -38,6 +39,8 @@ MODEL_NOTES = [
     ("forward: reaches its first load wait at the recorded time, keeps its recorded compute gaps and wake-up "
      "lag; gates and saves move with the replayed forward"),
     "TTFT estimate = step's first enqueue -> forward leaves its last load wait",
+    ("ready_queue pays its get()'s readiness checks per dequeue (decision_cost_us: the FIFO recording's waits "
+     "that did not block); the forward and the send thread wake behind the recv thread's GIL runs"),
 ]
 
 _CFG_COLUMNS = ("cfg_num_layers", "cfg_prefetch_layers", "cfg_num_shared_buffers", "cfg_independent_layers",
@@ -145,12 +148,14 @@ def whatif(
                            gil_lag=gil_lag)
                 for run_id, ts in runs.items()]
         summaries = [r.summary() for r in done]
+        costs = [ns for r in done for ns in r.decision_ns.values()]
         if tasks_csv is not None:
             replayed.extend(done)
         v = decide(summaries, cfg_label=label, config=configs.get(label, {}), reproduce=command)
         v.extra["path"] = str(configs.get(label, {}).get("path") or "")
         examples = [s.hol_example for s in summaries if s.hol_example]
         v.extra["hol_example"] = examples[0] if examples else ""
+        v.extra["decision_cost_us"] = statistics.median(costs) / 1000 if costs else 0.0
         if label in by_policy:
             fifo_meas = [measured_summary(ts, run_id=run_id, cfg_label=label) for run_id, ts in runs.items()]
             v.extra["measured"] = []

@@ -134,6 +134,10 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
             if cost:
                 table.add_row("gain ms, calibrated", "", f"{c['calibrated_gain_ms']:.3f}", "")
             console.print(table)
+            if c["policy"] == "ready_queue":
+                console.print(f"predicted with +{v.extra.get('decision_cost_us', 0.0):.1f} us per dequeue: the "
+                              "head's readiness checks, timed by the FIFO runs' waits that did not block",
+                              soft_wrap=True)
             if cost:
                 console.print(f"calibrated: replayed with +{cost:.1f} us per dequeue, the policy's own cost taken "
                               "from the measured runs", soft_wrap=True)

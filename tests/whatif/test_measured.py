@@ -117,12 +117,14 @@ def test_cli_prints_the_ab_table_and_writes_json(ab: tuple[Path, Path], tmp_path
     assert "paired by seed: 3 pairs" in res.output
     assert "measured verdict, worst-pair rule (as the prediction's):" in res.output
     assert "layers the policy serves in FIFO order" in res.output  # hol: layers 0-2 are served in order
+    assert "us per dequeue: the head's readiness checks" in res.output
     assert "TTFT gain ms" in res.output
     data = json.loads(out.read_text())
     c = data["configurations"][0]["extra"]["measured"][0]
     assert c["policy"] == "ready_queue" and c["pairing"] == "seed" and c["verdict_worst"] != "n/a"
     assert c["measured_verdict"]["gains"]["ready_queue"]["bound"] == "95% confidence bound, paired"
     assert c["dispatch_cost_us"] >= 0 and "calibrated_gain_ms" in c and "calibrated_gain_error_pct" in c
+    assert data["configurations"][0]["extra"]["decision_cost_us"] > 0  # the replica's waits time their checks
 
 
 def test_fifo_runs_given_as_measured_are_a_clear_error(ab: tuple[Path, Path]) -> None:
