@@ -25,29 +25,29 @@ from pathlib import Path
 
 
 def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]
-                ) -> tuple[float, float, float, list[int], list[float]]:
-    """(measured gain, noise, derived prediction, derived costs per run and queue in ns, predicted gain per cost) of
-    one kept cell, gains in ms: the measured side and the derived prediction are ``kvtrace whatif
-    --measured``'s own (:func:`whatif`), the others the same FIFO runs replayed again with the cost
-    (``replay_run(dispatch_ns=...)``, as its ``cal`` column is)."""
+                ) -> tuple[float, float, float, float, list[float]]:
+    """(measured gain, noise, derived prediction, derived cost per dequeue in us, predicted gain per cost)
+    of one kept cell, gains in ms: the measured side, the derived prediction and its cost are ``kvtrace
+    whatif --measured``'s own (:func:`whatif`; the cost 0 unless the policy probes the head), the others
+    the same FIFO runs replayed again with the cost (``replay_run(dispatch_ns=...)``, as its ``cal``
+    column is)."""
     from otel_kvtrace.load import load_traces
     from otel_kvtrace.whatif.api import whatif
+    from otel_kvtrace.whatif.policy import get_policy
     from otel_kvtrace.whatif.replay import group_runs, replay_run
     from otel_kvtrace.whatif.saves import saves_from_duckdb
     from otel_kvtrace.whatif.task import tasks_from_duckdb
 
     (verdict,) = whatif([fifo], measured=[measured], policies=[policy]).verdicts
     (c,) = verdict.extra["measured"]
+    derived = verdict.extra["decision_cost_us"] if get_policy(policy).probes_head else 0.0
     loaded = load_traces([fifo])
     saves = saves_from_duckdb(loaded.con)
     (label, fifo_runs), = group_runs(tasks_from_duckdb(loaded.con)).items()
     predicted = []
-    derived: list[int] = []
     for cost in costs:
-        runs = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves,
-                           dispatch_ns={policy: int(cost * 1000)}) for r, ts in fifo_runs.items()]
-        derived = [ns for run in runs for ns in run.decision_ns.values()]
-        reps = [run.summary() for run in runs]
+        reps = [replay_run(ts, policies=[policy], run_id=r, cfg_label=label, saves=saves,
+                           dispatch_ns={policy: int(cost * 1000)}).summary() for r, ts in fifo_runs.items()]
         predicted.append(statistics.fmean(x.figures["fifo"]["ttft_ms_mean"] - x.figures[policy]["ttft_ms_mean"]
                                           for x in reps))
     return c["measured_gain_ms"], c["noise_ms"], c["predicted_gain_ms"], derived, predicted
@@ -73,8 +73,7 @@ def main() -> None:
         policy = d.name.removeprefix("il-")
         gain, noise, pred, derived, predicted = cell_errors(d / "fifo" / "traces", d / policy / "traces", policy,
                                                             args.costs)
-        used = f"{statistics.median(derived) / 1000:.1f}" if policy == "ready_queue" and derived else "0"
-        print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  {used:>11}: {pred:+8.3f} "
+        print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  {derived:11.1f}: {pred:+8.3f} "
               f"({gain_error_pct(pred, gain, noise):5.1f})  " + "  ".join(
             f"{p:+8.3f} ({gain_error_pct(p, gain, noise):5.1f})" for p in predicted), flush=True)
 

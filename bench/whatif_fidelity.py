@@ -486,12 +486,12 @@ def _recorded(cell: str, args: argparse.Namespace, tmp: Path) -> list[tuple[Path
 
 def _compared(cell: str, fifo: Path, dirs: dict[str, Path], cpu: dict[str, list[float]]
               ) -> list[tuple[str, dict[str, Any], dict[str, list[float]]]]:
-    """``whatif(FIFO runs, measured=[policy runs])``, with and without the GIL-lag model: one row per policy."""
+    """``whatif(FIFO runs, measured=[policy runs])``, with and without the GIL models (gil.py): one row per policy."""
     from otel_kvtrace.whatif.api import whatif
 
     try:
         report = whatif([fifo], measured=list(dirs.values()), policies=list(dirs))
-        # the same traces predicted without the forward's GIL wait behind the recv thread (gil.py)
+        # the same traces predicted without the GIL models (the forward's and the send thread's wake-ups, gil.py)
         plain = whatif([fifo], measured=list(dirs.values()), policies=list(dirs), gil_lag=False)
     except ValueError as exc:  # the live queue stayed FIFO (e.g. a slot waiter it cannot read)
         print(f"# {cell}: no measured cell: the policy runs ran FIFO ({exc})", flush=True)
@@ -557,7 +557,7 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
               f"{cpu_text:>12}  {c['predicted_verdict']} / {c['verdict_worst']} / {c['verdict']}")
     for cell, c, _ in rows:
         g = c["no_gil"]
-        print(f"# {cell} {c['policy']}: without the GIL-lag model (gil.py): pred {g['predicted_gain_ms']:.3f} "
+        print(f"# {cell} {c['policy']}: without the GIL models (gil.py): pred {g['predicted_gain_ms']:.3f} "
               f"cal {g['calibrated_gain_ms']:.3f} err {g['gain_error_pct']:.1f} % cal {g['calibrated_gain_error_pct']:.1f} %")
     for cell, c, _ in rows:  # where the misses are, layer by layer (measured/predicted effect of the policy)
         effects = c.get("layer_effects") or []
@@ -565,7 +565,7 @@ def _print(rows: list[tuple[str, dict[str, Any], dict[str, list[float]]]], seeds
         if effects:
             per_layer = " ".join(f"L{int(e['layer'])} {e['measured_us']:+.0f}/{e['predicted_us']:+.0f}" for e in effects)
             print(f"# {cell} {c['policy']}: load done minus FIFO's per layer, measured/predicted us: {per_layer}; "
-                  f"excess where the prediction changes nothing: "
+                  f"excess where the policy serves in order: "
                   f"{'n/a' if excess is None else f'{excess:+.1f} us'}")
     floors = [(_floor(c), cell, c["policy"]) for cell, c, _ in rows]
     if floors:

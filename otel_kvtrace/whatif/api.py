@@ -105,8 +105,8 @@ def whatif(
 
     ``measured``: traces recorded under another policy (``kvtrace.cfg.scheduler``); each configuration
     with such runs gets ``extra["measured"]``: predicted vs measured per policy (:mod:`.measured`).
-    ``gil_lag``: a policy's forward wake-up lags follow the recv thread's run after each load
-    (:mod:`.gil`); False replays FIFO's recorded lags (the model before 2026-12-02, for comparison).
+    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy waits follow the recv thread's
+    runs (:mod:`.gil`); False replays FIFO's recorded lags and save services (for comparison).
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """

@@ -13,6 +13,7 @@ from otel_kvtrace import config
 from otel_kvtrace.cli_options import output_options
 from otel_kvtrace.whatif.engine import FEEDBACKS, ReplayStalled
 from otel_kvtrace.whatif.measured import in_order_layers
+from otel_kvtrace.whatif.policy import get_policy
 from otel_kvtrace.whatif.task import BOUNDS
 
 
@@ -134,7 +135,7 @@ def _print_measured(report) -> None:  # type: ignore[no-untyped-def]
             if cost:
                 table.add_row("gain ms, calibrated", "", f"{c['calibrated_gain_ms']:.3f}", "")
             console.print(table)
-            if c["policy"] == "ready_queue":
+            if get_policy(c["policy"]).probes_head:
                 console.print(f"predicted with +{v.extra.get('decision_cost_us', 0.0):.1f} us per dequeue: the "
                               "head's readiness checks, timed by the FIFO runs' waits that did not block",
                               soft_wrap=True)

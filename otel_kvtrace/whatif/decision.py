@@ -3,11 +3,12 @@
 Each ``get()`` of the live ``ready_queue`` with more than one task queued probes the head's waits before it
 hands the head out (:func:`otel_kvtrace.schedule.queue.probe`: the save event's ``is_set()``, the save NPU
 event's and the gate's ``query()``, the slot release time). FIFO's ``get()`` checks nothing; the head's own
-waits then make the same checks. So the decision costs the recv thread, on every dequeue, about what those
-checks cost where they find the dependency met, and a FIFO recording times exactly that in situ: a wait
-that returned without blocking (``ReplayTask.check_ns``). Without this cost the prediction charged 0 per
-dequeue, and the live ``ready_queue`` was 15-23 us later than FIFO on every layer it did not reorder
-(docs/whatif.md, "The decision's cost").
+waits then make the same checks. So the decision costs the recv thread, on every such dequeue, about what
+those checks cost where they find the dependency met, and a FIFO recording times exactly that in situ: a
+wait that returned without blocking (``ReplayTask.check_ns``). The engine charges it when another task is
+queued (``QueueState.decision_cost``). Without it the prediction charged 0, and the live ``ready_queue``
+was 15-23 us later than FIFO on every layer it did not reorder (docs/whatif.md, "Replay model", "A
+policy's own cost per dequeue").
 
 The estimate: per wait kind, the median duration of the recorded waits of that kind that did not block;
 per task, the sum over the wait kinds it has; the median over the queue's tasks. The rest of the

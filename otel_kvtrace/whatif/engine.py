@@ -40,7 +40,9 @@ class QueueState:
         "complete",
         "arr",
         "delay_only",
+        "decision",
         "dispatch",
+        "dispatched",
         "shift",
         "shift_steps",
         "eff_rg",
@@ -52,6 +54,7 @@ class QueueState:
         "held_final",
         "index",
         "lags",
+        "merged",
         "n",
         "n_arrived",
         "n_served",
@@ -72,11 +75,13 @@ class QueueState:
 
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0,
                  reference_end: list[int] | None = None, shift_steps: bool = True,
-                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None) -> None:
+                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None,
+                 decision_ns: int = 0) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
         self.dispatch = dispatch_ns
+        self.decision = decision_ns
         self.arr = list(q.arr)
         """Replayed arrivals: a step's tasks are enqueued by the forward, so they move with its shift."""
         self.shift = [0] * len(q.chain)
@@ -118,6 +123,10 @@ class QueueState:
         self.busy_start: list[int] = []
         self.busy_end: list[int] = []
         self.send_done: list[list[int]] = [[] for _ in q.chain]
+        self.dispatched = [0] * n
+        """Per task, the policy's cost per dequeue charged when it was handed out (:meth:`dequeue_cost`)."""
+        self.merged = [False] * n
+        """Per task, whether it ran in a merged batch (``gate_group``)."""
         self.send_post: list[list[int]] = [[] for _ in q.chain]
         """Per step and save, when its work after the device point started (its copy is in it)."""
         self.save_extra = save_extra_ns
@@ -240,6 +249,11 @@ class QueueState:
         # a task that has not started can always run its first work segment (before any wait)
         heapq.heappush(self.waiting, (self.arr[i], i))
 
+    def dequeue_cost(self) -> int:
+        """The policy's cost for the task handed out now: ``dispatch`` always, ``decision`` (its probe of the
+        head) only when another arrived task is still queued (alone, the live queue hands it out unprobed)."""
+        return self.dispatch + (self.decision if self.n_arrived - self.n_served > 1 else 0)
+
     def serve(self, batch: list[int], now: int) -> int:
         """Run ``batch`` from ``now``; return the time the thread is free again."""
         q = self.q
@@ -248,7 +262,8 @@ class QueueState:
             if self.served[i]:
                 raise ReplayStalled(f"task seq={q.tasks[i].seq} served twice")
             self._effective(i)
-            t = now + self.dispatch + q.w0[i]
+            d = self.dispatched[i] = self.dequeue_cost()
+            t = now + d + q.w0[i]
             r = self.eff_rs[i]
             if t < r:
                 t = r + q.ws[i]
@@ -276,7 +291,7 @@ class QueueState:
         members then)."""
         q = self.q
         self.ready_at(i)
-        t = now + self.dispatch + q.w0[i]
+        t = now + self.dequeue_cost() + q.w0[i]
         if t < self.eff_rs[i]:
             t = self.eff_rs[i] + q.ws[i]
         t += q.w1[i]
@@ -296,7 +311,8 @@ class QueueState:
             self._effective(i)
         head, members = batch[0], batch[1:]
         gap0 = q.gap0 if q.gap0 is not None else [0] * q.n
-        t = now + self.dispatch + q.w0[head]
+        d = self.dispatched[head] = self.dequeue_cost()
+        t = now + d + q.w0[head]
         t = (self.eff_rs[head] + q.ws[head] if t < self.eff_rs[head] else t) + q.w1[head]
         rg = max(self.eff_rg[i] for i in batch)
         rg = max(rg, *(self.arr[m] for m in members))
@@ -323,6 +339,7 @@ class QueueState:
                 t += gap0[i] + self.dispatch
             t += q.done[i]
             self.start[i] = now if k == 0 else claimed
+            self.merged[i] = True
             self.passed[i] = passed
             self.complete[i] = t
             self._after(i)
@@ -342,7 +359,8 @@ class QueueState:
         t = now
         if ph == 0:
             self.start[i] = now
-            t += self.dispatch + q.w0[i]
+            d = self.dispatched[i] = self.dequeue_cost()
+            t += d + q.w0[i]
             ph = 1
         det = self.determinable(i)
         if det:
@@ -493,8 +511,11 @@ class QueueReplay:
     """Replayed external slot releases (moved with their step's shift); None = as recorded (``arrays.rl``)."""
     send_post: list[list[int]] | None = None
     """Per step, the replayed start of each save's work after the device point (the saves replayed so far)."""
-    dispatch: int = 0
-    """The policy's cost per dequeue this replay charged (``replay_queue(dispatch_ns=...)``)."""
+    dispatched: list[int] | None = None
+    """Per task, the policy's cost per dequeue as charged when it was handed out (``dispatch_ns``, plus
+    ``decision_ns`` when another task was queued)."""
+    merged: list[bool] | None = None
+    """Per task, whether it ran in a merged batch (``gate_group``)."""
 
     @property
     def arr(self) -> list[int]:
@@ -508,7 +529,7 @@ class QueueReplay:
 
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
-                 reference_end: list[int] | None = None, shift_steps: bool = True,
+                 decision_ns: int = 0, reference_end: list[int] | None = None, shift_steps: bool = True,
                  lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
@@ -516,6 +537,8 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     replayed forward (assumes a host-bound device); ``delay_only`` only moves them later (conservative).
     ``dispatch_ns``: the policy's own recv-thread cost per dequeue (its ``get()`` decision) on top of
     FIFO's, paid at the start of every task (batch); 0 = the recorded FIFO dispatch only.
+    ``decision_ns``: a cost paid only when another arrived task is queued (the probe of the head,
+    :mod:`otel_kvtrace.whatif.decision`).
     Step arrivals: a step's tasks are enqueued by the forward after the previous step, so they move later
     by how much the previous step's forward ended after ``reference_end`` (per step; default the recorded
     ends; never earlier; ``shift_steps=False``: as recorded).
@@ -524,7 +547,7 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     work after its device point (default none; :mod:`otel_kvtrace.whatif.gil`).
     """
     state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps, lag_ns,
-                       save_extra_ns)
+                       save_extra_ns, decision_ns)
     n = q.n
     arr = q.arr
     select = policy.select
@@ -548,4 +571,4 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
                        state.fwd_arrive, state.fwd_end, state.batches,
                        list(zip(state.busy_start, state.busy_end, strict=True)), state.arr, state.eff_rl,
-                       state.send_post, dispatch_ns)
+                       state.send_post, state.dispatched, state.merged)

@@ -1,6 +1,9 @@
-"""The woken forward's wait for the GIL behind the recv thread (docs/whatif.md, "Forward wake-up and the GIL").
+"""Threads that wake behind the recv thread's GIL hold: the forward after a load event, the send thread
+after a save's copy (docs/whatif.md, "Replay model": "Forward wake-up behind the recv thread (GIL)" and
+"The send thread's copy behind the recv thread (GIL)"). ``Coupling`` sizes both from a queue's FIFO
+replay and ``replay_policy`` applies them to a policy's replay (``replay_run(gil_lag=True)``).
 
-When the recv thread sets a load event, the forward blocked on it wakes, but it runs only once it holds
+The forward. When the recv thread sets a load event, the forward blocked on it wakes, but it runs only once it holds
 the GIL, and the recv thread keeps the GIL while it runs Python without blocking: until its next blocking
 call (a dependency wait that blocks, a sleep of the copy or of the metadata build, ``get()`` on an empty
 queue). So the forward's wake-up lag after a load grows with the recv thread's *non-blocking run* after
@@ -29,9 +32,11 @@ from __future__ import annotations
 import bisect
 import statistics
 from dataclasses import dataclass
+from typing import Any
 
 from otel_kvtrace.whatif.columns import NONE, QueueArrays
-from otel_kvtrace.whatif.engine import QueueReplay
+from otel_kvtrace.whatif.engine import QueueReplay, replay_queue
+from otel_kvtrace.whatif.policy import Policy
 
 RELEASES = ("copy", "meta+copy")
 """The release-point sets the fit chooses from."""
@@ -90,7 +95,7 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
             run = max(0, end - c)  # the rest of a merged batch: its members' events are set one by one
             j = by_start.get(end)
             if j is not None and j != i and rep.start[j] == end:
-                run += dispatch_ns + _run_into(rep, j, release)
+                run += (rep.dispatched[j] if rep.dispatched is not None else dispatch_ns) + _run_into(rep, j, release)
             elif bisect.bisect_right(arrivals, end) > bisect.bisect_right(starts, end):
                 run += loop_ns + dispatch_ns  # tasks queued, none served now: the decision runs, then sleeps
             else:
@@ -193,9 +198,9 @@ def adjusted_lags(q: QueueArrays, model: GilModel, fifo_runs: list[list[int]],
 # The send thread sleeps in each save's copy (``backend_submit``) and, when the sleep ends, needs the GIL
 # back; while the recv thread runs Python without blocking it waits, so the copy ends behind the end of
 # that run. A policy moves the recv thread's runs, so it moves these waits (measured on the real
-# 0.23.0.post1 recv thread: the copies of saves 3-5 ended 9-37 us earlier under ``ready_queue``, where
-# the recv thread slept in its own copy instead of running beside them; docs/whatif.md, "The send
-# thread's copy and the GIL"). Sized from the FIFO recording, per queue:
+# 0.23.0.post1 recv thread: the copies of saves 3-5 ended 6-37 us earlier under ``ready_queue``, where
+# the recv thread slept in its own copy instead of running beside them; docs/whatif.md, "Replay model").
+# Sized from the FIFO recording, per queue:
 #
 # - per save position in a step, the copy's uncontended duration: a low quantile (``UNCONTENDED_Q``) of
 #   its recorded durations;
@@ -236,8 +241,9 @@ def recv_busy(rep: QueueReplay, release: str) -> list[tuple[int, int]]:
         holes = [(t.copy_at_ns, t.copy_at_ns + t.backend_submit_ns)] if t.copy_at_ns is not None else []
         if release == "meta+copy" and t.meta_at_ns is not None:
             holes.append((t.meta_at_ns, t.meta_at_ns + t.meta_ns))
-        at, x = rep.start[i], -rep.dispatch  # the replay's clock, and the work offset (the dispatch before 0)
-        work = (q.w0[i] + rep.dispatch, q.w1[i], q.w2[i], q.w3[i])
+        d = rep.dispatched[i] if rep.dispatched is not None else 0
+        at, x = rep.start[i], -d  # the replay's clock, and the work offset (the decision's cost before 0)
+        work = (q.w0[i] + d, q.w1[i], q.w2[i], q.w3[i])
         ready = (rep.eff_rs[i], rep.eff_rg[i], rep.rl[i])
         lag = (q.ws[i], q.wg[i], q.wl[i])
         for k in range(4):
@@ -315,3 +321,54 @@ def save_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_
     q = rep.arrays
     return [[policy_waits.get((s, k), 0) - fifo_waits.get((s, k), 0) if (s, k) in fifo_waits else 0
              for k in range(len(saves))] for s, saves in enumerate(q.send or [])]
+
+
+# ---- both models on one queue -----------------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Coupling:
+    """What the FIFO replay of one queue gives both models: the forward's wake-up lag and the send
+    thread's copy wake-up, each behind the recv thread's runs."""
+
+    forward: GilModel | None
+    release: str
+    """The release-point set (``RELEASES``): the forward's fit's, else the copy alone."""
+    release_at: list[int]
+    """Per task, its first release point (:func:`release_points`)."""
+    fifo_runs: list[list[int]]
+    send: SendModel | None
+    fifo_waits: dict[tuple[int, int], int]
+
+    @classmethod
+    def fit(cls, arrays: QueueArrays, fifo: QueueReplay) -> Coupling:
+        forward = fit(arrays, fifo)
+        release = forward.release if forward is not None else RELEASES[0]
+        release_at = release_points(arrays, release)
+        runs = run_after(fifo, release_at, 0, forward.loop_ns) if forward is not None else []
+        busy = recv_busy(fifo, release)
+        send = fit_send(fifo, busy)
+        waits = copy_waits(fifo, busy, send) if send is not None else {}
+        return cls(forward, release, release_at, runs, send, waits)
+
+
+def replay_policy(arrays: QueueArrays, policy: Policy, coupling: Coupling | None, *, feedback: str,
+                  reference: list[int] | None, dispatch: int = 0, decision: int = 0) -> QueueReplay:
+    """One policy's replay: plain, then again with the forward's wake-up lags that the recv thread's runs
+    on it give, then again with the send thread's copy waits those runs give (None: plain only).
+    ``dispatch`` / ``decision``: the policy's costs per dequeue (``replay_queue``'s ``dispatch_ns`` /
+    ``decision_ns``)."""
+    kw: dict[str, Any] = {"feedback": feedback, "dispatch_ns": dispatch, "decision_ns": decision,
+                          "reference_end": reference, "shift_steps": True}
+    rep = replay_queue(arrays, policy, **kw)
+    if coupling is None:
+        return rep
+    if coupling.forward is not None:
+        runs = run_after(rep, coupling.release_at, dispatch + decision, coupling.forward.loop_ns)
+        kw["lag_ns"] = adjusted_lags(arrays, coupling.forward, coupling.fifo_runs, runs)
+        rep = replay_queue(arrays, policy, **kw)
+    if coupling.send is not None:
+        busy = recv_busy(rep, coupling.release)
+        if busy:
+            waits = copy_waits(rep, busy, coupling.send)
+            rep = replay_queue(arrays, policy, save_extra_ns=save_extra(rep, coupling.fifo_waits, waits), **kw)
+    return rep

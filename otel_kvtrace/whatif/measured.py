@@ -131,7 +131,7 @@ class Comparison:
     ``predicted_verdict``. Only with seed pairs (else ``n/a``)."""
     reason_worst: str = ""
     measured_evidence_worst: dict[str, Any] = field(default_factory=dict)
-    layer_effects: list[dict[str, float]] = field(default_factory=list)
+    layer_effects: list[dict[str, Any]] = field(default_factory=list)
     """Per layer (:func:`layer_effects`): the policy's load completion minus FIFO's, measured and predicted."""
     in_order_excess_us: float | None = None
     """What the live policy costs where the prediction says it changes nothing (:func:`in_order_excess_us`)."""
@@ -140,7 +140,7 @@ class Comparison:
         return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
 
 
-def layer_effects(layers: dict[str, dict[str, list[float]]]) -> list[dict[str, float]]:
+def layer_effects(layers: dict[str, dict[str, list[float]]]) -> list[dict[str, Any]]:
     """Per layer, the policy's mean load completion minus FIFO's in us: ``measured`` (policy runs against
     FIFO runs), ``predicted`` (the policy's replay against the FIFO replay of the same runs, so the FIFO
     replay's own error cancels) and ``miss`` = measured - predicted; only the layers all four profiles
@@ -169,12 +169,12 @@ UNCHANGED_US = 1.0
 this of FIFO's is taken as one the policy serves in order."""
 
 
-def in_order_layers(effects: list[dict[str, float]]) -> list[dict[str, float]]:
+def in_order_layers(effects: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The layers the policy's replay serves in FIFO order in every step (``in_order``)."""
     return [e for e in effects if e["in_order"]]
 
 
-def in_order_excess_us(effects: list[dict[str, float]]) -> float | None:
+def in_order_excess_us(effects: list[dict[str, Any]]) -> float | None:
     """Mean ``miss`` over the layers the policy's replay serves in FIFO order (:func:`in_order_layers`):
     what running the policy live costs (or saves) where its decisions reorder nothing, beyond the cost per
     dequeue the prediction charges (:mod:`.decision`): its effect on the other threads, a wake-up from a

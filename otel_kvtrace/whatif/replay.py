@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from otel_kvtrace.whatif import gil
+from otel_kvtrace.whatif.decision import decision_cost_ns
 from otel_kvtrace.whatif.engine import (
     NONE,
     QueueArrays,
@@ -29,8 +30,7 @@ from otel_kvtrace.whatif.metrics import (
     validate_fifo,
     validation_from,
 )
-from otel_kvtrace.whatif.decision import decision_cost_ns
-from otel_kvtrace.whatif.policy import Policy, get_policy, policy_names
+from otel_kvtrace.whatif.policy import get_policy, policy_names
 from otel_kvtrace.whatif.saves import SaveTask, process_key
 from otel_kvtrace.whatif.task import ReplayTask, group_by_queue
 
@@ -125,16 +125,16 @@ class RunReplay:
 
 
 def _after_first_reorder(rep: QueueReplay, chain: list[int]) -> list[int]:
-    """The tasks of one step (``chain``, in seq order) from the first one a later task started before
-    (or with: a merged batch) on."""
-    starts = [rep.start[i] for i in chain]
-    later = NONE
+    """The tasks of one step (``chain``, in seq order) from the first one that ran in a merged batch or
+    that a later task started before (or with) on."""
+    merged = rep.merged or [False] * len(rep.start)
     first = len(chain)
-    for p in range(len(chain) - 1, -1, -1):  # suffix minimum of the starts after p
-        if p + 1 < len(chain):
-            later = starts[p + 1] if later == NONE else min(later, starts[p + 1])
-            if starts[p] >= later:
-                first = p
+    later = NONE  # the earliest start of the tasks after p
+    for p in range(len(chain) - 1, -1, -1):
+        start = rep.start[chain[p]]
+        if merged[chain[p]] or (later != NONE and start >= later):
+            first = p
+        later = start if later == NONE else min(later, start)
     return chain[first:]
 
 
@@ -194,10 +194,11 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     ``saves``: recorded send-thread saves per process key (:func:`.saves.saves_from_duckdb`); with them
     save times are replayed through the send thread's FIFO (:mod:`.saves`), else they move with the
     forward alone. ``dispatch_ns``: per policy, its own cost per dequeue on top of FIFO's
-    (:func:`otel_kvtrace.whatif.engine.replay_queue`); FIFO never gets one. A policy not in it that probes
-    the head (``Policy.probes_head``) is charged the cost the FIFO recording gives (:mod:`.decision`). ``gil_lag``: a policy's
-    forward wake-up lags follow the recv thread's run after each load (:mod:`.gil`, sized from the FIFO
-    recording); False = FIFO's recorded lags.
+    (:func:`otel_kvtrace.whatif.engine.replay_queue`), on every dequeue; FIFO never gets one. A policy not
+    in it that probes the head (``Policy.probes_head``) is charged instead the cost the FIFO recording gives
+    (:mod:`.decision`), on the dequeues with another task queued (``decision_ns``).
+    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy waits follow the recv thread's
+    runs (:mod:`.gil`, sized from the FIFO recording); False = FIFO's recorded lags and save services.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
@@ -216,17 +217,19 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         decision[queue] = decision_cost_ns(qtasks)
         replays[queue] = {}
         reference: list[int] | None = None
-        coupling: _Coupling | None = None
+        coupling: gil.Coupling | None = None
         for name, policy in instances.items():
             try:
                 if name == "fifo":  # the reference: as recorded
                     rep = replay_queue(arrays, policy, feedback=feedback, shift_steps=False)
                     reference = [e[-1] if e else NONE for e in rep.fwd_end]
-                    coupling = _Coupling.fit(arrays, rep) if gil_lag else None
+                    coupling = gil.Coupling.fit(arrays, rep) if gil_lag else None
                     models[queue] = coupling.forward if coupling is not None else None
                 else:  # a policy's steps move by its forward's shift from FIFO's
-                    rep = _replay_policy(arrays, policy, coupling, feedback=feedback, reference=reference,
-                                         dispatch=_dispatch(name, policy, dispatch_ns, decision[queue]))
+                    given = (dispatch_ns or {}).get(name)
+                    rep = gil.replay_policy(
+                        arrays, policy, coupling, feedback=feedback, reference=reference, dispatch=given or 0,
+                        decision=decision[queue] if given is None and policy.probes_head else 0)
             except ReplayStalled as exc:  # name where, so a user can reproduce it on one configuration
                 raise ReplayStalled(f"configuration {cfg_label!r}, run {run_id!r}, queue {queue!r}, "
                                     f"policy {name!r}: {exc}") from exc
@@ -241,60 +244,6 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
         cfg_label = cfg_label or first.cfg_label
     figures = {name: summarise(name, figs[name]) for name in names}
     return RunReplay(run_id, cfg_label, replays, figures, validation, hol, models, decision)
-
-
-@dataclass(slots=True)
-class _Coupling:
-    """What the FIFO replay of one queue gives the GIL models (:mod:`.gil`): the forward's wake-up lag
-    and the send thread's copy wake-up, both behind the recv thread's runs."""
-
-    forward: gil.GilModel | None
-    release: list[int]
-    fifo_runs: list[list[int]]
-    release_set: str
-    send: gil.SendModel | None
-    fifo_waits: dict[tuple[int, int], int]
-
-    @classmethod
-    def fit(cls, arrays: QueueArrays, fifo: QueueReplay) -> _Coupling:
-        forward = gil.fit(arrays, fifo)
-        release_set = forward.release if forward is not None else gil.RELEASES[0]
-        release = gil.release_points(arrays, release_set)
-        runs = gil.run_after(fifo, release, 0, forward.loop_ns) if forward is not None else []
-        busy = gil.recv_busy(fifo, release_set)
-        send = gil.fit_send(fifo, busy)
-        waits = gil.copy_waits(fifo, busy, send) if send is not None else {}
-        return cls(forward, release, runs, release_set, send, waits)
-
-
-def _replay_policy(arrays: QueueArrays, policy: Policy, coupling: _Coupling | None, *, feedback: str,
-                   reference: list[int] | None, dispatch: int) -> QueueReplay:
-    """One policy's replay: plain, then again with the forward's wake-up lags that the recv thread's runs
-    on it give, then again with the send thread's copy waits those runs give (:mod:`.gil`)."""
-    kw: dict[str, Any] = {"feedback": feedback, "dispatch_ns": dispatch, "reference_end": reference,
-                          "shift_steps": True}
-    rep = replay_queue(arrays, policy, **kw)
-    if coupling is None:
-        return rep
-    if coupling.forward is not None:
-        runs = gil.run_after(rep, coupling.release, dispatch, coupling.forward.loop_ns)
-        kw["lag_ns"] = gil.adjusted_lags(arrays, coupling.forward, coupling.fifo_runs, runs)
-        rep = replay_queue(arrays, policy, **kw)
-    if coupling.send is not None:
-        busy = gil.recv_busy(rep, coupling.release_set)
-        if busy:
-            waits = gil.copy_waits(rep, busy, coupling.send)
-            rep = replay_queue(arrays, policy, save_extra_ns=gil.save_extra(rep, coupling.fifo_waits, waits), **kw)
-    return rep
-
-
-def _dispatch(name: str, policy: Policy, given: Mapping[str, int] | None, decision_ns: int) -> int:
-    """The policy's cost per dequeue above FIFO's: as given, else the decision's (probing policies)."""
-    if name == "fifo":
-        return 0
-    if given is not None and name in given:
-        return given[name]
-    return decision_ns if policy.probes_head else 0
 
 
 def config_key(cfg_label: str | None, path: str | None, scheduler: str | None = None) -> str:

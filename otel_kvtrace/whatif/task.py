@@ -87,8 +87,9 @@ class ReplayTask:
     """The ``meta_build`` stage's duration (the threaded replica sleeps in it)."""
     check_ns: tuple[int | None, int | None, int | None] = (None, None, None)
     """Per wait (save, gate, slot): its recorded duration where it returned without blocking (its
-    dependency met by the wait's start: the readiness check alone, timed in situ); -1: it blocked or its
-    dependency time is unknown; None: the task has no such wait recorded (:mod:`.decision`)."""
+    dependency met by the wait's start, by the upper bound of a bounded NPU time whatever ``bound``: the
+    readiness check alone, timed in situ); -1: it may have blocked or its dependency time is unknown;
+    None: the task has no such wait recorded (:mod:`.decision`)."""
     recorded_start_ns: int | None = None
     recorded_complete_ns: int | None = None
     consumer_wait_start_ns: int | None = None
@@ -170,7 +171,9 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         wait = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
         r = max(times) if times else None
         if wait is not None:
-            check[kind] = wait[1] - wait[0] if r is not None and r <= wait[0] else -1
+            met = [_dep_time(row, d, "hi") for d in WAIT_DEPS[kind]]  # met for sure: the upper bounds
+            met_by = max(t for t in met if t is not None) if any(t is not None for t in met) else None
+            check[kind] = wait[1] - wait[0] if met_by is not None and met_by <= wait[0] else -1
             if r is None or r > wait[1]:
                 r = wait[1]  # satisfied no later than the waiter's return
             elif exact and r > wait[0]:

@@ -17,6 +17,7 @@ from otel_kvtrace.whatif.engine import QueueState, replay_queue
 from otel_kvtrace.whatif.policy import get_policy
 from otel_kvtrace.whatif.saves import SaveTask
 from otel_kvtrace.whatif.task import ReplayTask
+from tests.whatif.fixtures import three_loads_behind_a_save
 
 
 def test_the_head_runs_into_its_gate_wait_and_members_get_their_events_after_a_dequeue() -> None:
@@ -40,17 +41,7 @@ def test_the_head_runs_into_its_gate_wait_and_members_get_their_events_after_a_d
 
 def test_a_save_served_at_once_after_a_later_issue_waits_for_the_device() -> None:
     u = 1000  # times in us
-    # one step, loads of layers 0-2; the forward leaves layer 0's wait at 100 and layer 1's at 200;
-    # layer 2 waits for the save of layer 1's buffer
-    tasks = [
-        ReplayTask("q", 0, 0, 0, 0, (0, 0, 0, 90 * u), recorded_start_ns=0, recorded_complete_ns=90 * u,
-                   consumer_wait_start_ns=5 * u, consumer_wait_end_ns=100 * u),
-        ReplayTask("q", 1, 0, 1, 0, (0, 0, 0, 100 * u), recorded_start_ns=90 * u, recorded_complete_ns=190 * u,
-                   consumer_wait_start_ns=150 * u, consumer_wait_end_ns=200 * u),
-        ReplayTask("q", 2, 0, 2, 0, (0, 100 * u, 0, 0), ready_save_ns=2600 * u, wait_for_save_layer=1,
-                   recorded_start_ns=190 * u, recorded_complete_ns=2700 * u, consumer_wait_start_ns=250 * u,
-                   consumer_wait_end_ns=2710 * u),
-    ]
+    tasks = three_loads_behind_a_save()
     saves = [
         # served at once: its NPU sync blocked 190 us (the device 200 us after the issue)
         SaveTask(0, 0, 110 * u, 1500 * u, 120 * u, 310 * u),

@@ -75,13 +75,12 @@ def _profile(*done_ms: float) -> dict[str, list[float]]:
 
 def test_in_order_excess_is_the_mean_miss_where_the_prediction_changes_nothing() -> None:
     """Summaries stored without ``in_order`` marks (older sweeps): in order = predicted within 1 us of FIFO."""
-    profile = _profile
 
     # the FIFO replay misses the FIFO runs by 40 us at layer 2; the policy is predicted to change only
     # layer 3 (3 ms earlier than the FIFO replay); live, it also ran layers 1 and 2 20 and 30 us later
     # than FIFO did, and layer 3 2.9 ms earlier
-    layers = {"fifo_measured": profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": profile(1.0, 2.0, 2.96, 9.0),
-              "predicted": profile(1.0, 2.0, 2.96, 6.0), "measured": profile(1.0, 2.02, 3.03, 6.1)}
+    layers = {"fifo_measured": _profile(1.0, 2.0, 3.0, 9.0), "fifo_replayed": _profile(1.0, 2.0, 2.96, 9.0),
+              "predicted": _profile(1.0, 2.0, 2.96, 6.0), "measured": _profile(1.0, 2.02, 3.03, 6.1)}
     effects = layer_effects(layers)
     assert [round(e["measured_us"]) for e in effects] == [0, 20, 30, -2900]
     assert [round(e["predicted_us"]) for e in effects] == [0, 0, 0, -3000]  # against the FIFO replay

@@ -16,8 +16,8 @@ from otel_kvtrace.whatif.engine import replay_queue
 from otel_kvtrace.whatif.policy import get_policy
 from otel_kvtrace.whatif.saves import SaveTask
 from otel_kvtrace.whatif.task import ReplayTask
+from tests.whatif.fixtures import U, three_loads_behind_a_save
 
-U = 1000
 
 
 def test_the_recv_thread_holds_the_gil_through_its_work_but_not_its_copy_or_a_blocking_wait() -> None:
@@ -27,23 +27,18 @@ def test_the_recv_thread_holds_the_gil_through_its_work_but_not_its_copy_or_a_bl
     rep = replay_queue(QueueArrays.from_tasks([task]), get_policy("fifo"))
     assert rep.complete == [190]
     assert gil.recv_busy(rep, "copy") == [(0, 10), (100, 110), (140, 190)]
-    # the policy's cost per dequeue is run before the task's work (the decision)
-    rep = replay_queue(QueueArrays.from_tasks([task]), get_policy("ready_queue"), dispatch_ns=5)
-    assert gil.recv_busy(rep, "copy") == [(0, 15), (100, 110), (140, 190)]
+    # the policy's cost per dequeue is run before the task's work (the decision), when another task is
+    # queued: the second one, handed out alone, pays none; runs that touch are one
+    rep = replay_queue(QueueArrays.from_tasks([task, ReplayTask("q", 1, 0, 1, 0, (0, 0, 0, 10))]),
+                       get_policy("fifo"), decision_ns=5)
+    assert rep.dispatched == [5, 0]
+    assert gil.recv_busy(rep, "copy") == [(0, 15), (100, 110), (140, 200)]
 
 
 def _two_saves() -> tuple[QueueArrays, list[ReplayTask]]:
     """One step: loads of layers 0-2, layer 2 waits on the save of layer 1; the two saves' copies are
     recorded (save 1: copy 1600-2590 us, its 90 us past the copy are the tail after the GIL came back)."""
-    tasks = [
-        ReplayTask("q", 0, 0, 0, 0, (0, 0, 0, 90 * U), recorded_start_ns=0, recorded_complete_ns=90 * U,
-                   consumer_wait_start_ns=5 * U, consumer_wait_end_ns=100 * U),
-        ReplayTask("q", 1, 0, 1, 0, (0, 0, 0, 100 * U), recorded_start_ns=90 * U, recorded_complete_ns=190 * U,
-                   consumer_wait_start_ns=150 * U, consumer_wait_end_ns=200 * U),
-        ReplayTask("q", 2, 0, 2, 0, (0, 100 * U, 0, 0), ready_save_ns=2600 * U, wait_for_save_layer=1,
-                   recorded_start_ns=190 * U, recorded_complete_ns=2700 * U, consumer_wait_start_ns=250 * U,
-                   consumer_wait_end_ns=2710 * U),
-    ]
+    tasks = three_loads_behind_a_save()
     saves = [SaveTask(0, 0, 110 * U, 1500 * U, 120 * U, 310 * U, 400 * U, 1400 * U),
              SaveTask(0, 1, 210 * U, 2600 * U, 1510 * U, 1511 * U, 1600 * U, 2590 * U)]
     return QueueArrays.from_tasks(tasks, saves), tasks
@@ -78,3 +73,24 @@ def test_the_model_is_sized_from_fifo_copies_a_recv_run_ended_in() -> None:
     # runs that ended in the odd (480 us) copies: 30 us before their end; in the even ones 50 us
     assert model.tail_ns == 50 * U  # the median of 20 x 50 and 10 x 30 us
     assert model.wake == [480 * U - model.tail_ns]  # the uncontended copy (10th percentile) less the tail
+
+
+def test_a_policy_replay_gets_its_own_copy_waits_minus_fifo_s() -> None:
+    """``replay_policy``'s third pass (what ``replay_run`` runs per policy): the copy waits on the policy's
+    own replayed timeline minus those on FIFO's, added to each save; the loads behind it move."""
+    q, _ = _two_saves()
+    fifo = replay_queue(q, get_policy("fifo"), shift_steps=False)
+    policy = get_policy("ready_queue")
+    kw = {"feedback": "full", "reference": [e[-1] for e in fifo.fwd_end]}
+    plain = gil.replay_policy(q, policy, None, **kw)
+    model = gil.SendModel(wake=[900 * U, 900 * U], tail_ns=90 * U, points=30)
+    # FIFO's copy of save 1 waited 30 us behind the recv thread; on the policy's timeline the recv thread
+    # is idle then (it waits for that very save), so the save, and layer 2 behind it, end 30 us sooner
+    assert gil.copy_waits(plain, gil.recv_busy(plain, "copy"), model)[(0, 1)] == 0
+    coupling = gil.Coupling(None, "copy", gil.release_points(q, "copy"), [], model, {(0, 0): 0, (0, 1): 30 * U})
+    coupled = gil.replay_policy(q, policy, coupling, **kw)
+    assert coupled.complete[2] == plain.complete[2] - 30 * U
+    assert coupled.complete[:2] == plain.complete[:2]
+    # without a send model (too few FIFO copies a recv run ended in), nothing changes
+    fitted = gil.Coupling.fit(q, fifo)
+    assert fitted.send is None and gil.replay_policy(q, policy, fitted, **kw).complete == plain.complete
