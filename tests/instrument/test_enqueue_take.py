@@ -60,11 +60,11 @@ class StrictTasks(list):
 
 @st.composite
 def _cases(draw: st.DrawFn) -> dict[str, Any]:
-    ints = st.integers(-3, 300)
-    worker = dict(step=draw(ints), driven=draw(st.booleans()), forward_layer=draw(st.integers(-2, 9)),
+    ints = st.one_of(st.integers(-3, 300), st.integers(-2**64, 2**64))  # small ints, past a C long too
+    worker = dict(step=draw(ints), driven=draw(st.booleans()), forward_layer=draw(st.sampled_from([-2**70, -2, -1, 0, 3, 9, 2**70])),
                   seen_layers=draw(st.sets(st.integers(0, 9), max_size=5)))
     state = dict(enqueued=draw(ints), dequeued=draw(ints), completed=draw(ints), gates_seen=draw(st.integers(0, 5)),
-                 final_layer_id=draw(st.integers(-1, 9)))
+                 final_layer_id=draw(st.one_of(st.integers(-1, 9), st.just(2**65))))
     gate_kind = draw(st.sampled_from(["none", "new", "has id", "id None", "slotted"]))
     tasks = draw(st.sampled_from(["empty", "one", "two", "none", "tuple"]))
     return dict(worker=worker, state=state, layer=draw(st.integers(0, 9)),
