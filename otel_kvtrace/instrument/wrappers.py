@@ -169,8 +169,9 @@ def _native_take() -> Any:
 
 
 NATIVE_TAKE: Any = _native_take()
-"""The native record take of the enqueue (``None``: :func:`take_rule` is inlined). Read when a rule's text is
-generated (:func:`enqueue_rule`) and when its closure is made (:func:`make_take`), so both agree."""
+"""The native record take of the enqueue (``None``: :func:`take_rule` is inlined). Read when the enqueue's text
+is generated (:func:`enqueue_rule`: the compiled templates at ``rewrite``'s import, the wrapper's at install)
+and when its closure is made (:func:`make_take`); a test that sets it to None swaps the templates too."""
 
 
 def make_take(recorder: Any) -> Any:
