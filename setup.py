@@ -1,4 +1,5 @@
-"""Only the optional C accelerators (the ring's task write, the probes' bytes sum); the rest is in pyproject.toml.
+"""Only the optional C accelerators (the ring's task write, the probes' bytes sum and enqueue record take); the rest
+is in pyproject.toml.
 
 ``optional=True``: without a working compiler the install still succeeds and ``otel_kvtrace.record.ring``
 uses its pure-Python path (``docs/export.md``, "Native task packer").
@@ -8,6 +9,7 @@ from setuptools import Extension, setup
 
 setup(ext_modules=[
     Extension("otel_kvtrace.record._ringpack", ["otel_kvtrace/record/_ringpack.c"], optional=True),
-    # the recv probes' bytes sum (instrument/proxies.total_bytes); without it the Python rule is used
+    # the recv probes' bytes sum (instrument/proxies.total_bytes) and the enqueue's record take
+    # (instrument/wrappers.take_rule); without it the Python rules are used
     Extension("otel_kvtrace.instrument._probes", ["otel_kvtrace/instrument/_probes.c"], optional=True),
 ])

@@ -528,10 +528,14 @@ def _check_loaded(fn: Callable, filename: str) -> None:
 _ALLOWED_STMTS = (ast.Assign, ast.AugAssign, ast.Expr, ast.If, ast.Try, ast.Pass)
 _FORBIDDEN_EXPRS = (ast.Yield, ast.YieldFrom, ast.Await, ast.Lambda, ast.NamedExpr, ast.ListComp, ast.SetComp,
                     ast.DictComp, ast.GeneratorExp)
-_OWN_RESULT = frozenset({"clock", "queue_state", "new_record", "id", "len", "type"})
+_OWN_RESULT = frozenset({"clock", "queue_state", "new_record", "take", "id", "len", "type"})
 """Our closure functions whose result is ours (never an upstream object), whatever their arguments."""
+TAKE_UPSTREAM_FIELDS = frozenset({"layer_id", "final_layer", "wait_for_save_layer", "transfer_tasks"})
+"""The record fields the enqueue's native ``take`` fills with upstream values (``wrappers.take_rule``: its task's
+layer id, the comparison with it, save layer and transfer tasks): where ``take`` is called, :class:`_Upstream`
+treats them as it treats the fields the rule's text assigns such values to."""
 UPSTREAM_ARG_CALLS = frozenset({"getattr", "setattr", "len", "id", "type", "list", "queue_state", "slot_done",
-                                "npu_done", "total_bytes", "fail", "original", "BackendResultError"})
+                                "npu_done", "total_bytes", "take", "fail", "original", "BackendResultError"})
 """The only functions of ours (``__kvtrace_<name>``) the inserted code may hand an upstream object (or a value
 read from one); they read it (``setattr``: only with a constant ``_kvtrace*`` name, ``original``: upstream's
 own function)."""
@@ -570,6 +574,9 @@ class _Upstream:
     def __init__(self, nodes: list[ast.AST]) -> None:
         self.aliases: set[str] = {n.name for n in nodes if isinstance(n, ast.ExceptHandler) and n.name}
         self.fields: set[str] = set()  # attributes of our objects that get an upstream value (``rec.error``)
+        if any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == PREFIX + "take"
+               for n in nodes):  # the native take's assignments, as its rule's text makes them
+            self.fields.update(TAKE_UPSTREAM_FIELDS)
         assigns = [(n.targets if isinstance(n, ast.Assign) else [n.target], n.value)
                    for n in nodes if isinstance(n, (ast.Assign, ast.AugAssign))]
         while True:
@@ -740,16 +747,17 @@ def rewrite_tree(fn: Callable) -> tuple[ast.FunctionDef, str, dict[str, int]]:
 
 # ``add_request``: the enqueue's record set-up (``wrappers.enqueue_rule``, the wrapper's own definition) in
 # front of upstream's body; no frame of ours on the forward thread.
-def _enqueue_templates(capture: bool) -> tuple[str, str]:
+def _enqueue_templates(capture: bool, native: bool) -> tuple[str, str]:
     """(prelude, raise handler) of the compiled enqueue. ``capture``: upstream's body rebinds its task
-    parameter, so the undo must work on the task the prelude saw (``__kvtrace_item``), not the parameter."""
+    parameter, so the undo must work on the task the prelude saw (``__kvtrace_item``), not the parameter.
+    ``native``: the record take is the native ``__kvtrace_take`` call (``wrappers.enqueue_rule``)."""
     item = _T + "item" if capture else "DATA"
     prelude = f"""
 {_T}st = None
 if {_T}recorder.enabled and DATA is not None:
     try:
 """ + (f"        {item} = DATA\n" if capture else "") + wrappers.indent_rule(
-        wrappers.enqueue_rule(_T, "SELF", "DATA"), 8) + f"""
+        wrappers.enqueue_rule(_T, "SELF", "DATA", native), 8) + f"""
     except {_T}Exception as {_T}e:
         {_T}fail({_T}e)
         {_T}st = None
@@ -763,8 +771,11 @@ except {_T}Exception as {_T}e:
     return prelude, on_raise
 
 
-_ENQUEUE_PRELUDE, _ENQUEUE_RAISE = _enqueue_templates(False)
-_ENQUEUE_PRELUDE_CAPTURE, _ENQUEUE_RAISE_CAPTURE = _enqueue_templates(True)
+_NATIVE = wrappers.NATIVE_TAKE is not None
+_ENQUEUE_PRELUDE, _ENQUEUE_RAISE = _enqueue_templates(False, _NATIVE)
+_ENQUEUE_PRELUDE_CAPTURE, _ENQUEUE_RAISE_CAPTURE = _enqueue_templates(True, _NATIVE)
+# the record take's text inlined (no native take): what a process without the extension compiles
+_ENQUEUE_PRELUDE_INLINE, _ENQUEUE_RAISE_INLINE = _enqueue_templates(False, False)
 
 
 def _rebinds(fn: ast.FunctionDef, name: str) -> bool:
@@ -813,11 +824,12 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
         "total_bytes": total_bytes, "BackendResultError": BackendResultError,
         "npu_done": _npu_done, "slot_done": _slot_done,
         "pool": getattr(recorder, "_pool", None), "new_record": TaskRecord,
+        "take": wrappers.make_take(recorder) if recorder is not None else None,
         **{name: getattr(builtins, name) for name in _BUILTINS},
     }
 
 
-_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...]], Any]] = \
+_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], bool], Any]] = \
     weakref.WeakKeyDictionary()
 """Per upstream function, per (rewrite, closure names): the proved and compiled factory code; a session start
 re-runs only the exec."""
@@ -827,9 +839,10 @@ def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = r
     per_fn = _COMPILED.get(original)
     if per_fn is None:
         per_fn = _COMPILED[original] = {}
-    code = per_fn.get((tree, names))
+    key = (tree, names, wrappers.NATIVE_TAKE is not None)  # the enqueue's text depends on the native take
+    code = per_fn.get(key)
     if code is None:
-        code = per_fn[(tree, names)] = _compile_factory(original, names, tree)
+        code = per_fn[key] = _compile_factory(original, names, tree)
     return code
 
 

@@ -18,7 +18,7 @@ from otel_kvtrace.instrument import attach
 from otel_kvtrace.instrument.attach import GATE_ID_ATTR, STATE_ATTR, WORKER_ATTR
 from otel_kvtrace.instrument.proxies import total_bytes
 from otel_kvtrace.instrument.runtime import Runtime
-from otel_kvtrace.instrument.state import QueueState
+from otel_kvtrace.instrument.state import QueueState, WorkerState
 from otel_kvtrace.instrument.stream_order import FAR_FUTURE, MAX_EVENTS_PER_LOG, StreamLog, StreamPosition
 from otel_kvtrace.record.ring import REASON_STEP_BOUNDARY, REASON_WAITED
 from otel_kvtrace.record.model import NO_TIME, BackendResultError, Dep, Outcome, Stage, TaskKind, TaskRecord
@@ -47,22 +47,25 @@ def indent_rule(text: str, spaces: int) -> str:
     return "".join(" " * spaces + line if line.strip() else line for line in text.strip("\n").splitlines(True))
 
 
-_GENERATED: dict[str, Any] = {}
+_GENERATED: dict[tuple[str, bool], Any] = {}
 
 
-def generated(name: str) -> Callable:
-    """The factory ``make`` of a wrapper generated from a rule's text (``_<NAME>_SOURCE``), compiled once
-    under the file name ``wrappers.py:<name>``, whose text is registered in ``linecache`` so tracebacks,
-    pdb and ``inspect`` show the generated lines."""
+def generated(name: str, variant: bool = False) -> Callable:
+    """The factory ``make`` of a wrapper generated from a rule's text (``_<NAME>_SOURCE``; a dict of texts by
+    ``variant``, e.g. the enqueue's with the native record take), compiled once under the file name
+    ``wrappers.py:<name>``, whose text is registered in ``linecache`` so tracebacks, pdb and ``inspect`` show
+    the generated lines."""
     source = globals()[f"_{name.upper()}_SOURCE"]
+    if isinstance(source, dict):  # one file name for every variant: a process installs one of them
+        source = source[variant]
     filename = f"{__file__}:{name}"
     # at every install (a linecache.clearcache() drops it); mtime None: checkcache keeps it
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    make = _GENERATED.get(name)
+    make = _GENERATED.get((name, variant))
     if make is None:
         ns: dict[str, Any] = {}
         exec(compile(source, filename, "exec"), ns)  # noqa: S102 - our own rule's text
-        make = _GENERATED[name] = ns["make"]
+        make = _GENERATED[(name, variant)] = ns["make"]
     return make
 
 
@@ -102,16 +105,9 @@ def release(rt: Runtime, rec: Any, reason: int = REASON_WAITED) -> None:
 # ---- recv / send thread ---------------------------------------------------------------------------
 
 
-def enqueue_rule(p: str, self_name: str, item_name: str) -> str:
-    """THE record set-up of one enqueue (``Recorder.new_record`` and the gate-id rule inlined), as
-    statements over names prefixed ``p`` (``st``, ``rec``, and the closure's ``recorder``, ``clock``,
-    ``pool``, ``rt``, ``queue_state``, builtins), the queue ``self_name`` and the task ``item_name``;
-    ``st`` is left None when the task is not traced. :func:`wrap_add_request` (``p=""``) and the compiled
-    ``add_request`` (``rewrite.compile_add_request``, ``p="__kvtrace_"``) are both generated from it: one
-    definition. The forward thread pays for every line of it."""
-    s, item = self_name, item_name
+def _record_head(p: str) -> str:
+    """The part of :func:`enqueue_rule` both task kinds share: a pooled record, queue identity and counters."""
     return f"""
-{p}st = {s}.__dict__.get({STATE_ATTR!r}) or {p}queue_state({s}, {p}rt)
 try:
     {p}rec = {p}pool.pop()
 except {p}IndexError:
@@ -121,7 +117,92 @@ except {p}IndexError:
 {p}rec.seq = {p}enqueued = {p}st.enqueued
 {p}rec.queue_depth_at_enqueue = {p}enqueued - {p}st.dequeued
 {p}rec.inflight_at_enqueue = {p}enqueued - {p}st.completed
+"""
+
+
+def take_rule(p: str, layer: str, save_layer: str, tasks: str, gate: str) -> str:
+    """THE record take of a recv enqueue (part of :func:`enqueue_rule`): a pooled record filled from our queue
+    and worker state and the task's layer id, save layer, attention gate and transfer-task list (the
+    expressions ``layer``, ``save_layer``, ``gate``, ``tasks``), and the gate-id rule. Only our own objects
+    are written, and our own ``_kvtrace_gate_id`` attribute of the gate. ``_probes.Take`` (``NATIVE_TAKE``)
+    is this rule in C, statement by statement, with no bytecode per field; without the extension the rule's
+    text is inlined instead (``tests/instrument/test_enqueue_take.py`` holds the two equal)."""
+    return _record_head(p) + f"""
+if not {p}worker.driven:  # no start_load_kv: a repeated layer starts a new step
+    {p}seen = {p}worker.seen_layers
+    if {layer} in {p}seen:
+        {p}worker.step += 1
+        {p}seen.clear()
+    {p}seen.add({layer})
+{p}rec.layer_id = {layer}
+{p}rec.final_layer = {layer} == {p}st.final_layer_id
+{p}rec.wait_for_save_layer = {save_layer}
+{p}gate = {gate}
+if {p}gate is not None:
+    try:
+        {p}gid = {p}gate.__dict__.get({GATE_ID_ATTR!r})
+    except {p}AttributeError:  # a gate without __dict__ (slots) cannot keep its id: none recorded
+        pass
+    else:
+        if {p}gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
+            {p}gid = {p}worker.forward_layer
+            if {p}gid < 0:
+                {p}gid = {p}st.gates_seen
+            {p}st.gates_seen += 1
+            {p}setattr({p}gate, {GATE_ID_ATTR!r}, {p}gid)
+        {p}rec.gate_id = {p}gid
+{p}tasks = {tasks}
+if {p}tasks:  # upstream clears the list after the task: keep its elements (one task as is)
+    {p}rec.transfer_tasks = {p}tasks[0] if {p}len({p}tasks) == 1 else {p}list({p}tasks)
+{p}rec.step = {p}worker.step
+{p}rec.holds.append({_HOLD_RECV})
+"""
+
+
+def _native_take() -> Any:
+    """``_probes.Take`` (:func:`take_rule` in C), or None when the optional extension is not built."""
+    try:
+        from otel_kvtrace.instrument import _probes  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return getattr(_probes, "Take", None)
+
+
+NATIVE_TAKE: Any = _native_take()
+"""The native record take of the enqueue (``None``: :func:`take_rule` is inlined). Read when the enqueue's text
+is generated (:func:`enqueue_rule`: the compiled templates at ``rewrite``'s import, the wrapper's at install)
+and when its closure is made (:func:`make_take`); a test that sets it to None swaps the templates too."""
+
+
+def make_take(recorder: Any) -> Any:
+    """The ``take`` of one recorder's enqueues: ``NATIVE_TAKE`` over its pool, or None without the extension."""
+    if NATIVE_TAKE is None:
+        return None
+    return NATIVE_TAKE(recorder._pool, TaskRecord, TaskRecord, QueueState, WorkerState, GATE_ID_ATTR)
+
+
+def enqueue_rule(p: str, self_name: str, item_name: str, native: bool | None = None) -> str:
+    """THE record set-up of one enqueue (``Recorder.new_record`` and the gate-id rule inlined), as
+    statements over names prefixed ``p`` (``st``, ``rec``, and the closure's ``recorder``, ``clock``,
+    ``pool``, ``rt``, ``queue_state``, ``take``, builtins), the queue ``self_name`` and the task ``item_name``;
+    ``st`` is left None when the task is not traced. :func:`wrap_add_request` (``p=""``) and the compiled
+    ``add_request`` (``rewrite.compile_add_request``, ``p="__kvtrace_"``) are both generated from it: one
+    definition. The forward thread pays for every line of it. A recv task's record comes from
+    :func:`take_rule`: one call of the native take (``native``; default: ``NATIVE_TAKE`` is built), else that
+    rule's text inline."""
+    s, item = self_name, item_name
+    if native is None:
+        native = NATIVE_TAKE is not None
+    if native:
+        take = (f"{p}rec = {p}take({p}st, {p}layer_id, {item}.wait_for_save_layer, {item}.transfer_tasks, "
+                f"{item}.attention_start_gate)\n")
+    else:
+        take = take_rule(p, f"{p}layer_id", f"{item}.wait_for_save_layer", f"{item}.transfer_tasks",
+                         f"{item}.attention_start_gate")
+    return f"""
+{p}st = {s}.__dict__.get({STATE_ATTR!r}) or {p}queue_state({s}, {p}rt)
 if {p}st.is_send:
+{indent_rule(_record_head(p), 4)}
     {p}rec.kind = {_SEND}
     {p}rec.layer_id = {p}worker.forward_layer
     {p}rec.transfer_tasks = {p}list({item}) if {item} else None  # the sender clears the worker's list
@@ -130,34 +211,7 @@ if {p}st.is_send:
     {p}st.send_fifo.append(({p}id({item}), {p}rec))
 else:
     {p}layer_id = {item}.layer_id
-    if not {p}worker.driven:  # no start_load_kv: a repeated layer starts a new step
-        {p}seen = {p}worker.seen_layers
-        if {p}layer_id in {p}seen:
-            {p}worker.step += 1
-            {p}seen.clear()
-        {p}seen.add({p}layer_id)
-    {p}rec.layer_id = {p}layer_id
-    {p}rec.final_layer = {p}layer_id == {p}st.final_layer_id
-    {p}rec.wait_for_save_layer = {item}.wait_for_save_layer
-    {p}gate = {item}.attention_start_gate
-    if {p}gate is not None:
-        try:
-            {p}gid = {p}gate.__dict__.get({GATE_ID_ATTR!r})
-        except {p}AttributeError:  # a gate without __dict__ (slots) cannot keep its id: none recorded
-            pass
-        else:
-            if {p}gid is None:  # the one home of the gate-id rule: the forward layer that created the gate
-                {p}gid = {p}worker.forward_layer
-                if {p}gid < 0:
-                    {p}gid = {p}st.gates_seen
-                {p}st.gates_seen += 1
-                {p}setattr({p}gate, {GATE_ID_ATTR!r}, {p}gid)
-            {p}rec.gate_id = {p}gid
-    {p}tasks = {item}.transfer_tasks
-    if {p}tasks:  # upstream clears the list after the task: keep its elements (one task as is)
-        {p}rec.transfer_tasks = {p}tasks[0] if {p}len({p}tasks) == 1 else {p}list({p}tasks)
-    {p}rec.step = {p}worker.step
-    {p}rec.holds.append({_HOLD_RECV})
+{indent_rule(take, 4)}
     try:
         {item}._kvtrace = {p}rec
     except {p}AttributeError:  # a slotted task type cannot carry its record: not traced
@@ -166,9 +220,9 @@ else:
     else:
         if {p}st.consumer_tracking:
             {p}rec.holds.append({_HOLD_CONSUMER})
-            {p}worker.step_records[{p}layer_id] = {p}rec
+            {p}st.worker.step_records[{p}layer_id] = {p}rec
 if {p}st is not None:
-    {p}st.enqueued = {p}enqueued + 1
+    {p}st.enqueued = {p}rec.seq + 1
     {p}rec.t_enqueue = {p}clock()
 """
 
@@ -199,21 +253,22 @@ if {p}st is not None:
             {p}mine = {item_name}.__dict__.pop({"_kvtrace"!r}, None) is {p}rec
         except {p}AttributeError:
             {p}mine = False
-        if {p}mine and {p}worker.step_records.get({p}layer_id) is {p}rec:
-            {p}worker.step_records.pop({p}layer_id)
+        if {p}mine and {p}st.worker.step_records.get({p}layer_id) is {p}rec:
+            {p}st.worker.step_records.pop({p}layer_id)
     if {p}mine:
         {p}st.enqueued -= 1
         {p}recorder.recycle([{p}rec])
 """
 
 
-_ADD_REQUEST_SOURCE = f"""
-def make(original, rt, recorder, clock, pool, new_record, queue_state):
+def _add_request_source(native: bool) -> str:
+    return f"""
+def make(original, rt, recorder, clock, pool, new_record, queue_state, take):
     def add_request(self, item, *args, **kwargs):
         st = None
         if item is not None and recorder.enabled:
             try:
-{indent_rule(enqueue_rule("", "self", "item"), 16)}
+{indent_rule(enqueue_rule("", "self", "item", native), 16)}
             except Exception as exc:
                 rt.fail(exc)
                 st = None
@@ -231,11 +286,16 @@ def make(original, rt, recorder, clock, pool, new_record, queue_state):
 """
 
 
+_ADD_REQUEST_SOURCE = {native: _add_request_source(native) for native in (False, True)}
+"""The enqueue wrapper's text, with the record take inlined (False) or native (True): see :func:`enqueue_rule`."""
+
+
 def wrap_add_request(original: Callable, rt: Runtime) -> Callable:
     """The enqueue wrapper (:func:`enqueue_rule`), for a class whose ``add_request`` is not compiled."""
     recorder = rt.recorder
-    add_request = generated("add_request")(original, rt, recorder, recorder.clock, recorder._pool, TaskRecord,
-                                            attach.queue_state)
+    take = make_take(recorder)
+    add_request = generated("add_request", take is not None)(original, rt, recorder, recorder.clock, recorder._pool,
+                                                             TaskRecord, attach.queue_state, take)
     return _mark(add_request, original)
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from otel_kvtrace.api import start_tracing
-from otel_kvtrace.instrument import attach, patches, rewrite
+from otel_kvtrace.instrument import attach, patches, rewrite, wrappers
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS
 
 from .harness import FakeBackend, Upstream
@@ -398,8 +398,19 @@ def _shape(rec: Any) -> dict[str, Any]:
     return out
 
 
-def _records(upstream: Upstream, monkeypatch: Any, probes: str) -> tuple[list[dict[str, Any]], str]:
+def _inline_take(monkeypatch: Any) -> None:
+    """What a process without the ``_probes`` extension runs: the enqueue's record take as its rule's text."""
+    monkeypatch.setattr(wrappers, "NATIVE_TAKE", None)
+    for capture, suffix in ((False, ""), (True, "_CAPTURE")):
+        prelude, on_raise = rewrite._enqueue_templates(capture, False)
+        monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE" + suffix, prelude)
+        monkeypatch.setattr(rewrite, "_ENQUEUE_RAISE" + suffix, on_raise)
+
+
+def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool = True) -> tuple[list[dict[str, Any]], str]:
     monkeypatch.setenv("OTEL_KVTRACE_PROBES", probes)
+    if not native:
+        _inline_take(monkeypatch)
     gate_before = upstream.gate_class()
     gate_before.record()
     targets = upstream.binding.to_targets()
@@ -410,6 +421,10 @@ def _records(upstream: Upstream, monkeypatch: Any, probes: str) -> tuple[list[di
         _workload(upstream, env, gate_before)
         records = session.recorder.drain(100)
         path = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__]
+        enqueue = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__ + ".add_request"]
+        code = upstream.binding.classes["recv_gva"].__dict__["add_request"].__code__
+        assert ((rewrite.PREFIX if probes == "compiled" else "") + "seen" in code.co_varnames) is (not native)
+        assert enqueue == ("compiled" if probes == "compiled" else "wrapper: OTEL_KVTRACE_PROBES=wrappers"), enqueue
         assert session.recorder.disabled_reason is None  # the slotted gate did not turn tracing off
     finally:
         session.shutdown()
@@ -434,6 +449,24 @@ def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstr
     assert compiled[5]["deps"][gate_record] == compiled[2]["deps"][gate_record] == (True, False)
     assert compiled[5]["deps"][gate_npu] == (True, False) and compiled[5]["stages"] == compiled[2]["stages"]
     assert compiled[5]["gate_id"] is None and compiled[5]["npu_marks"] == [] and compiled[5]["outcome"] == 0
+
+
+@pytest.mark.parametrize("probes", ["compiled", "wrappers"])
+def test_the_native_record_take_records_what_its_rule_records(upstream: Upstream, monkeypatch: Any,
+                                                               probes: str) -> None:
+    """The enqueue with the native record take (``_probes.Take``, the default when built) and with its rule's
+    text inlined (a process without the extension) give the same records on the same workload, on both paths;
+    the inlined text passes the proof too (the compiled path stays compiled)."""
+    if wrappers.NATIVE_TAKE is None:
+        pytest.skip("the optional _probes extension is not built (tests/instrument/test_enqueue_take.py says why)")
+    native, _ = _records(upstream, monkeypatch, probes)
+    with monkeypatch.context() as m:
+        inline, _ = _records(upstream, m, probes, native=False)
+    assert len(native) == len(inline) == 6
+    for i, (a, b) in enumerate(zip(native, inline, strict=True)):
+        diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+        assert not diff, f"task {i}: native vs inline take differ in {diff}"
+    assert native[1]["gate_id"] is not None and native[1]["transfer_tasks"] != "NoneType"
 
 
 def test_the_proof_rejects_a_rewrite_that_changes_an_upstream_statement(upstream: Upstream, monkeypatch: Any) -> None:
