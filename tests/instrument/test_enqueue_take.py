@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib.util
-import os
-import shutil
-import sysconfig
 from collections import deque
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,6 +18,7 @@ from otel_kvtrace.instrument import wrappers
 from otel_kvtrace.instrument.attach import GATE_ID_ATTR
 from otel_kvtrace.instrument.state import QueueState, WorkerState
 from otel_kvtrace.record.model import QueueInfo, TaskRecord
+from tests.native import require_built
 
 INFO = QueueInfo(run_id="r", path="gva", thread_name="t", pid=1, num_layers=8)
 
@@ -183,12 +179,7 @@ def test_the_native_take_raises_what_the_rule_raises() -> None:
 def test_the_native_take_is_in_use_when_it_can_be_built() -> None:
     """With a compiler here, ``pip install -e .`` builds ``_probes`` and the enqueue uses its take: a missing
     extension would silently cost the forward thread the rule's bytecode."""
-    built = importlib.util.find_spec("otel_kvtrace.instrument._probes") is not None
-    can_build = shutil.which(os.environ.get("CC", "gcc")) is not None and (
-        Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
-    if not (built or can_build):
-        pytest.skip("no compiler or Python headers here: the rule's text is the enqueue's take")
-    assert built, "a compiler is here but otel_kvtrace/instrument/_probes*.so is not: pip install -e ."
+    require_built("otel_kvtrace.instrument._probes", "the rule's text (the enqueue's take)")
     assert wrappers.NATIVE_TAKE is not None
     assert "__kvtrace_take(" in wrappers.enqueue_rule("__kvtrace_", "SELF", "DATA")
     assert "seen_layers" not in wrappers.enqueue_rule("__kvtrace_", "SELF", "DATA")

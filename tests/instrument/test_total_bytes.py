@@ -3,11 +3,6 @@ rule gives, for every shape, dtype, stride and range."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import shutil
-import sysconfig
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,6 +12,7 @@ from hypothesis.extra import numpy as hnp
 
 from otel_kvtrace.instrument import proxies
 from otel_kvtrace.instrument.proxies import SMALL_ARRAY, total_bytes, total_bytes_rule
+from tests.native import require_built
 
 
 class SizesArray(np.ndarray):
@@ -83,12 +79,7 @@ def test_native_sum_equals_the_rule(sizes: np.ndarray) -> None:
 def test_the_native_sum_is_in_use_when_it_can_be_built() -> None:
     """So the suite cannot silently test only the Python rule: where a compiler and the Python headers exist
     the extension must have been built by ``pip install -e .`` and be what ``total_bytes`` is."""
-    built = importlib.util.find_spec("otel_kvtrace.instrument._probes") is not None
-    can_build = shutil.which(os.environ.get("CC", "gcc")) is not None and (
-        Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
-    if not (built or can_build):
-        pytest.skip("no compiler or Python headers here: the Python rule is the one in use")
-    assert built, "a compiler is here but otel_kvtrace/instrument/_probes*.so is not: pip install -e ."
+    require_built("otel_kvtrace.instrument._probes", "the Python rule")
     assert proxies.total_bytes is not total_bytes_rule
     from otel_kvtrace.instrument import _probes  # type: ignore[attr-defined]
 

@@ -9,12 +9,9 @@ range) go to the Python path, so even the failing writes leave identical rings.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
-import shutil
 import struct
 import sys
-import sysconfig
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +23,7 @@ from otel_kvtrace.export.agent import Decoder
 from otel_kvtrace.export.spans import TransferSummary
 from otel_kvtrace.record import ring as R
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS, QueueInfo, TaskRecord
+from tests.native import require_built
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "export"))
 from export_records import FakeLayerTransferTask, FakeShared  # noqa: E402
@@ -360,12 +358,7 @@ def test_full_ring_claims_nothing_and_release_unmaps() -> None:
 def test_the_native_packer_is_in_use_when_it_can_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
     """So the suite cannot silently test only the Python path: where a compiler and the Python headers
     exist (this machine, CI) the extension must have been built by ``pip install -e .`` and be chosen."""
-    built = importlib.util.find_spec("otel_kvtrace.record._ringpack") is not None
-    can_build = shutil.which(os.environ.get("CC", "gcc")) is not None and (
-        Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
-    if not (built or can_build):
-        pytest.skip("no compiler or Python headers here: the Python path is the one in use")
-    assert built, "a compiler is here but otel_kvtrace/record/_ringpack*.so is not: pip install -e ."
+    require_built("otel_kvtrace.record._ringpack", "the Python path")
     monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
     assert R.pack_mode() == ("native", "")
     writer = R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER))
