@@ -72,7 +72,8 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
     """Per step and chain position: the recv thread's non-blocking run (ns) after that load completed.
     ``loop_ns``: the thread's loop from the event to ``get()`` (``task_done``, the loop; in a busy
     thread it is in the next task's dispatch gap, ``work_ns[0]``), run also when it then goes idle;
-    ``dispatch_ns``: the policy's own ``get()`` cost, paid before it hands out a task or sleeps."""
+    ``dispatch_ns``: the policy's own ``get()`` cost, paid before it sleeps with tasks queued (a task it
+    hands out pays what the replay charged it, ``rep.dispatched``)."""
     q = rep.arrays
     n = q.n
     by_start: dict[int, int] = {}
@@ -345,7 +346,7 @@ class Coupling:
         release = forward.release if forward is not None else RELEASES[0]
         release_at = release_points(arrays, release)
         runs = run_after(fifo, release_at, 0, forward.loop_ns) if forward is not None else []
-        busy = recv_busy(fifo, release)
+        busy = recv_busy(fifo, release) if arrays.send is not None else []  # no saves recorded: no send model
         send = fit_send(fifo, busy)
         waits = copy_waits(fifo, busy, send) if send is not None else {}
         return cls(forward, release, release_at, runs, send, waits)
