@@ -9,19 +9,28 @@ task's start, and through ``gil.py`` on the forward's wake-up lag behind the rec
 (``gain_error_pct``, the bench's ``err %``). The swept columns answer whether another cost per dequeue
 would explain a cell's miss (docs/whatif.md); they are not predictions (the cost is swept, not derived).
 
+``--save-extra US...`` (an oracle, for reading only): the derived prediction again with that many us added
+to each policy-replayed save's service, per save position in a step (FIFO untouched), e.g. the live
+policy's longer pre-sync phases that ``bench/send_wakeups.py`` measures: how much of a cell's miss they
+would explain if the replay knew them.
+
 Usage::
 
     .venv/bin/python bench/whatif_fidelity.py --keep /tmp/fid          # once (~15 min)
     .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid          # ~1 min
     .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid --costs 0 4 8 --cells hol upstream
+    .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid --cells hol --save-extra 0 0 0 0 33 32 14 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 
 def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]
@@ -53,12 +62,40 @@ def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]
     return c["measured_gain_ms"], c["noise_ms"], c["predicted_gain_ms"], derived, predicted
 
 
+@contextlib.contextmanager
+def save_extra_added(extra_us: list[float]) -> Iterator[None]:
+    """Every policy replay's save services lengthened by ``extra_us[k]`` at save position ``k`` (the oracle
+    of ``--save-extra``), on top of what ``gil.py``'s send model gives."""
+    from otel_kvtrace.whatif import gil
+
+    model = gil.save_extra
+    extra = [int(x * 1000) for x in extra_us]
+
+    def lengthened(rep, fifo_waits, policy_waits):  # noqa: ANN001, ANN202 (gil.save_extra's signature)
+        return [[v + (extra[k] if k < len(extra) else 0) for k, v in enumerate(row)]
+                for row in model(rep, fifo_waits, policy_waits)]
+
+    with mock.patch.object(gil, "save_extra", lengthened):
+        yield
+
+
+def oracle_prediction(fifo: Path, measured: Path, policy: str, extra_us: list[float]) -> float:
+    """The derived prediction (ms) with ``--save-extra`` applied."""
+    from otel_kvtrace.whatif.api import whatif
+
+    with save_extra_added(extra_us):
+        (verdict,) = whatif([fifo], measured=[measured], policies=[policy]).verdicts
+    return verdict.extra["measured"][0]["predicted_gain_ms"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="Example: bench/whatif_cost_sensitivity.py /tmp/fid --costs 0 4 8 12")
     ap.add_argument("kept", type=Path, help="the folder bench/whatif_fidelity.py --keep wrote (interleaved design)")
     ap.add_argument("--costs", type=float, nargs="+", default=[0, 4, 8, 12, 16], help="us per dequeue (default 0 4 8 12 16)")
     ap.add_argument("--cells", nargs="*", help="only these cells (default: every kept one)")
+    ap.add_argument("--save-extra", type=float, nargs="+", metavar="US",
+                    help="oracle: us added to each policy-replayed save, per save position in a step")
     args = ap.parse_args()
     from otel_kvtrace.whatif.measured import gain_error_pct
 
@@ -73,9 +110,13 @@ def main() -> None:
         policy = d.name.removeprefix("il-")
         gain, noise, pred, derived, predicted = cell_errors(d / "fifo" / "traces", d / policy / "traces", policy,
                                                             args.costs)
+        oracle = ""
+        if args.save_extra:
+            o = oracle_prediction(d / "fifo" / "traces", d / policy / "traces", policy, args.save_extra)
+            oracle = f"  save extra: {o:+8.3f} ({gain_error_pct(o, gain, noise):5.1f})"
         print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  {derived:11.1f}: {pred:+8.3f} "
               f"({gain_error_pct(pred, gain, noise):5.1f})  " + "  ".join(
-            f"{p:+8.3f} ({gain_error_pct(p, gain, noise):5.1f})" for p in predicted), flush=True)
+            f"{p:+8.3f} ({gain_error_pct(p, gain, noise):5.1f})" for p in predicted) + oracle, flush=True)
 
 
 if __name__ == "__main__":
