@@ -42,7 +42,7 @@ MODEL_NOTES = [
     ("ready_queue pays its get()'s readiness checks per dequeue (decision_cost_us: the FIFO recording's waits "
      "that did not block); the forward and the send thread wake behind the recv thread's GIL runs"),
     ("not modelled: a save's work before its NPU sync keeps FIFO's recorded duration; where a policy runs it "
-     "beside the recv thread or the forward instead of alone, it took longer live (threaded replica, hol, "
+     "beside the recv thread or the forward instead of alone, it waits for them live (threaded replica, hol, "
      "ready_queue: +33/+32/+14 us on saves 4-6; docs/whatif.md, \"The final layer's miss\")"),
 ]
 
