@@ -64,9 +64,11 @@ class QueueState:
         "q",
         "ready",
         "reference_end",
+        "pre_extra",
         "save_extra",
         "send_done",
         "send_post",
+        "send_pre",
         "served",
         "start",
         "step_left",
@@ -76,7 +78,7 @@ class QueueState:
     def __init__(self, q: QueueArrays, index: bool, feedback: str = "full", dispatch_ns: int = 0,
                  reference_end: list[int] | None = None, shift_steps: bool = True,
                  lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None,
-                 decision_ns: int = 0) -> None:
+                 decision_ns: int = 0, pre_extra_ns: list[list[int]] | None = None) -> None:
         if feedback not in FEEDBACKS:
             raise ValueError(f"feedback: must be one of {FEEDBACKS}, got {feedback!r}")
         self.delay_only = feedback == "delay_only"
@@ -131,6 +133,10 @@ class QueueState:
         """Per step and save, when its work after the device point started (its copy is in it)."""
         self.save_extra = save_extra_ns
         """Per step and save, time added to that work (None: as recorded; :mod:`otel_kvtrace.whatif.gil`)."""
+        self.send_pre: list[list[tuple[int, int]]] = [[] for _ in q.chain]
+        """Per step and save, its work before the NPU sync as replayed: (start, end); (t, t) without one."""
+        self.pre_extra = pre_extra_ns
+        """Per step and save, time added to its work before the NPU sync (None: as recorded; ``gil.py``)."""
 
     # ---- what policies read ---------------------------------------------------------------------
     def head(self) -> int:
@@ -217,16 +223,21 @@ class QueueState:
         sends = self.q.send[s]  # type: ignore[index]
         done = self.send_done[s]
         extra = self.save_extra[s] if self.save_extra is not None else None
+        more = self.pre_extra[s] if self.pre_extra is not None else None
         prev = done[-1] if done else NONE
         while len(done) <= j:
             k = len(done)
             pos, issue, pre, dev, post = sends[k][:5]
             at = self.fwd_end[s][pos] + issue if pos >= 0 else issue + self.shift[s]
             t = at if prev == NONE else max(at, prev)
+            t0 = t
             if pre >= 0:  # the NPU sync waits for the device, which moves with the issue
-                t += pre
+                t += pre + (more[k] if more is not None else 0)
+                self.send_pre[s].append((t0, t))
                 if dev != NONE and at + dev > t:
                     t = at + dev
+            else:
+                self.send_pre[s].append((t0, t0))
             self.send_post[s].append(t)
             prev = t + post + (extra[k] if extra is not None else 0)
             done.append(prev)
@@ -516,6 +527,8 @@ class QueueReplay:
     ``decision_ns`` when another task was queued)."""
     merged: list[bool] | None = None
     """Per task, whether it ran in a merged batch (``gate_group``)."""
+    send_pre: list[list[tuple[int, int]]] | None = None
+    """Per step, each replayed save's work before its NPU sync, (start, end); (t, t) where none is recorded."""
 
     @property
     def arr(self) -> list[int]:
@@ -530,7 +543,8 @@ class QueueReplay:
 
 def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", dispatch_ns: int = 0,
                  decision_ns: int = 0, reference_end: list[int] | None = None, shift_steps: bool = True,
-                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None) -> QueueReplay:
+                 lag_ns: list[list[int]] | None = None, save_extra_ns: list[list[int]] | None = None,
+                 pre_extra_ns: list[list[int]] | None = None) -> QueueReplay:
     """Replay one queue under ``policy``: the loop pops decisions until every task has completed.
 
     ``feedback``: ``full`` moves forward-driven dependencies (gates, saves) earlier or later with the
@@ -544,10 +558,11 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     ends; never earlier; ``shift_steps=False``: as recorded).
     ``lag_ns``: per step and chain position, the forward's wake-up lag after the load (default
     ``q.lag``, as recorded under FIFO). ``save_extra_ns``: per step and save, time added to the save's
-    work after its device point (default none; :mod:`otel_kvtrace.whatif.gil`).
+    work after its device point (default none; :mod:`otel_kvtrace.whatif.gil`); ``pre_extra_ns``: the
+    same before its NPU sync (so a device not done yet still bounds it).
     """
     state = QueueState(q, policy.uses_ready_index, feedback, dispatch_ns, reference_end, shift_steps, lag_ns,
-                       save_extra_ns, decision_ns)
+                       save_extra_ns, decision_ns, pre_extra_ns)
     n = q.n
     arr = q.arr
     select = policy.select
@@ -571,4 +586,4 @@ def replay_queue(q: QueueArrays, policy: Policy, *, feedback: str = "full", disp
     return QueueReplay(policy.name, q, state.start, state.complete, state.passed, state.eff_rs, state.eff_rg,
                        state.fwd_arrive, state.fwd_end, state.batches,
                        list(zip(state.busy_start, state.busy_end, strict=True)), state.arr, state.eff_rl,
-                       state.send_post, state.dispatched, state.merged)
+                       state.send_post, state.dispatched, state.merged, state.send_pre)

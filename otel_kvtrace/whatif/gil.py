@@ -242,17 +242,8 @@ def recv_busy(rep: QueueReplay, release: str) -> list[tuple[int, int]]:
         holes = [(t.copy_at_ns, t.copy_at_ns + t.backend_submit_ns)] if t.copy_at_ns is not None else []
         if release == "meta+copy" and t.meta_at_ns is not None:
             holes.append((t.meta_at_ns, t.meta_at_ns + t.meta_ns))
-        d = rep.dispatched[i] if rep.dispatched is not None else 0
-        at, x = rep.start[i], -d  # the replay's clock, and the work offset (the decision's cost before 0)
-        work = (q.w0[i] + d, q.w1[i], q.w2[i], q.w3[i])
-        ready = (rep.eff_rs[i], rep.eff_rg[i], rep.rl[i])
-        lag = (q.ws[i], q.wg[i], q.wl[i])
-        for k in range(4):
-            out.extend((at + a - x, at + b - x) for a, b in _less(x, x + work[k], holes))
-            at += work[k]
-            x += work[k]
-            if k < 3 and ready[k] != NONE and ready[k] > at:
-                at = ready[k] + lag[k]
+        for at, x0, x1 in _segments(rep, i):
+            out.extend((at + a - x0, at + b - x0) for a, b in _less(x0, x1, holes))
     out.sort()
     merged: list[tuple[int, int]] = []
     for a, b in out:  # pieces that touch are one run (the thread did not let go of the GIL between them)
@@ -261,6 +252,25 @@ def recv_busy(rep: QueueReplay, release: str) -> list[tuple[int, int]]:
         else:
             merged.append((a, b))
     return merged
+
+
+def _segments(rep: QueueReplay, i: int) -> list[tuple[int, int, int]]:
+    """Task ``i``'s work between its blocking waits on ``rep``'s timeline: (replayed start, first work
+    offset, last work offset) per segment, offsets as ``work_ns`` (the policy's cost per dequeue before 0)."""
+    q = rep.arrays
+    d = rep.dispatched[i] if rep.dispatched is not None else 0
+    at, x = rep.start[i], -d
+    work = (q.w0[i] + d, q.w1[i], q.w2[i], q.w3[i])
+    ready = (rep.eff_rs[i], rep.eff_rg[i], rep.rl[i])
+    lag = (q.ws[i], q.wg[i], q.wl[i])
+    out = []
+    for k in range(4):
+        out.append((at, x, x + work[k]))
+        at += work[k]
+        x += work[k]
+        if k < 3 and ready[k] != NONE and ready[k] > at:
+            at = ready[k] + lag[k]
+    return out
 
 
 def _less(a: int, b: int, holes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -324,6 +334,112 @@ def save_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_
              for k in range(len(saves))] for s, saves in enumerate(q.send or [])]
 
 
+# ---- the send thread's build wake-up, behind the recv thread's build ---------------------------------------
+#
+# On the threaded replica both transfer threads build a layer's addresses after a short sleep
+# (``spend_meta_build``). Two such sleeps that began together are ended by one timer interrupt, and the
+# recv thread, put on the CPU first, runs its Python up to its copy's sleep before the send thread runs
+# (scheduler events, docs/whatif.md, "The final layer's miss, measured to the sleep": under FIFO at
+# ``hol``'s saves 2 and 6, under ``ready_queue`` at save 4 too, where the recv thread builds layers 5-6
+# while save 4 builds). A policy moves the recv thread's builds, so it moves these waits. Sized from the
+# FIFO recording, per queue:
+#
+# - a save's work before its NPU sync (``send_pre``) *meets* a recv build when that recv task's
+#   ``meta_build`` ends in the second half of it (the send thread asleep in its own build then);
+# - ``tail_ns``: the median, over the meetings of the FIFO recording, of the save's sync start minus
+#   that recv task's copy start (the recv thread's Python to its copy's sleep, then the send thread's own);
+# - a save's own work: as recorded where it met none; where it met one, the median recorded work of its
+#   position over the saves that met none;
+# - its wait = max(0, the met task's copy start + tail - (start + own work)); a policy's save gets its wait
+#   on the policy's timeline minus FIFO's, before its NPU sync (FIFO gets none).
+
+
+@dataclass(slots=True, frozen=True)
+class BuildModel:
+    """A save's pre-sync work meeting a recv build: the tail after the recv copy's start, and each FIFO
+    save's own work before its NPU sync."""
+
+    tail_ns: int
+    own: dict[tuple[int, int], int]
+    """(step, save position) -> the save's own pre-sync work (ns), without a meeting."""
+    points: int
+
+
+def _clock(rep: QueueReplay, i: int, offsets: list[int]) -> list[int]:
+    """Replayed times of work offsets of task ``i``: an offset at the end of a segment that a blocking wait
+    follows maps before the wait."""
+    out = [NONE] * len(offsets)
+    for at, x0, x1 in _segments(rep, i):
+        for n, o in enumerate(offsets):
+            if out[n] == NONE and x0 <= o <= x1:
+                out[n] = at + o - x0
+    return out
+
+
+def recv_builds(rep: QueueReplay) -> list[tuple[int, int]]:
+    """(replayed end of its ``meta_build``, replayed start of its copy) of every served recv task with both
+    recorded, sorted; [] for a replay that merged batches (their own timeline is not rebuilt)."""
+    if rep.batches:
+        return []
+    q = rep.arrays
+    out = []
+    for i, t in enumerate(q.tasks):
+        if rep.start[i] != NONE and t.meta_at_ns is not None and t.copy_at_ns is not None:
+            end, copy = _clock(rep, i, [t.meta_at_ns + t.meta_ns, t.copy_at_ns])
+            if end != NONE and copy != NONE and copy >= end:
+                out.append((end, copy))
+    out.sort()
+    return out
+
+
+def meetings(rep: QueueReplay, builds: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int, int]]:
+    """(step, save position) -> (pre-sync start, end, the latest copy start of the recv builds it meets)."""
+    ends = [e for e, _ in builds]
+    out = {}
+    for s, windows in enumerate(rep.send_pre or []):
+        for k, (a, b) in enumerate(windows):
+            if b <= a:
+                continue
+            met = builds[bisect.bisect_left(ends, (a + b) // 2):bisect.bisect_right(ends, b)]
+            out[(s, k)] = (a, b, max((c for _, c in met), default=NONE))
+    return out
+
+
+def fit_build(fifo: QueueReplay, builds: list[tuple[int, int]]) -> BuildModel | None:
+    """The model from the FIFO replay (which reproduces the recording) and its recv builds
+    (:func:`recv_builds`); None without ``MIN_POINTS`` meetings whose save ended after the met copy
+    started."""
+    met = meetings(fifo, builds)
+    tails = [b - c for a, b, c in met.values() if c != NONE and c <= b]
+    if len(tails) < MIN_POINTS:
+        return None
+    alone: dict[int, list[int]] = {}
+    for (_, k), (a, b, c) in met.items():
+        if c == NONE:
+            alone.setdefault(k, []).append(b - a)
+    typical = {k: int(statistics.median(v)) for k, v in alone.items()}
+    own = {key: (typical.get(key[1], b - a) if c != NONE else b - a) for key, (a, b, c) in met.items()}
+    return BuildModel(int(statistics.median(tails)), own, len(tails))
+
+
+def build_waits(rep: QueueReplay, builds: list[tuple[int, int]], model: BuildModel) -> dict[tuple[int, int], int]:
+    """(step, save position) -> the save's wait behind a recv build (``builds``: :func:`recv_builds` of
+    ``rep``) it meets on ``rep``'s timeline (0: it meets none, or the met run ended before the save's own
+    work would)."""
+    out = {}
+    for key, (a, b, c) in meetings(rep, builds).items():
+        own = model.own.get(key, b - a)
+        out[key] = max(0, c + model.tail_ns - (a + own)) if c != NONE else 0
+    return out
+
+
+def pre_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_waits: dict[tuple[int, int], int]
+              ) -> list[list[int]]:
+    """Per step and save position, the policy's build wait minus FIFO's (0 where either is unknown)."""
+    return [[policy_waits[(s, k)] - fifo_waits[(s, k)] if (s, k) in fifo_waits and (s, k) in policy_waits else 0
+             for k in range(len(windows))] for s, windows in enumerate(rep.send_pre or [])]
+
+
 # ---- both models on one queue -----------------------------------------------------------------------------
 
 @dataclass(slots=True)
@@ -339,6 +455,8 @@ class Coupling:
     fifo_runs: list[list[int]]
     send: SendModel | None
     fifo_waits: dict[tuple[int, int], int]
+    build: BuildModel | None = None
+    fifo_build_waits: dict[tuple[int, int], int] | None = None
 
     @classmethod
     def fit(cls, arrays: QueueArrays, fifo: QueueReplay) -> Coupling:
@@ -349,13 +467,17 @@ class Coupling:
         busy = recv_busy(fifo, release) if arrays.send is not None else []  # no saves recorded: no send model
         send = fit_send(fifo, busy)
         waits = copy_waits(fifo, busy, send) if send is not None else {}
-        return cls(forward, release, release_at, runs, send, waits)
+        builds = recv_builds(fifo) if arrays.send is not None else []
+        build = fit_build(fifo, builds) if builds else None
+        return cls(forward, release, release_at, runs, send, waits, build,
+                   build_waits(fifo, builds, build) if build is not None else None)
 
 
 def replay_policy(arrays: QueueArrays, policy: Policy, coupling: Coupling | None, *, feedback: str,
                   reference: list[int] | None, dispatch: int = 0, decision: int = 0) -> QueueReplay:
     """One policy's replay: plain, then again with the forward's wake-up lags that the recv thread's runs
-    on it give, then again with the send thread's copy waits those runs give (None: plain only).
+    on it give, then again with the send thread's copy waits and build waits those runs give (None: plain
+    only).
     ``dispatch`` / ``decision``: the policy's costs per dequeue (``replay_queue``'s ``dispatch_ns`` /
     ``decision_ns``)."""
     kw: dict[str, Any] = {"feedback": feedback, "dispatch_ns": dispatch, "decision_ns": decision,
@@ -367,9 +489,13 @@ def replay_policy(arrays: QueueArrays, policy: Policy, coupling: Coupling | None
         runs = run_after(rep, coupling.release_at, dispatch + decision, coupling.forward.loop_ns)
         kw["lag_ns"] = adjusted_lags(arrays, coupling.forward, coupling.fifo_runs, runs)
         rep = replay_queue(arrays, policy, **kw)
+    after = before = None
     if coupling.send is not None:
         busy = recv_busy(rep, coupling.release)
         if busy:
-            waits = copy_waits(rep, busy, coupling.send)
-            rep = replay_queue(arrays, policy, save_extra_ns=save_extra(rep, coupling.fifo_waits, waits), **kw)
+            after = save_extra(rep, coupling.fifo_waits, copy_waits(rep, busy, coupling.send))
+    if coupling.build is not None and coupling.fifo_build_waits is not None and not rep.batches:
+        before = pre_extra(rep, coupling.fifo_build_waits, build_waits(rep, recv_builds(rep), coupling.build))
+    if after is not None or before is not None:
+        rep = replay_queue(arrays, policy, save_extra_ns=after, pre_extra_ns=before, **kw)
     return rep
