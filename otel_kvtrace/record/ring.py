@@ -330,9 +330,13 @@ class RingWriter:
         if self._head - hdr[H_READ] >= self._limit:
             return -1  # the task it belonged to is counted by the recorder (``publish_dropped``)
         k = next(self._claims)
-        self._head = k + 1
-        if k >= hdr[H_HEAD]:
-            hdr[H_HEAD] = k + 1
+        try:
+            self._head = k + 1
+            if k >= hdr[H_HEAD]:
+                hdr[H_HEAD] = k + 1
+        except BaseException:
+            self._commit(k, MSG_VOID, 0)  # claimed, not written: committed void, as write_task does
+            raise
         return k
 
     def _commit(self, k: int, kind: int, length: int) -> None:

@@ -231,6 +231,23 @@ def test_a_claimed_slot_whose_write_fails_is_committed_void_by_both_packers(
     assert [r.seq for r in out] == [1, 3]
 
 
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_side_table_write_whose_claim_hint_fails_commits_its_slot_void(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_write`` (queue, request id, summary, consumer wait, error, resource, close) claims through ``_claim``:
+    a claim hint that cannot be stored leaves the slot committed ``MSG_VOID`` (before: claimed and never
+    committed, so the agent would stall on it), raises, and the next message goes to the next slot."""
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    w = _FailingHead(_ring(128, commit))
+    w.fail = True
+    with pytest.raises(RuntimeError, match="claim hint"):
+        w.resource("a", 1)
+    assert w.hdr[R.H_HEAD] == 0  # not advanced by the failed claim, as write_task leaves it
+    w.resource("b", 2)
+    msgs = R.RingReader(w._mem).poll(10)
+    assert [(m.index, m.kind) for m in msgs] == [(0, R.MSG_VOID), (1, R.MSG_RESOURCE)]
+
+
 @needs_native
 def test_the_packer_refuses_claims_that_are_not_an_iterator_or_a_fold_that_is_not_callable() -> None:
     mem = _ring(128, R.COMMIT_STORE_ORDER)
