@@ -178,6 +178,8 @@ def native_layout() -> dict[str, Any]:
         "NUM_DEP_INTS": sum(name.startswith("dep") for name in TASK_FIELDS), "TASK_KIND": _TASK_KIND,
         "VOID_KIND": MSG_VOID | KIND_WRITTEN, "F_SRC": F_SRC, "F_GATE": F_GATE, "F_AWAITING": F_AWAITING,
         "F_STAGES_FOLDED": F_STAGES_FOLDED, "FIXED_SIZE": TASK_FIXED.size, "STAGES_AT": TASK_STAGES_AT,
+        "CWAIT_KIND": MSG_CWAIT | KIND_WRITTEN, "CWAIT_FORMAT": CWAIT_FIXED.format, "MAX_CWAIT_INTS": MAX_CWAIT_INTS,
+        "CONSUMER_WAIT": int(Stage.CONSUMER_WAIT),
         "TASK_FIELDS": tuple((name, off, size) for name, (off, size) in zip(TASK_FIELDS, fields)),
     }
 
@@ -429,6 +431,19 @@ class RingWriter:
                                    recorder._submitted, _RECORD_FIELDS, blank)
         except Exception as exc:  # noqa: BLE001 - the Python _ship works
             _warn_once(f"native shipper failed ({type(exc).__name__}: {exc}); shipping through Recorder._ship")
+            return None
+
+    def native_releaser(self, recorder: Any, shipper: Any, fallback: Any) -> Any:
+        """``recorder.submit_consumer`` over this ring in C (``_ringpack.Releaser``: ``write_cwait`` of the
+        task's ``consumer_stages`` and the recycle through ``shipper``, the recorder's non-awaiting native
+        shipper of this ring; ``fallback(rec, reason)``, ``Recorder.submit_consumer``, for everything else), or
+        None (no packer, or ``shipper`` is not a native one). Installed by ``Recorder.attach_ring``."""
+        if self._packer is None or type(shipper) is not getattr(_NATIVE, "Shipper", None):
+            return None
+        try:
+            return _NATIVE.Releaser(shipper, fallback)
+        except Exception as exc:  # noqa: BLE001 - the Python submit_consumer works
+            _warn_once(f"native releaser failed ({type(exc).__name__}: {exc}); releasing through Recorder.submit_consumer")
             return None
 
     # -- per task -----------------------------------------------------------------------------------
