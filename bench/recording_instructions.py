@@ -9,6 +9,12 @@ the dumps for this bench and ``recv_breakdown.py --instructions``). Same workloa
 ``bench/upstream_overhead.py`` (``_ready_task``: save wait, gate, build, stagger, copy), synchronous on
 one thread, GC off, ``PYTHONHASHSEED=0``, ``start_tracing(exporter=None)`` (recording only: no ring write).
 
+Also (not with ``--ablate``) the forward's per-layer release path on a REAL ``KVPoolWorker`` with its real
+threads (``release_path``): the ``wait_for_layer_load`` calls of layers 1.. of each step, each after the recv
+thread shipped that layer's task, so what tracing adds there is the wrapper, the consumer-wait stamps and the
+release (with the ring, ``traced+agent``: the ``MSG_CWAIT`` write and the recycle). ``--opcodes`` does not
+count it.
+
 Printed per mode: instructions per call, and the added instructions (traced - untraced) per C function
 (callgrind self cost), so where the recording's instructions go is visible without timing noise.
 ``--ablate`` (compiled probes only) additionally compiles ``_handle_request`` with one group of stamps
@@ -19,6 +25,7 @@ Usage::
     .venv/bin/python bench/recording_instructions.py                 # untraced, compiled, wrappers
     .venv/bin/python bench/recording_instructions.py --ablate        # + per-stamp cost of the compiled path
     .venv/bin/python bench/recording_instructions.py --against DIR   # another checkout too, side by side
+    .venv/bin/python bench/recording_instructions.py --modes untraced,traced,traced+agent  # with the ring
 """
 
 from __future__ import annotations
@@ -108,11 +115,91 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
         cg.kv_start()
         run(tasks, 1, 300 + tasks)
         cg.kv_dump(b"recv")
+        if not ablate:
+            release_path(h, up, bench, session, cg, tasks)
         if session is not None:
             reason = session.recorder.disabled_reason
             session.shutdown()
             if reason:
                 raise RuntimeError(f"tracing disabled itself: {reason}")
+
+
+RELEASE_LAYERS = 8
+SIDES = ("forward", "recv", "release")
+"""Dumps per run: ``add_request`` (forward), ``_handle_request`` (recv), ``wait_for_layer_load`` (release)."""
+
+
+def release_path(h: Any, up: Any, bench: Any, session: Any, cg: Any, tasks: int) -> None:
+    """The forward's per-layer ``wait_for_layer_load`` on a REAL ``KVPoolWorker`` (``harness.pool_worker``: its
+    own ``_start_kv_transfer_threads``, real recv and send threads running), counted for ``tasks`` calls, dump
+    ``release``: with tracing, the wrapper, the consumer-wait stamps of ``layer_load_finished_events[i].wait``
+    and the release (``Recorder.submit_consumer``: with the ring, the ``MSG_CWAIT`` write and the recycle).
+
+    Per step (``start_load_kv``; the transfer tasks of every layer share one ``SharedBlockData``, as in
+    ``upstream_overhead._ready_task``): layer 0's call (not counted) submits every layer's load (prefetch =
+    layers) and waits for it; the forward then opens the attention gate and the recv thread completes every
+    load; once it is back in its queue ``get`` (queue joined, each held record down to the forward's hold)
+    the calls of layers 1.. are counted, each followed (not counted) by the gate record and ``save_kv_layer``
+    (no save tasks). So no other thread runs while a call is counted, and every counted call is the one
+    common case: the load is done and the recv thread has shipped the task (``submit_first``), the forward
+    waits (an already set event) and is the last holder. Upstream's GVA recv thread clears the task's
+    transfer-task list, which is the worker's ``layer_load_tasks[layer]``; the forward only waits while that
+    list is not empty, so it is refilled before each counted call (the same in every mode): what upstream
+    runs when the forward reaches the layer before its load completes, minus the blocking."""
+    import time
+    from types import SimpleNamespace
+
+    from otel_kvtrace.instrument.attach import WORKER_ATTR
+
+    num_layers = RELEASE_LAYERS
+    worker = h.pool_worker(up, num_layers, num_layers, h.FakeBackend())
+    thread = worker.kv_recv_thread
+    request = up.request("r-bench", 16)
+    counted = 0
+    warm = 300
+
+    def step(count: bool) -> None:
+        nonlocal counted, warm
+        worker.start_load_kv(SimpleNamespace(requests=[]))
+        shared = up.shared_data([request])
+        lists = [up.gva_task(layer, [request], shared=shared).transfer_tasks for layer in range(num_layers)]
+        for layer in range(num_layers):
+            worker.layer_load_tasks[layer][:] = lists[layer]
+        worker.wait_for_layer_load()  # submits every layer's load, waits for layer 0's
+        up.gate_module.record_attention_compute_start()
+        worker.save_kv_layer(None)
+        thread.request_queue.join()
+        ws = worker.__dict__.get(WORKER_ATTR)
+        if session is not None:
+            deadline = time.monotonic() + 60
+            while len(ws.step_records) != num_layers - 1 or any(len(r.holds) != 1 for r in ws.step_records.values()):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the recv thread did not finish the step's loads")
+                time.sleep(0.001)
+        time.sleep(0.02)  # the recv thread back in its queue get
+        for layer in range(1, num_layers):
+            worker.layer_load_tasks[layer][:] = lists[layer]  # refilled: the recv thread cleared it
+            on = count and counted < tasks
+            if on:
+                cg.kv_on()
+            worker.wait_for_layer_load()
+            if on:
+                cg.kv_off()
+                counted += 1
+            else:
+                warm -= 1
+            up.gate_module.record_attention_compute_start()
+            worker.save_kv_layer(None)
+
+    steps = 0
+    while warm > 0 or counted < tasks:
+        if steps % 14 == 0:  # ~100 tasks, as ``run`` settles
+            bench._settle(session)
+        if warm <= 0 and not counted:
+            cg.kv_start()
+        step(warm <= 0)
+        steps += 1
+    cg.kv_dump(b"release")
 
 
 def opcodes(mode: str, tasks: int) -> dict[str, dict[str, float]]:
@@ -188,7 +275,7 @@ def measure(tree: Path, mode: str, tasks: int, lib: Path, ablate: list[str], tmp
             f"import recording_instructions as r; r.child({mode!r}, {tasks}, {str(lib)!r}, {ablate!r})")
     result: dict[str, Any] = {}
     for what, (total, per) in _callgrind.dumps(code, tree, tmp / f"cg.{tag}").items():
-        if what in ("forward", "recv"):
+        if what in SIDES:
             result[what] = {"per_call": total / tasks, "functions": {k: v / tasks for k, v in per.items()}}
     return result
 
@@ -236,19 +323,22 @@ def main() -> None:
             for group in STAMP_GROUPS:
                 abl[group] = measure(HERE.parent, "traced", args.tasks, lib, [group], tmp)
                 print(f"  counted ablation {group}", file=sys.stderr, flush=True)
-    print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None)")
-    print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9}")
+    print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None "
+          "but for +agent modes; wait_for_layer_load: the forward's per-layer release on a real KVPoolWorker)")
+    print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9} "
+          f"{'wait_for_layer_load':>20} {'added':>9}")
     for name, _tree in trees:
         base = res[f"{name}/untraced"]
         for mode in modes:
             r = res[f"{name}/{mode}"]
             print(f"{name + '/' + mode:24} {r['forward']['per_call']:12.0f} "
                   f"{r['forward']['per_call'] - base['forward']['per_call']:+9.0f} "
-                  f"{r['recv']['per_call']:16.0f} {r['recv']['per_call'] - base['recv']['per_call']:+9.0f}")
+                  f"{r['recv']['per_call']:16.0f} {r['recv']['per_call'] - base['recv']['per_call']:+9.0f} "
+                  f"{r['release']['per_call']:20.0f} {r['release']['per_call'] - base['release']['per_call']:+9.0f}")
     for name, _tree in trees:
         base = res[f"{name}/untraced"]
         for mode in modes[1:]:
-            for side in ("forward", "recv"):
+            for side in SIDES:
                 print(f"-- {name}/{mode} {side}: added instructions per call by C function (self cost)")
                 for fn, d in _delta(res[f"{name}/{mode}"][side]["functions"], base[side]["functions"], args.top):
                     print(f"   {d:+9.0f}  {fn}")

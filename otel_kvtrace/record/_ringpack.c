@@ -52,6 +52,13 @@
 #define F_GATE 2
 #define F_AWAITING 4
 #define F_STAGES_FOLDED 8
+#define MSG_CWAIT 4
+#define CWAIT_KIND (MSG_CWAIT | KIND_WRITTEN)
+#define CWAIT_FORMAT "<IqBH" /* queue index, seq, reason, number of ints; then the ints, native int64 */
+#define CWAIT_FIXED 15
+#define MAX_CWAIT_INTS 24
+#define CONSUMER_WAIT 8 /* model.Stage.CONSUMER_WAIT */
+_Static_assert(CWAIT_FIXED + 8 * MAX_CWAIT_INTS <= BODY_BYTES, "a consumer wait fits a slot");
 
 struct task_fixed { /* the C compiler's natural alignment is struct's "@" alignment */
     uint32_t qidx;
@@ -94,6 +101,8 @@ static PyObject *attrs[N_ATTRS];
 static PyObject *str_head; /* "_head": the writer's claim hint, kept as ring.py's _claim keeps it */
 /* Shipper: the recorder's attribute and methods it reads or calls, and TaskRecord.reset */
 static PyObject *str_ring_name, *str_ship_name, *str_drop_name, *str_disable_name, *str_reset_name;
+/* Releaser: the writer's queue table (RingWriter._queues) */
+static PyObject *str_queues_name;
 /* ship(): names read on the writer, the stream marks and upstream's transfer task (ring.py write_task) */
 enum { S_HITS, S_GENERATION, S_SHARED, S_REQ_IDS, S_BLOCKS, S_GROUP, S_LOG, S_POSITION, S_OBSERVED, S_DONE_BY,
        N_SHIP_NAMES };
@@ -287,6 +296,72 @@ static PyObject *claim_out_of_range(Packer *self, PyObject *kobj) {
     return NULL;
 }
 
+/* body[0:length] into a claimed slot as a message of (stored) kind ``kind``: ring.py's _claim, then the body,
+ * the tail (crc, kind, length) and the commit word last and alone (_write / _commit, same rule and bytes).
+ * True, False (ring full: nothing claimed), NotImplemented (the writer's claim hint is not an int: nothing
+ * claimed) or NULL with an exception. From the claim on nothing can fail before the commit but the claim
+ * counter itself (a failed next() claims nothing) and storing the claim hint (then the slot is committed
+ * MSG_VOID, as ring.py does). */
+static inline __attribute__((always_inline)) PyObject *put_slot(Packer *self, PyObject *writer, const unsigned char *body,
+                                                                 size_t length, uint16_t kind) {
+    int64_t *hdr = (int64_t *)self->view.buf;
+    long long head, k;
+    unsigned char *slot;
+    uint32_t crc = 0;
+    uint16_t tail_kind = kind, tail_len = (uint16_t)length;
+    PyObject *o, *kobj, *head_obj;
+    int overflow;
+
+    o = PyObject_GetAttr(writer, str_head);
+    if (o == NULL) return NULL;
+    if (!as_int(o, I64_MIN, I64_MAX, &head)) {
+        Py_DECREF(o);
+        Py_RETURN_NOTIMPLEMENTED;
+    }
+    Py_DECREF(o);
+    if (head - __atomic_load_n(&hdr[H_READ], __ATOMIC_RELAXED) >= self->limit) Py_RETURN_FALSE;
+    kobj = PyIter_Next(self->claims);
+    if (kobj == NULL) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "claim counter exhausted");
+        return NULL;
+    }
+    if (!PyLong_Check(kobj)) { /* names no slot: nothing to commit */
+        Py_DECREF(kobj);
+        PyErr_SetString(PyExc_TypeError, "claim counter yielded a non-int");
+        return NULL;
+    }
+    k = PyLong_AsLongLongAndOverflow(kobj, &overflow);
+    if (overflow || k < 0 || k >= I64_MAX) { /* 2^63 - 1 claims: not reachable from RingWriter */
+        PyObject *err = claim_out_of_range(self, kobj);
+        Py_DECREF(kobj);
+        return err;
+    }
+    Py_DECREF(kobj);
+    head_obj = PyLong_FromLongLong(k + 1);
+    if (head_obj == NULL || PyObject_SetAttr(writer, str_head, head_obj) < 0) {
+        /* Claimed but not written: commit it as MSG_VOID (ring.py does the same), then raise. */
+        Py_XDECREF(head_obj);
+        commit_void(self, (Py_ssize_t)(k % self->nslots), (uint64_t)k);
+        return NULL;
+    }
+    Py_DECREF(head_obj);
+    if (k >= hdr[H_HEAD]) __atomic_store_n(&hdr[H_HEAD], (int64_t)(k + 1), __ATOMIC_RELAXED);
+
+    /* k % nslots < nslots and the mapping holds nslots slots (checked in __init__): in bounds. */
+    slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
+    memcpy(slot + SLOT_HEAD, body, length);
+    /* over the local body (the same bytes), never read back from the shared mapping */
+    if (self->crc) crc = crc32_of(body, length, (uint32_t)k) ^ ((uint32_t)tail_kind << 16 | tail_len);
+    memcpy(slot + 8, &crc, 4);
+    memcpy(slot + 12, &tail_kind, 2);
+    memcpy(slot + 14, &tail_len, 2);
+    /* Last and alone, one aligned 8-byte store; release: the body and tail stores above are not moved
+     * after it by the compiler (x86-64 keeps program order itself; elsewhere this is a release store,
+     * though COMMIT_CRC is what the reader relies on there). */
+    __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
+    Py_RETURN_TRUE;
+}
+
 /* write(writer, rec, qidx, sidx, awaiting) -> True (written), False (ring full: nothing claimed) or
  * NotImplemented (an input the Python path must handle: nothing claimed). */
 static PyObject *write_impl(Packer *self, PyObject *writer, PyObject *rec, long long qidx, long long sidx,
@@ -420,66 +495,7 @@ static PyObject *write_impl(Packer *self, PyObject *writer, PyObject *rec, long 
     PUT(n_stage_ints, (uint16_t)n);
     length = STAGES_AT + 8 * (size_t)n;
 
-    /* The claim (ring.py _claim, same rule). From here on nothing can fail before the commit but the
-     * claim counter itself, and a failed next() claims nothing. */
-    {
-        int64_t *hdr = (int64_t *)self->view.buf;
-        long long head, k;
-        unsigned char *slot;
-        uint32_t crc = 0;
-        uint16_t tail_kind = TASK_KIND, tail_len = (uint16_t)length;
-        PyObject *kobj, *head_obj;
-        int overflow;
-
-        o = PyObject_GetAttr(writer, str_head);
-        if (o == NULL) return NULL;
-        if (!as_int(o, I64_MIN, I64_MAX, &head)) {
-            Py_DECREF(o);
-            Py_RETURN_NOTIMPLEMENTED;
-        }
-        Py_DECREF(o);
-        if (head - __atomic_load_n(&hdr[H_READ], __ATOMIC_RELAXED) >= self->limit) Py_RETURN_FALSE;
-        kobj = PyIter_Next(self->claims);
-        if (kobj == NULL) {
-            if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "claim counter exhausted");
-            return NULL;
-        }
-        if (!PyLong_Check(kobj)) { /* names no slot: nothing to commit */
-            Py_DECREF(kobj);
-            PyErr_SetString(PyExc_TypeError, "claim counter yielded a non-int");
-            return NULL;
-        }
-        k = PyLong_AsLongLongAndOverflow(kobj, &overflow);
-        if (overflow || k < 0 || k >= I64_MAX) { /* 2^63 - 1 claims: not reachable from RingWriter */
-            PyObject *err = claim_out_of_range(self, kobj);
-            Py_DECREF(kobj);
-            return err;
-        }
-        Py_DECREF(kobj);
-        head_obj = PyLong_FromLongLong(k + 1);
-        if (head_obj == NULL || PyObject_SetAttr(writer, str_head, head_obj) < 0) {
-            /* Claimed but not written: commit it as MSG_VOID (ring.py does the same), then raise. */
-            Py_XDECREF(head_obj);
-            commit_void(self, (Py_ssize_t)(k % self->nslots), (uint64_t)k);
-            return NULL;
-        }
-        Py_DECREF(head_obj);
-        if (k >= hdr[H_HEAD]) __atomic_store_n(&hdr[H_HEAD], (int64_t)(k + 1), __ATOMIC_RELAXED);
-
-        /* k % nslots < nslots and the mapping holds nslots slots (checked in __init__): in bounds. */
-        slot = (unsigned char *)self->view.buf + HEADER_BYTES + (k % self->nslots) * SLOT_SIZE;
-        memcpy(slot + SLOT_HEAD, body.raw, length);
-        /* over the local body (the same bytes), never read back from the shared mapping */
-        if (self->crc) crc = crc32_of(body.raw, length, (uint32_t)k) ^ ((uint32_t)tail_kind << 16 | tail_len);
-        memcpy(slot + 8, &crc, 4);
-        memcpy(slot + 12, &tail_kind, 2);
-        memcpy(slot + 14, &tail_len, 2);
-        /* Last and alone, one aligned 8-byte store; release: the body and tail stores above are not moved
-         * after it by the compiler (x86-64 keeps program order itself; elsewhere this is a release store,
-         * though COMMIT_CRC is what the reader relies on there). */
-        __atomic_store_n((int64_t *)slot, (int64_t)(k + 1), __ATOMIC_RELEASE);
-    }
-    Py_RETURN_TRUE;
+    return put_slot(self, writer, body.raw, length, TASK_KIND);
 
 not_this:
     Py_XDECREF(stages);
@@ -937,6 +953,216 @@ static PyTypeObject ShipperType = {
     .tp_new = Shipper_new,
 };
 
+/* ---- Releaser: recorder.Recorder.submit_consumer of a ring whose writer has a packer, in C -----------------------
+ * Recorder.attach_ring installs one as the recorder's submit_consumer next to the Shipper pair (the forward's
+ * release of a task the recv thread shipped with F_AWAITING: wrappers.wait_for_layer_load, release, and
+ * release_recv when the forward released first). A call does what Recorder.submit_consumer does with a ring:
+ * RingWriter.write_cwait(rec, reason, consumer_stages(rec.stages)) (the MSG_CWAIT body: the queue index from
+ * writer._queues[id(rec.queue)], seq, reason, the consumer_wait triples, at most MAX_CWAIT_INTS ints; no slot
+ * when the queue is unknown or the ring is full, as there), then _recycle_one (the Shipper's recycle: reset and
+ * pooled when the pool has room). Every input that is not the common case (a queue table that is not a dict, an
+ * entry that is not a tuple, a stage id that is not an exact int, a value out of its field's range, stages
+ * that are not a list or tuple) calls ``fallback(rec, reason)`` (Recorder.submit_consumer itself, the
+ * reference) BEFORE anything is claimed or changed, so the two cannot leave different rings or records. As
+ * there: an Exception from the write -> recorder.disable("ring write failed: <repr>") and the recycle; a
+ * BaseException that is not an Exception propagates, nothing recycled; a detached or replaced ring (or a
+ * released packer) -> fallback. No Python code runs between reading the record and the commit.
+ * tests/record/test_ringpack.py drives both over generated records on a small ring that fills. */
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Shipper *shipper; /* the recorder's non-awaiting Shipper: packer, writer, recorder, pool, reset */
+    PyObject *fallback;
+} Releaser;
+
+static int Releaser_traverse(Releaser *self, visitproc visit, void *arg) {
+    Py_VISIT(self->shipper);
+    Py_VISIT(self->fallback);
+    return 0;
+}
+
+static int Releaser_clear(Releaser *self) {
+    Py_CLEAR(self->shipper);
+    Py_CLEAR(self->fallback);
+    return 0;
+}
+
+static void Releaser_dealloc(Releaser *self) {
+    PyObject_GC_UnTrack(self);
+    Releaser_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Releaser(shipper, fallback): shipper a non-awaiting Shipper, fallback(rec, reason) the reference. */
+static int Releaser_init(Releaser *self, PyObject *args, PyObject *Py_UNUSED(kwds)) {
+    PyObject *shipper, *fallback;
+    if (self->shipper != NULL) {
+        PyErr_SetString(PyExc_TypeError, "Releaser already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!O", &ShipperType, &shipper, &fallback)) return -1;
+    if (((Shipper *)shipper)->recorder == NULL || ((Shipper *)shipper)->awaiting) {
+        PyErr_SetString(PyExc_TypeError, "shipper must be an initialised Shipper that recycles (awaiting False)");
+        return -1;
+    }
+    if (!PyCallable_Check(fallback)) {
+        PyErr_SetString(PyExc_TypeError, "fallback must be callable");
+        return -1;
+    }
+    Py_INCREF(shipper);
+    self->shipper = (Shipper *)shipper;
+    Py_INCREF(fallback);
+    self->fallback = fallback;
+    return 0;
+}
+
+/* The MSG_CWAIT body of rec into body (*length set, *known 1), or *known 0 when writer._queues has no entry for
+ * id(rec.queue) (write_cwait writes nothing). Returns 1, or 0 when an input is not the common case (no
+ * exception left: the reference runs and raises or writes what it does), or -1 with an exception that is not
+ * an Exception (propagates, as from the reference). In submit_consumer's order: the stages are walked
+ * (consumer_stages compares every stage id) before the queue is looked up. */
+static int cwait_body(Packer *self, PyObject *writer, PyObject *rec, long long reason, unsigned char *body,
+                      size_t *length, int *known) {
+    PyObject *queue = NULL, *table = NULL, *key = NULL, *entry, *stages = NULL, *o;
+    long long qidx, seq, v;
+    Py_ssize_t n, i, ints = 0;
+    uint32_t q32;
+    int64_t s64;
+    uint16_t n16;
+    int ok = 0;
+
+    *known = 0;
+    if ((stages = get(self, rec, A_STAGES)) == NULL) goto out;
+    if (!PyList_CheckExact(stages) && !PyTuple_CheckExact(stages)) goto out;
+    n = PySequence_Fast_GET_SIZE(stages);
+    /* consumer_stages: every triple whose stage id equals CONSUMER_WAIT, in order (range(0, len - 2, 3)); the
+     * first MAX_CWAIT_INTS ints of them are sent (write_cwait's cut). Only exact ints are compared here (==
+     * of another type is Python's to run); the start and end of a triple past the cut are not packed, so
+     * not checked (write_cwait does not pack them either). */
+    for (i = 0; i + 2 < n; i += 3) {
+        o = PySequence_Fast_GET_ITEM(stages, i);
+        if (!PyLong_CheckExact(o)) goto out;
+        if (!as_int(o, I64_MIN, I64_MAX, &v)) continue; /* past int64: not CONSUMER_WAIT */
+        if (v != CONSUMER_WAIT || ints >= MAX_CWAIT_INTS) continue;
+        s64 = CONSUMER_WAIT;
+        memcpy(body + CWAIT_FIXED + 8 * ints, &s64, 8);
+        if (!as_int(PySequence_Fast_GET_ITEM(stages, i + 1), I64_MIN, I64_MAX, &v)) goto out;
+        s64 = v;
+        memcpy(body + CWAIT_FIXED + 8 * (ints + 1), &s64, 8);
+        if (!as_int(PySequence_Fast_GET_ITEM(stages, i + 2), I64_MIN, I64_MAX, &v)) goto out;
+        s64 = v;
+        memcpy(body + CWAIT_FIXED + 8 * (ints + 2), &s64, 8);
+        ints += 3;
+    }
+    /* write_cwait: entry = writer._queues.get(id(rec.queue)) */
+    if ((queue = get(self, rec, A_QUEUE)) == NULL) goto out;
+    if ((table = PyObject_GetAttr(writer, str_queues_name)) == NULL || !PyDict_CheckExact(table)) goto out;
+    if ((key = PyLong_FromVoidPtr(queue)) == NULL) goto out;
+    entry = PyDict_GetItemWithError(table, key); /* borrowed; an int key runs no Python code */
+    if (entry == NULL) {
+        ok = !PyErr_Occurred(); /* unknown queue: nothing written */
+        goto out;
+    }
+    if (!PyTuple_CheckExact(entry) || PyTuple_GET_SIZE(entry) < 2 || !as_int(PyTuple_GET_ITEM(entry, 1), 0, UINT32_MAX, &qidx))
+        goto out;
+    if (field(self, rec, A_SEQ, I64_MIN, I64_MAX, &seq) <= 0) goto out;
+    /* CWAIT_FIXED "<IqBH": little-endian, no padding (x86-64 and aarch64 are little-endian, as ring.py asserts) */
+    q32 = (uint32_t)qidx;
+    s64 = seq;
+    n16 = (uint16_t)ints;
+    memcpy(body, &q32, 4);
+    memcpy(body + 4, &s64, 8);
+    body[12] = (unsigned char)reason;
+    memcpy(body + 13, &n16, 2);
+    *length = CWAIT_FIXED + 8 * (size_t)ints;
+    *known = 1;
+    ok = 1;
+out:
+    Py_XDECREF(queue);
+    Py_XDECREF(table);
+    Py_XDECREF(key);
+    Py_XDECREF(stages);
+    if (ok) return 1;
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+        PyErr_Clear(); /* the reference meets it again and raises it (then: tracing disabled) */
+    }
+    return 0;
+}
+
+static PyObject *Releaser_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Releaser *self = (Releaser *)callable;
+    Shipper *sh = self->shipper;
+    PyObject *rec, *ring, *done, *r, *exc_type, *exc, *tb;
+    unsigned char body[CWAIT_FIXED + 8 * MAX_CWAIT_INTS];
+    size_t length = 0;
+    long long reason;
+    int known, c;
+    if (PyVectorcall_NARGS(nargsf) != 2 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "submit_consumer(record, reason)");
+        return NULL;
+    }
+    if (sh == NULL || self->fallback == NULL || sh->recorder == NULL || sh->packer == NULL || sh->writer == NULL) {
+        /* never initialised, or cleared by the GC (this object or its shipper) */
+        PyErr_SetString(PyExc_TypeError, "Releaser not initialised");
+        return NULL;
+    }
+    rec = args[0];
+    if ((ring = PyObject_GetAttr(sh->recorder, str_ring_name)) == NULL) return NULL;
+    Py_DECREF(ring); /* only compared */
+    if (ring != sh->writer || !sh->packer->have_view || !as_int(args[1], 0, 255, &reason))
+        return PyObject_Vectorcall(self->fallback, args, 2, NULL); /* the reference decides */
+    c = cwait_body(sh->packer, sh->writer, rec, reason, body, &length, &known);
+    if (c < 0) return NULL;
+    if (c == 0) return PyObject_Vectorcall(self->fallback, args, 2, NULL);
+    if (known) {
+        done = put_slot(sh->packer, sh->writer, body, length, CWAIT_KIND);
+        if (done == Py_NotImplemented) { /* nothing claimed: the reference writes it */
+            Py_DECREF(done);
+            return PyObject_Vectorcall(self->fallback, args, 2, NULL);
+        }
+        if (done == NULL) { /* submit_consumer: except Exception -> disable, then the recycle */
+            if (!PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+            PyErr_Fetch(&exc_type, &exc, &tb);
+            PyErr_NormalizeException(&exc_type, &exc, &tb);
+            Py_XDECREF(exc_type);
+            Py_XDECREF(tb);
+            r = exc == NULL ? PyUnicode_FromString("ring write failed") : PyUnicode_FromFormat("ring write failed: %R", exc);
+            Py_XDECREF(exc);
+            if (r == NULL) return NULL;
+            Py_SETREF(r, PyObject_CallMethodOneArg(sh->recorder, str_disable_name, r));
+            if (r == NULL) return NULL;
+            Py_DECREF(r);
+        } else {
+            Py_DECREF(done); /* True, or False: the ring was full (not counted, as in write_cwait) */
+        }
+    }
+    if (recycle(sh, rec) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Releaser_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Releaser *self = (Releaser *)PyType_GenericNew(type, args, kwds);
+    if (self != NULL) self->vectorcall = Releaser_vectorcall;
+    return (PyObject *)self;
+}
+
+static PyTypeObject ReleaserType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.record._ringpack.Releaser",
+    .tp_basicsize = sizeof(Releaser),
+    .tp_dealloc = (destructor)Releaser_dealloc,
+    .tp_vectorcall_offset = offsetof(Releaser, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "Releaser(shipper, fallback): Recorder.submit_consumer(rec, reason) of the shipper's ring in C",
+    .tp_traverse = (traverseproc)Releaser_traverse,
+    .tp_clear = (inquiry)Releaser_clear,
+    .tp_init = (initproc)Releaser_init,
+    .tp_new = Releaser_new,
+};
+
 /* remember_queue(queue, qidx): the queue ring.py just resolved (RingWriter._queues keeps it for good). */
 static PyObject *Packer_remember_queue(Packer *self, PyObject *const *args, Py_ssize_t nargs) {
     long long qidx;
@@ -1013,12 +1239,14 @@ static PyObject *layout_dict(void) {
         }
     }
     d = Py_BuildValue(
-        "{s:i,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:N}", "VERSION", RING_VERSION,
+        "{s:i,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:i,s:i,s:N}", "VERSION",
+        RING_VERSION,
         "TASK_FORMAT", TASK_FORMAT, "HEADER_BYTES", HEADER_BYTES, "SLOT_SIZE", SLOT_SIZE, "SLOT_HEAD", SLOT_HEAD,
         "H_HEAD", H_HEAD, "H_READ", H_READ, "MAX_STAGE_INTS", MAX_STAGE_INTS, "NUM_DEP_INTS", NUM_DEP_INTS,
         "TASK_KIND", TASK_KIND, "VOID_KIND", VOID_KIND, "F_SRC", F_SRC, "F_GATE", F_GATE, "F_AWAITING",
         F_AWAITING, "F_STAGES_FOLDED", F_STAGES_FOLDED, "FIXED_SIZE", (int)FIXED_SIZE, "STAGES_AT", STAGES_AT,
-        "TASK_FIELDS", PyList_AsTuple(fields));
+        "CWAIT_KIND", CWAIT_KIND, "CWAIT_FORMAT", CWAIT_FORMAT, "MAX_CWAIT_INTS", MAX_CWAIT_INTS, "CONSUMER_WAIT",
+        CONSUMER_WAIT, "TASK_FIELDS", PyList_AsTuple(fields));
     Py_DECREF(fields);
     return d;
 }
@@ -1042,17 +1270,21 @@ PyMODINIT_FUNC PyInit__ringpack(void) {
         (str_ship_name = PyUnicode_InternFromString("_ship")) == NULL ||
         (str_drop_name = PyUnicode_InternFromString("_ring_drop")) == NULL ||
         (str_disable_name = PyUnicode_InternFromString("disable")) == NULL ||
-        (str_reset_name = PyUnicode_InternFromString("reset")) == NULL)
+        (str_reset_name = PyUnicode_InternFromString("reset")) == NULL ||
+        (str_queues_name = PyUnicode_InternFromString("_queues")) == NULL)
         return NULL;
     for (j = 0; j < N_SHIP_NAMES; j++)
         if ((names[j] = PyUnicode_InternFromString(ship_names[j])) == NULL) return NULL;
-    if (PyType_Ready(&PackerType) < 0 || PyType_Ready(&ShipperType) < 0) return NULL;
+    if (PyType_Ready(&PackerType) < 0 || PyType_Ready(&ShipperType) < 0 || PyType_Ready(&ReleaserType) < 0)
+        return NULL;
     m = PyModule_Create(&ringpack_module);
     if (m == NULL) return NULL;
     Py_INCREF(&PackerType);
     Py_INCREF(&ShipperType);
+    Py_INCREF(&ReleaserType);
     if (PyModule_AddObject(m, "Packer", (PyObject *)&PackerType) < 0 ||
         PyModule_AddObject(m, "Shipper", (PyObject *)&ShipperType) < 0 ||
+        PyModule_AddObject(m, "Releaser", (PyObject *)&ReleaserType) < 0 ||
         PyModule_AddIntConstant(m, "STAGES_AT", STAGES_AT) < 0 ||
         PyModule_AddIntConstant(m, "FIXED_SIZE", (long)FIXED_SIZE) < 0 ||
         PyModule_AddObject(m, "LAYOUT", layout_dict()) < 0) {

@@ -83,14 +83,33 @@ class Recorder:
 
         self.ring = writer
         if writer is None:
-            self.__dict__.pop("submit", None)
-            self.__dict__.pop("submit_first", None)
+            for name in ("submit", "submit_first", "submit_consumer"):
+                self._unset(name)
         else:
             writer.resolver = self._resolve_timing
             native = getattr(writer, "native_shipper", None)
             for name, awaiting in (("submit", False), ("submit_first", True)):
                 ship = native(self, awaiting) if native is not None else None
                 setattr(self, name, ship if ship is not None else functools.partial(self._ship, awaiting))
+            # The forward's release in C (``RingWriter.native_releaser``), this class's ``submit_consumer`` its
+            # reference and fallback; without a native shipper the class's method itself. (``self.submit``, not
+            # ``self.__dict__``: reading ``__dict__`` materialises the instance dict, and every attribute load of
+            # this recorder on every thread then takes the generic path: +240 instructions per add_request.)
+            releaser = getattr(writer, "native_releaser", None)
+            release = (releaser(self, self.submit, functools.partial(Recorder.submit_consumer, self))
+                       if releaser is not None else None)
+            if release is not None:
+                self.submit_consumer = release  # type: ignore[method-assign]
+            else:
+                self._unset("submit_consumer")  # a previous ring's releaser: the class's method again
+
+    def _unset(self, name: str) -> None:
+        """The instance's own ``name`` removed, so the class's method is found again (``del``, not
+        ``__dict__.pop``: reading ``__dict__`` materialises it, see ``attach_ring``)."""
+        try:
+            delattr(self, name)
+        except AttributeError:
+            pass
 
     def after_fork(self) -> None:
         """In a forked child: the parent's pending records and counts are not this process's."""
@@ -134,7 +153,10 @@ class Recorder:
             self._ship(True, record)
 
     def submit_consumer(self, record: TaskRecord, reason: int) -> None:
-        """The forward released a task after ``submit_first``: its consumer wait, or ``reason`` it has none."""
+        """The forward released a task after ``submit_first``: its consumer wait, or ``reason`` it has none.
+
+        With a ring whose writer has the native packer, ``attach_ring`` installs ``_ringpack.Releaser`` on the
+        instance instead (the same in C, this method its reference and the fallback for what it declines)."""
         ring = self.ring
         if ring is None:
             record.consumer_release = reason

@@ -178,6 +178,8 @@ def native_layout() -> dict[str, Any]:
         "NUM_DEP_INTS": sum(name.startswith("dep") for name in TASK_FIELDS), "TASK_KIND": _TASK_KIND,
         "VOID_KIND": MSG_VOID | KIND_WRITTEN, "F_SRC": F_SRC, "F_GATE": F_GATE, "F_AWAITING": F_AWAITING,
         "F_STAGES_FOLDED": F_STAGES_FOLDED, "FIXED_SIZE": TASK_FIXED.size, "STAGES_AT": TASK_STAGES_AT,
+        "CWAIT_KIND": MSG_CWAIT | KIND_WRITTEN, "CWAIT_FORMAT": CWAIT_FIXED.format, "MAX_CWAIT_INTS": MAX_CWAIT_INTS,
+        "CONSUMER_WAIT": int(Stage.CONSUMER_WAIT),
         "TASK_FIELDS": tuple((name, off, size) for name, (off, size) in zip(TASK_FIELDS, fields)),
     }
 
@@ -330,9 +332,13 @@ class RingWriter:
         if self._head - hdr[H_READ] >= self._limit:
             return -1  # the task it belonged to is counted by the recorder (``publish_dropped``)
         k = next(self._claims)
-        self._head = k + 1
-        if k >= hdr[H_HEAD]:
-            hdr[H_HEAD] = k + 1
+        try:
+            self._head = k + 1
+            if k >= hdr[H_HEAD]:
+                hdr[H_HEAD] = k + 1
+        except BaseException:
+            self._commit(k, MSG_VOID, 0)  # claimed, not written: committed void, as write_task does
+            raise
         return k
 
     def _commit(self, k: int, kind: int, length: int) -> None:
@@ -425,6 +431,19 @@ class RingWriter:
                                    recorder._submitted, _RECORD_FIELDS, blank)
         except Exception as exc:  # noqa: BLE001 - the Python _ship works
             _warn_once(f"native shipper failed ({type(exc).__name__}: {exc}); shipping through Recorder._ship")
+            return None
+
+    def native_releaser(self, recorder: Any, shipper: Any, fallback: Any) -> Any:
+        """``recorder.submit_consumer`` over this ring in C (``_ringpack.Releaser``: ``write_cwait`` of the
+        task's ``consumer_stages`` and the recycle through ``shipper``, the recorder's non-awaiting native
+        shipper of this ring; ``fallback(rec, reason)``, ``Recorder.submit_consumer``, for everything else), or
+        None (no packer, or ``shipper`` is not a native one). Installed by ``Recorder.attach_ring``."""
+        if self._packer is None or type(shipper) is not getattr(_NATIVE, "Shipper", None):
+            return None
+        try:
+            return _NATIVE.Releaser(shipper, fallback)
+        except Exception as exc:  # noqa: BLE001 - the Python submit_consumer works
+            _warn_once(f"native releaser failed ({type(exc).__name__}: {exc}); releasing through Recorder.submit_consumer")
             return None
 
     # -- per task -----------------------------------------------------------------------------------
@@ -624,11 +643,25 @@ _CONSUMER_WAIT = int(Stage.CONSUMER_WAIT)
 
 
 def consumer_stages(stages: list[int]) -> list[int]:
-    """The ``consumer_wait`` triples of a record's flat stage list (what ``MSG_CWAIT`` carries)."""
+    """The ``consumer_wait`` triples of a record's flat stage list (what ``MSG_CWAIT`` carries), in order.
+
+    The stage ids of the whole triples are compared in C (one slice, ``count``, ``index``) instead of one
+    bytecode loop per triple: the forward runs this on its release (with the Python packer; the native
+    ``Releaser`` walks the list itself), and a task has one consumer wait, after the recv thread's stages.
+    The same as ``[x for i in range(0, len(stages) - 2, 3) if stages[i] == CONSUMER_WAIT for x in
+    stages[i : i + 3]]`` (``tests/record/test_ringpack.py``)."""
+    kinds = stages[0 : len(stages) // 3 * 3 : 3]
+    found = kinds.count(_CONSUMER_WAIT)
+    if not found:
+        return []
+    if found == 1:  # the common case
+        i = 3 * kinds.index(_CONSUMER_WAIT)
+        return list(stages[i : i + 3])
     out: list[int] = []
-    for i in range(0, len(stages) - 2, 3):
-        if stages[i] == _CONSUMER_WAIT:
-            out += stages[i : i + 3]
+    i = -1
+    for _ in range(found):
+        i = kinds.index(_CONSUMER_WAIT, i + 1)
+        out += stages[3 * i : 3 * i + 3]
     return out
 
 

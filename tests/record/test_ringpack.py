@@ -231,6 +231,23 @@ def test_a_claimed_slot_whose_write_fails_is_committed_void_by_both_packers(
     assert [r.seq for r in out] == [1, 3]
 
 
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_side_table_write_whose_claim_hint_fails_commits_its_slot_void(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_write`` (queue, request id, summary, consumer wait, error, resource, close) claims through ``_claim``:
+    a claim hint that cannot be stored leaves the slot committed ``MSG_VOID`` (before: claimed and never
+    committed, so the agent would stall on it), raises, and the next message goes to the next slot."""
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    w = _FailingHead(_ring(128, commit))
+    w.fail = True
+    with pytest.raises(RuntimeError, match="claim hint"):
+        w.resource("a", 1)
+    assert w.hdr[R.H_HEAD] == 0  # not advanced by the failed claim, as write_task leaves it
+    w.resource("b", 2)
+    msgs = R.RingReader(w._mem).poll(10)
+    assert [(m.index, m.kind) for m in msgs] == [(0, R.MSG_VOID), (1, R.MSG_RESOURCE)]
+
+
 @needs_native
 def test_the_packer_refuses_claims_that_are_not_an_iterator_or_a_fold_that_is_not_callable() -> None:
     mem = _ring(128, R.COMMIT_STORE_ORDER)
@@ -837,3 +854,202 @@ def test_the_native_shipper_leaves_a_detached_ring_to_recorder_ship(monkeypatch:
     assert recorder.submit is not submit and type(recorder.submit) is NATIVE.Shipper
     recorder.submit(TaskRecord(queue=QUEUE, seq=10))
     assert recorder.submitted == 1  # the child's counter, not the parent's
+
+
+# -- the forward's release (``_ringpack.Releaser``) against ``Recorder.submit_consumer`` -----------------------------
+CW = 8  # model.Stage.CONSUMER_WAIT
+_OTHER_QUEUE = QueueInfo(run_id="pack", path="gva", thread_name="never-sent", pid=7, tp=1, num_layers=8)
+
+
+@st.composite
+def released(draw: Any) -> tuple[TaskRecord, Any]:
+    """A record the forward releases (its stages: the recv thread's and the forward's consumer waits, some
+    past the 8 triples a ``MSG_CWAIT`` carries) and the reason; a few inputs the C code leaves to Python."""
+    rec = TaskRecord()
+    rec.queue = draw(st.sampled_from([QUEUE, QUEUE, QUEUE, _OTHER_QUEUE]))
+    rec.seq = draw(st.integers(*I64))
+    for _ in range(draw(st.one_of(st.integers(0, 6), st.integers(7, 24)))):
+        rec.stages.extend((draw(st.one_of(st.just(CW), st.integers(0, 9))), draw(stamp), draw(stamp)))
+    rec.holds.extend(draw(st.lists(st.integers(0, 1), max_size=2)))
+    rec.transfer_tasks = draw(st.sampled_from([None, object()]))
+    reason = draw(st.integers(0, 3))
+    bad = draw(st.integers(0, 29))
+    if bad == 0:
+        rec.stages.append(CW)  # a partial triple: not a stage of consumer_stages
+    elif bad == 1 and rec.stages:
+        rec.stages[0] = 8.0  # == CW in Python: packed, and struct refuses a float
+    elif bad == 2:
+        rec.stages.extend((CW, 1 << 63, 5))  # out of int64: struct.error if it is within the first 8
+    elif bad == 3:
+        rec.stages.extend((3, 1.5, "x"))  # not a consumer wait: never packed, never checked
+    elif bad == 4:
+        rec.seq = 1 << 63
+    elif bad == 5:
+        reason = draw(st.sampled_from([256, -1, True]))
+    elif bad == 6:
+        rec.stages = tuple(rec.stages)
+    elif bad == 7:
+        rec.stages.extend((1 << 70, 1, 2))  # a stage id past int64: not a consumer wait
+    return rec, reason
+
+
+def _released_twin(rec: TaskRecord) -> TaskRecord:
+    stages = list(rec.stages) if type(rec.stages) is list else rec.stages
+    return dataclasses.replace(rec, stages=stages, deps=list(rec.deps), npu_marks=[], holds=list(rec.holds))
+
+
+def _release_pair(commit: int, monkeypatch: pytest.MonkeyPatch, cls: Any = R.RingWriter) -> tuple[Any, Any]:
+    recorders = _shipper_pair(128, commit, monkeypatch, cls)
+    for recorder in recorders:
+        assert recorder.ring.write_task(TaskRecord(queue=QUEUE, seq=0, t_enqueue=1), True)  # the queue is known
+    assert type(recorders[0].submit_consumer) is NATIVE.Releaser
+    assert "submit_consumer" not in recorders[1].__dict__  # the reference: Recorder.submit_consumer itself
+    return recorders
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.tuples(released(), st.integers(0, 3)), min_size=1, max_size=80))
+def test_the_native_releaser_writes_what_submit_consumer_writes(
+        commit: int, batch: list[Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``submit_consumer`` in C against ``Recorder.submit_consumer`` (the Python ``write_cwait`` and
+    ``consumer_stages`` behind it): after every release the same ring bytes, claim hint, counts, disabled
+    reason (the inputs Python raises on), pool (the same recycled records, reset alike) and record; a ring of
+    128 slots not drained fills (the consumer wait is then not written, and not counted, by either)."""
+    recorders = _release_pair(commit, monkeypatch)
+    writers = [r.ring for r in recorders]
+    readers = [R.RingReader(w._mem) for w in writers]
+    decoders = [Decoder(), Decoder()]
+    for (rec, reason), consume in batch:
+        twins = [_released_twin(rec), _released_twin(rec)]
+        raised = []
+        for recorder, twin in zip(recorders, twins):
+            try:
+                recorder.submit_consumer(twin, reason)
+                raised.append(None)
+            except Exception as exc:  # noqa: BLE001 - a tuple of stages: reset() raises after the write, in both
+                raised.append(type(exc))
+        assert raised[0] == raised[1]
+        assert writers[0]._mem[:] == writers[1]._mem[:]
+        assert writers[0]._head == writers[1]._head
+        assert _recorder_state(recorders[0]) == _recorder_state(recorders[1])
+        assert _fields(twins[0]) == _fields(twins[1])
+        if consume == 0:
+            got = []
+            for reader, decoder in zip(readers, decoders):
+                out: list[TaskRecord] = []
+                for msg in reader.poll(10_000):
+                    decoder.feed(msg, out)
+                reader.consumed()
+                got.append([_fields(r) for r in out])
+            assert got[0] == got[1]
+
+
+def _cwait_messages(writer: Any) -> list[tuple[int, int, int, list[int]]]:
+    out = []
+    for msg in R.RingReader(writer._mem).poll(10_000):
+        if msg.kind == R.MSG_CWAIT:
+            qidx, seq, reason, n = R.CWAIT_FIXED.unpack_from(msg.body)
+            out.append((qidx, seq, reason, list(struct.unpack_from(f"@{n}n", msg.body, R.CWAIT_FIXED.size))))
+    return out
+
+
+@needs_native
+def test_common_releases_are_written_and_recycled_in_c_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above would also pass if the releaser always fell back to ``Recorder.submit_consumer``:
+    here that reference raises, and common releases run until the ring is full, so the written, ring-full and
+    unknown-queue cases run in C alone; what is written is ``write_cwait``'s message."""
+    from otel_kvtrace.record.recorder import Recorder
+
+    def reference(*_args: Any, **_kwargs: Any) -> None:
+        raise AssertionError("the Python path ran")
+
+    monkeypatch.setattr(Recorder, "submit_consumer", reference)  # before attach_ring: it is the fallback
+    native, _ = _release_pair(R.COMMIT_STORE_ORDER, monkeypatch)
+    for seq in range(1, 100):
+        rec = TaskRecord(queue=QUEUE if seq % 10 else _OTHER_QUEUE, seq=seq)
+        rec.stages.extend((2, 5, 6, CW, 10 * seq, 10 * seq + 7, 3, 8, 9))
+        native.submit_consumer(rec, seq % 4)
+    assert native.disabled_reason is None and native.submitted == 0 and native.dropped == 0
+    assert len(native._pool) == 4  # recycled, up to the pool's capacity
+    assert all(_fields(r) == _fields(TaskRecord()) for r in native._pool)
+    msgs = _cwait_messages(native.ring)
+    assert len(msgs) == 62  # 128 slots - 64 spare - the queue and the task written first
+    assert msgs[:2] == [(0, 1, 1, [CW, 10, 17]), (0, 2, 2, [CW, 20, 27])]
+
+
+@needs_native
+@pytest.mark.parametrize("commit", [R.COMMIT_STORE_ORDER, R.COMMIT_CRC])
+def test_a_failed_native_release_disables_tracing_as_submit_consumer_does(
+        commit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A claim hint that cannot be stored: the slot is committed void, tracing turns off with the same
+    reason and the record is recycled, in both; the next release is written to the next slot."""
+    recorders = _release_pair(commit, monkeypatch, _FailingHead)
+    for recorder in recorders:
+        recorder.ring.fail = True
+        recorder.submit_consumer(TaskRecord(queue=QUEUE, seq=2, stages=[CW, 1, 2]), 0)
+        recorder.submit_consumer(TaskRecord(queue=QUEUE, seq=3, stages=[CW, 3, 4]), 0)
+    assert recorders[0].disabled_reason == "ring write failed: RuntimeError('claim hint not stored')"
+    assert _recorder_state(recorders[0]) == _recorder_state(recorders[1])
+    assert len(recorders[0]._pool) == 2
+    assert recorders[0].ring._mem[:] == recorders[1].ring._mem[:]
+    kinds = [m.kind for m in R.RingReader(recorders[0].ring._mem).poll(10)]
+    assert kinds == [R.MSG_QUEUE, R.MSG_TASK, R.MSG_VOID, R.MSG_CWAIT]
+
+
+@needs_native
+def test_the_native_releaser_leaves_a_detached_ring_to_submit_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shut down while the forward still holds ``submit_consumer``: the record goes in-process with its
+    reason, as ``Recorder.submit_consumer`` sends it; detaching removes the releaser, a fork makes a new one."""
+    recorder, _reference = _release_pair(R.COMMIT_STORE_ORDER, monkeypatch)
+    writer = recorder.ring
+    release = recorder.submit_consumer
+    head = writer._head
+    recorder.ring = None
+    rec = TaskRecord(queue=QUEUE, seq=9, stages=[CW, 1, 2])
+    release(rec, 2)
+    assert recorder.pending == 1 and recorder.drain(1) == [rec] and rec.consumer_release == 2
+    assert writer._head == head
+    recorder.ring = writer
+    recorder.after_fork()
+    assert recorder.submit_consumer is not release and type(recorder.submit_consumer) is NATIVE.Releaser
+    recorder.attach_ring(None)
+    assert "submit_consumer" not in recorder.__dict__
+
+
+@needs_native
+def test_an_uninitialised_or_misused_releaser_raises_instead_of_crashing(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TypeError, match="not initialised"):
+        NATIVE.Releaser.__new__(NATIVE.Releaser)(TaskRecord(), 0)
+    recorder, _ = _release_pair(R.COMMIT_STORE_ORDER, monkeypatch)
+    with pytest.raises(TypeError, match="recycles"):
+        NATIVE.Releaser(recorder.submit_first, print)  # the awaiting shipper never recycles
+    with pytest.raises(TypeError, match="submit_consumer"):
+        recorder.submit_consumer(TaskRecord())
+
+
+def test_the_native_releaser_is_in_use_when_it_can_be_built(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the extension can be built, a recorder attached to a ring releases through it; forced Python
+    (``OTEL_KVTRACE_RING_PACK=python``), through ``Recorder.submit_consumer``."""
+    from otel_kvtrace.record.recorder import Recorder
+
+    require_built("otel_kvtrace.record._ringpack", "Recorder.submit_consumer")
+    monkeypatch.delenv("OTEL_KVTRACE_RING_PACK", raising=False)
+    recorder = Recorder()
+    recorder.attach_ring(R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER)))
+    assert type(recorder.submit_consumer).__module__ == "otel_kvtrace.record._ringpack"
+    monkeypatch.setenv("OTEL_KVTRACE_RING_PACK", "python")
+    recorder.attach_ring(R.RingWriter(_ring(128, R.COMMIT_STORE_ORDER)))
+    assert recorder.submit_consumer.__func__ is Recorder.submit_consumer
+
+
+@settings(max_examples=200, deadline=None)
+@given(stages=st.lists(st.one_of(st.just(CW), st.integers(0, 9), st.integers(*I64)), max_size=60))
+def test_consumer_stages_is_the_loop_it_replaced(stages: list[int]) -> None:
+    """``ring.consumer_stages`` (the reference the C code follows) against the loop it was written as."""
+    out: list[int] = []
+    for i in range(0, len(stages) - 2, 3):
+        if stages[i] == CW:
+            out += stages[i : i + 3]
+    assert R.consumer_stages(stages) == out
