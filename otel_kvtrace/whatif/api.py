@@ -41,9 +41,9 @@ MODEL_NOTES = [
     "TTFT estimate = step's first enqueue -> forward leaves its last load wait",
     ("ready_queue pays its get()'s readiness checks per dequeue (decision_cost_us: the FIFO recording's waits "
      "that did not block); the forward and the send thread wake behind the recv thread's GIL runs"),
-    ("not modelled: a save's work before its NPU sync keeps FIFO's recorded duration; where a policy runs it "
-     "beside the recv thread or the forward instead of alone, it waits for them live (threaded replica, hol, "
-     "ready_queue: +33/+32/+14 us on saves 4-6; docs/whatif.md, \"The final layer's miss\")"),
+    ("a save's work before its NPU sync waits behind a recv build it meets (sized from FIFO's meetings); not "
+     "modelled: its wait behind the forward's run (threaded replica, hol, ready_queue: +32 us on save 5; "
+     "docs/whatif.md, \"The final layer's miss\")"),
 ]
 
 _CFG_COLUMNS = ("cfg_num_layers", "cfg_prefetch_layers", "cfg_num_shared_buffers", "cfg_independent_layers",
