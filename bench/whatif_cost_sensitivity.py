@@ -9,17 +9,18 @@ task's start, and through ``gil.py`` on the forward's wake-up lag behind the rec
 (``gain_error_pct``, the bench's ``err %``). The swept columns answer whether another cost per dequeue
 would explain a cell's miss (docs/whatif.md); they are not predictions (the cost is swept, not derived).
 
-``--save-extra US...`` (an oracle, for reading only): the derived prediction again with that many us added
-to each policy-replayed save's service, per save position in a step (FIFO untouched), e.g. the live
-policy's longer pre-sync phases that ``bench/send_wakeups.py`` measures: how much of a cell's miss they
-would explain if the replay knew them.
+``--pre-sync-extra US...`` (an oracle, for reading only): the derived prediction again with, in place of
+what the build model (``gil.py``, third part) adds before each policy-replayed save's NPU sync, that many
+us per save position in a step (FIFO untouched; only where the build model is fitted, as on the replica
+cells), e.g. the live policy's longer pre-sync work read off the kept runs' send spans: how much of a
+cell's miss it would explain if the replay knew it.
 
 Usage::
 
     .venv/bin/python bench/whatif_fidelity.py --keep /tmp/fid          # once (~15 min)
     .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid          # ~1 min
     .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid --costs 0 4 8 --cells hol upstream
-    .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid --cells hol --save-extra 0 0 0 0 33 32 14 0
+    .venv/bin/python bench/whatif_cost_sensitivity.py /tmp/fid --cells hol --pre-sync-extra 0 0 0 0 33 32 14 0
 """
 
 from __future__ import annotations
@@ -63,27 +64,25 @@ def cell_errors(fifo: Path, measured: Path, policy: str, costs: list[float]
 
 
 @contextlib.contextmanager
-def save_extra_added(extra_us: list[float]) -> Iterator[None]:
-    """Every policy replay's save services lengthened by ``extra_us[k]`` at save position ``k`` (the oracle
-    of ``--save-extra``), on top of what ``gil.py``'s send model gives."""
+def pre_sync_extra(extra_us: list[float]) -> Iterator[None]:
+    """Every policy replay's saves get ``extra_us[k]`` at save position ``k`` before their NPU sync, in place
+    of the build model's waits (the oracle of ``--pre-sync-extra``)."""
     from otel_kvtrace.whatif import gil
 
-    model = gil.save_extra
     extra = [int(x * 1000) for x in extra_us]
 
-    def lengthened(rep, fifo_waits, policy_waits):  # noqa: ANN001, ANN202 (gil.save_extra's signature)
-        return [[v + (extra[k] if k < len(extra) else 0) for k, v in enumerate(row)]
-                for row in model(rep, fifo_waits, policy_waits)]
+    def oracle(rep, fifo_waits, policy_waits):  # noqa: ANN001, ANN202 (gil.pre_extra's signature)
+        return [[extra[k] if k < len(extra) else 0 for k in range(len(saves))] for saves in rep.arrays.send or []]
 
-    with mock.patch.object(gil, "save_extra", lengthened):
+    with mock.patch.object(gil, "pre_extra", oracle):
         yield
 
 
 def oracle_prediction(fifo: Path, measured: Path, policy: str, extra_us: list[float]) -> float:
-    """The derived prediction (ms) with ``--save-extra`` applied."""
+    """The derived prediction (ms) with ``--pre-sync-extra`` applied."""
     from otel_kvtrace.whatif.api import whatif
 
-    with save_extra_added(extra_us):
+    with pre_sync_extra(extra_us):
         (verdict,) = whatif([fifo], measured=[measured], policies=[policy]).verdicts
     return verdict.extra["measured"][0]["predicted_gain_ms"]
 
@@ -94,8 +93,9 @@ def main() -> None:
     ap.add_argument("kept", type=Path, help="the folder bench/whatif_fidelity.py --keep wrote (interleaved design)")
     ap.add_argument("--costs", type=float, nargs="+", default=[0, 4, 8, 12, 16], help="us per dequeue (default 0 4 8 12 16)")
     ap.add_argument("--cells", nargs="*", help="only these cells (default: every kept one)")
-    ap.add_argument("--save-extra", type=float, nargs="+", metavar="US",
-                    help="oracle: us added to each policy-replayed save, per save position in a step")
+    ap.add_argument("--pre-sync-extra", type=float, nargs="+", metavar="US",
+                    help="oracle: us before each policy-replayed save's NPU sync, per save position in a step, in "
+                         "place of the build model's")
     args = ap.parse_args()
     from otel_kvtrace.whatif.measured import gain_error_pct
 
@@ -111,9 +111,9 @@ def main() -> None:
         gain, noise, pred, derived, predicted = cell_errors(d / "fifo" / "traces", d / policy / "traces", policy,
                                                             args.costs)
         oracle = ""
-        if args.save_extra:
-            o = oracle_prediction(d / "fifo" / "traces", d / policy / "traces", policy, args.save_extra)
-            oracle = f"  save extra: {o:+8.3f} ({gain_error_pct(o, gain, noise):5.1f})"
+        if args.pre_sync_extra:
+            o = oracle_prediction(d / "fifo" / "traces", d / policy / "traces", policy, args.pre_sync_extra)
+            oracle = f"  pre-sync extra: {o:+8.3f} ({gain_error_pct(o, gain, noise):5.1f})"
         print(f"{d.parent.name:10} {policy:11} {gain:+7.3f} {noise:6.3f}  {derived:11.1f}: {pred:+8.3f} "
               f"({gain_error_pct(pred, gain, noise):5.1f})  " + "  ".join(
             f"{p:+8.3f} ({gain_error_pct(p, gain, noise):5.1f})" for p in predicted) + oracle, flush=True)

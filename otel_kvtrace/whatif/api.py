@@ -42,7 +42,7 @@ MODEL_NOTES = [
     ("ready_queue pays its get()'s readiness checks per dequeue (decision_cost_us: the FIFO recording's waits "
      "that did not block); the forward and the send thread wake behind the recv thread's GIL runs"),
     ("a save's work before its NPU sync waits behind a recv build it meets (sized from FIFO's meetings); not "
-     "modelled: its wait behind the forward's run (threaded replica, hol, ready_queue: +32 us on save 5; "
+     "modelled: its wait behind the forward's run (threaded replica, hol, ready_queue: about +21 us on save 5; "
      "docs/whatif.md, \"The final layer's miss\")"),
 ]
 
@@ -108,8 +108,8 @@ def whatif(
 
     ``measured``: traces recorded under another policy (``kvtrace.cfg.scheduler``); each configuration
     with such runs gets ``extra["measured"]``: predicted vs measured per policy (:mod:`.measured`).
-    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy waits follow the recv thread's
-    runs (:mod:`.gil`); False replays FIFO's recorded lags and save services (for comparison).
+    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy and build waits follow the recv
+    thread's runs (:mod:`.gil`); False replays FIFO's recorded lags and save services (for comparison).
 
     Example: ``whatif(["kvtrace-data/traces"], md_path="verdict.md", json_path="verdict.json")``
     """

@@ -232,7 +232,7 @@ class QueueState:
             t = at if prev == NONE else max(at, prev)
             t0 = t
             if pre >= 0:  # the NPU sync waits for the device, which moves with the issue
-                t += pre + (more[k] if more is not None else 0)
+                t += max(0, pre + (more[k] if more is not None else 0))  # never before its own start
                 self.send_pre[s].append((t0, t))
                 if dev != NONE and at + dev > t:
                     t = at + dev

@@ -1,7 +1,8 @@
-"""Threads that wake behind the recv thread's GIL hold: the forward after a load event, the send thread
-after a save's copy (docs/whatif.md, "Replay model": "Forward wake-up behind the recv thread (GIL)" and
-"The send thread's copy behind the recv thread (GIL)"). ``Coupling`` sizes both from a queue's FIFO
-replay and ``replay_policy`` applies them to a policy's replay (``replay_run(gil_lag=True)``).
+"""Threads that wake behind the recv thread's run: the forward after a load event, the send thread after a
+save's copy and after its own metadata build (docs/whatif.md, "Replay model": "Forward wake-up behind the
+recv thread (GIL)", "The send thread's copy behind the recv thread (GIL)" and "The send thread's build
+behind the recv thread's build"). ``Coupling`` sizes the three from a queue's FIFO replay and
+``replay_policy`` applies them to a policy's replay (``replay_run(gil_lag=True)``).
 
 The forward. When the recv thread sets a load event, the forward blocked on it wakes, but it runs only once it holds
 the GIL, and the recv thread keeps the GIL while it runs Python without blocking: until its next blocking
@@ -346,12 +347,14 @@ def save_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_
 #
 # - a save's work before its NPU sync (``send_pre``) *meets* a recv build when that recv task's
 #   ``meta_build`` ends in the second half of it (the send thread asleep in its own build then);
-# - ``tail_ns``: the median, over the meetings of the FIFO recording, of the save's sync start minus
-#   that recv task's copy start (the recv thread's Python to its copy's sleep, then the send thread's own);
+# - ``tail_ns``: the median, over the meetings of the FIFO recording whose save's sync started after the
+#   met copy did, of the sync start minus that copy start (then the send thread's own Python);
 # - a save's own work: as recorded where it met none; where it met one, the median recorded work of its
 #   position over the saves that met none;
-# - its wait = max(0, the met task's copy start + tail - (start + own work)); a policy's save gets its wait
-#   on the policy's timeline minus FIFO's, before its NPU sync (FIFO gets none).
+# - its wait = the met task's copy start + tail - (start + own work), none when its own work would have
+#   ended before the met build did (so at most that task's run from its build's end to its copy plus the
+#   tail: a FIFO save slow for another reason keeps the rest); a policy's save gets its wait on the
+#   policy's timeline minus FIFO's, before its NPU sync (FIFO gets none).
 
 
 @dataclass(slots=True, frozen=True)
@@ -365,35 +368,42 @@ class BuildModel:
     points: int
 
 
-def _clock(rep: QueueReplay, i: int, offsets: list[int]) -> list[int]:
-    """Replayed times of work offsets of task ``i``: an offset at the end of a segment that a blocking wait
-    follows maps before the wait."""
-    out = [NONE] * len(offsets)
-    for at, x0, x1 in _segments(rep, i):
-        for n, o in enumerate(offsets):
-            if out[n] == NONE and x0 <= o <= x1:
-                out[n] = at + o - x0
-    return out
-
-
 def recv_builds(rep: QueueReplay) -> list[tuple[int, int]]:
     """(replayed end of its ``meta_build``, replayed start of its copy) of every served recv task with both
-    recorded, sorted; [] for a replay that merged batches (their own timeline is not rebuilt)."""
+    recorded in one run of its work (no blocking wait between them: across one the recv thread lets go of
+    the CPU), sorted; [] for a replay that merged batches (their own timeline is not rebuilt)."""
     if rep.batches:
         return []
     q = rep.arrays
     out = []
     for i, t in enumerate(q.tasks):
-        if rep.start[i] != NONE and t.meta_at_ns is not None and t.copy_at_ns is not None:
-            end, copy = _clock(rep, i, [t.meta_at_ns + t.meta_ns, t.copy_at_ns])
-            if end != NONE and copy != NONE and copy >= end:
-                out.append((end, copy))
+        if rep.start[i] == NONE or t.meta_at_ns is None or t.copy_at_ns is None:
+            continue
+        end, copy = t.meta_at_ns + t.meta_ns, t.copy_at_ns
+        for n, (at, x0, x1) in enumerate(_runs(rep, i)):
+            # an end at a run's first offset ended the run before it (a blocking wait came between)
+            if (x0 < end or n == 0) and end <= copy <= x1:
+                out.append((at + end - x0, at + copy - x0))
+                break
     out.sort()
     return out
 
 
-def meetings(rep: QueueReplay, builds: list[tuple[int, int]]) -> dict[tuple[int, int], tuple[int, int, int]]:
-    """(step, save position) -> (pre-sync start, end, the latest copy start of the recv builds it meets)."""
+def _runs(rep: QueueReplay, i: int) -> list[tuple[int, int, int]]:
+    """Task ``i``'s :func:`_segments` joined where no wait blocked between them."""
+    out: list[tuple[int, int, int]] = []
+    for at, x0, x1 in _segments(rep, i):
+        if out and out[-1][0] + out[-1][2] - out[-1][1] == at:
+            out[-1] = (out[-1][0], out[-1][1], x1)
+        else:
+            out.append((at, x0, x1))
+    return out
+
+
+def meetings(rep: QueueReplay, builds: list[tuple[int, int]]
+             ) -> dict[tuple[int, int], tuple[int, int, tuple[int, int] | None]]:
+    """(step, save position) -> (pre-sync start, end, the met recv build (its end, its copy start) with the
+    latest copy start, or None)."""
     ends = [e for e, _ in builds]
     out = {}
     for s, windows in enumerate(rep.send_pre or []):
@@ -401,7 +411,7 @@ def meetings(rep: QueueReplay, builds: list[tuple[int, int]]) -> dict[tuple[int,
             if b <= a:
                 continue
             met = builds[bisect.bisect_left(ends, (a + b) // 2):bisect.bisect_right(ends, b)]
-            out[(s, k)] = (a, b, max((c for _, c in met), default=NONE))
+            out[(s, k)] = (a, b, max(met, key=lambda x: x[1]) if met else None)
     return out
 
 
@@ -410,15 +420,15 @@ def fit_build(fifo: QueueReplay, builds: list[tuple[int, int]]) -> BuildModel | 
     (:func:`recv_builds`); None without ``MIN_POINTS`` meetings whose save ended after the met copy
     started."""
     met = meetings(fifo, builds)
-    tails = [b - c for a, b, c in met.values() if c != NONE and c <= b]
+    tails = [b - m[1] for a, b, m in met.values() if m is not None and m[1] <= b]
     if len(tails) < MIN_POINTS:
         return None
     alone: dict[int, list[int]] = {}
-    for (_, k), (a, b, c) in met.items():
-        if c == NONE:
+    for (_, k), (a, b, m) in met.items():
+        if m is None:
             alone.setdefault(k, []).append(b - a)
     typical = {k: int(statistics.median(v)) for k, v in alone.items()}
-    own = {key: (typical.get(key[1], b - a) if c != NONE else b - a) for key, (a, b, c) in met.items()}
+    own = {key: (typical.get(key[1], b - a) if m is not None else b - a) for key, (a, b, m) in met.items()}
     return BuildModel(int(statistics.median(tails)), own, len(tails))
 
 
@@ -427,17 +437,21 @@ def build_waits(rep: QueueReplay, builds: list[tuple[int, int]], model: BuildMod
     ``rep``) it meets on ``rep``'s timeline (0: it meets none, or the met run ended before the save's own
     work would)."""
     out = {}
-    for key, (a, b, c) in meetings(rep, builds).items():
-        own = model.own.get(key, b - a)
-        out[key] = max(0, c + model.tail_ns - (a + own)) if c != NONE else 0
+    for key, (a, b, m) in meetings(rep, builds).items():
+        end = a + model.own.get(key, b - a)
+        if m is None or end < m[0]:  # none met, or the save's own work would have ended before that build did
+            out[key] = 0
+        else:  # so at most the recv thread's run from that build's end to its copy, and the tail
+            out[key] = max(0, m[1] + model.tail_ns - end)
     return out
 
 
 def pre_extra(rep: QueueReplay, fifo_waits: dict[tuple[int, int], int], policy_waits: dict[tuple[int, int], int]
               ) -> list[list[int]]:
-    """Per step and save position, the policy's build wait minus FIFO's (0 where either is unknown)."""
+    """Per step and save position (every recorded save), the policy's build wait minus FIFO's (0 where either
+    is unknown)."""
     return [[policy_waits[(s, k)] - fifo_waits[(s, k)] if (s, k) in fifo_waits and (s, k) in policy_waits else 0
-             for k in range(len(windows))] for s, windows in enumerate(rep.send_pre or [])]
+             for k in range(len(saves))] for s, saves in enumerate(rep.arrays.send or [])]
 
 
 # ---- both models on one queue -----------------------------------------------------------------------------

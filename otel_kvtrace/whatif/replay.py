@@ -197,8 +197,8 @@ def replay_run(tasks: Iterable[ReplayTask], *, policies: Sequence[str] | None = 
     (:func:`otel_kvtrace.whatif.engine.replay_queue`), on every dequeue; FIFO never gets one. A policy not
     in it that probes the head (``Policy.probes_head``) is charged instead the cost the FIFO recording gives
     (:mod:`.decision`), on the dequeues with another task queued (``decision_ns``).
-    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy waits follow the recv thread's
-    runs (:mod:`.gil`, sized from the FIFO recording); False = FIFO's recorded lags and save services.
+    ``gil_lag``: a policy's forward wake-up lags and the send thread's copy and build waits follow the recv
+    thread's runs (:mod:`.gil`, sized from the FIFO recording); False = FIFO's recorded lags and save services.
 
     Raises ``ReplayStalled`` naming the configuration, run, queue and policy when a replay cannot finish.
     """
