@@ -96,7 +96,7 @@ class Recorder:
             # ``self.__dict__``: reading ``__dict__`` materialises the instance dict, and every attribute load of
             # this recorder on every thread then takes the generic path: +240 instructions per add_request.)
             releaser = getattr(writer, "native_releaser", None)
-            release = (releaser(self, self.submit, functools.partial(Recorder.submit_consumer, self))
+            release = (releaser(self.submit, functools.partial(type(self).submit_consumer, self))
                        if releaser is not None else None)
             if release is not None:
                 self.submit_consumer = release  # type: ignore[method-assign]

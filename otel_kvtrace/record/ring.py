@@ -433,7 +433,7 @@ class RingWriter:
             _warn_once(f"native shipper failed ({type(exc).__name__}: {exc}); shipping through Recorder._ship")
             return None
 
-    def native_releaser(self, recorder: Any, shipper: Any, fallback: Any) -> Any:
+    def native_releaser(self, shipper: Any, fallback: Any) -> Any:
         """``recorder.submit_consumer`` over this ring in C (``_ringpack.Releaser``: ``write_cwait`` of the
         task's ``consumer_stages`` and the recycle through ``shipper``, the recorder's non-awaiting native
         shipper of this ring; ``fallback(rec, reason)``, ``Recorder.submit_consumer``, for everything else), or
