@@ -108,21 +108,10 @@ def run_after(rep: QueueReplay, release: list[int], dispatch_ns: int = 0, loop_n
 
 
 def _run_into(rep: QueueReplay, j: int, release: list[int]) -> int:
-    """Task ``j``'s run from its replayed start to its first blocking point (a wait not met, a release
-    point)."""
-    q = rep.arrays
-    start = rep.start[j]
-    work = (q.w0[j], q.w1[j], q.w2[j], q.w3[j])
-    ready = (rep.eff_rs[j], rep.eff_rg[j], rep.rl[j])
-    at = release[j]
-    t = 0
-    for k in range(4):
-        if 0 <= at <= t + work[k]:
-            return max(at, t)
-        t += work[k]
-        if k < 3 and ready[k] != NONE and ready[k] > start + t:
-            return t
-    return t
+    """Task ``j``'s run, as a work offset, from its replayed start (past its cost per dequeue) to its first
+    blocking point: a release point, or the end of its first run of work (:func:`_runs`: a wait not met)."""
+    _, _, first_end = _runs(rep, j)[0]
+    return max(0, release[j] if 0 <= release[j] <= first_end else first_end)
 
 
 def fit(q: QueueArrays, fifo: QueueReplay) -> GilModel | None:

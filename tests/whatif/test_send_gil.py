@@ -35,6 +35,16 @@ def test_the_recv_thread_holds_the_gil_through_its_work_but_not_its_copy_or_a_bl
     assert gil.recv_busy(rep, "copy") == [(0, 15), (100, 110), (140, 200)]
 
 
+def test_a_wait_met_while_the_policy_decided_does_not_end_the_run() -> None:
+    # the save is met at 12; the task reaches its wait at 5 (the decision, another task being queued) + 10
+    task = ReplayTask("q", 0, 0, 0, 0, (10, 20, 0, 0), ready_save_ns=12)
+    rep = replay_queue(QueueArrays.from_tasks([task, ReplayTask("q", 1, 0, 1, 0, (0, 0, 0, 10))]),
+                       get_policy("fifo"), decision_ns=5)
+    assert rep.dispatched == [5, 0] and rep.complete[0] == 35
+    assert gil._run_into(rep, 0, [-1, -1]) == 30  # all of its work: no wait blocked
+    assert gil._run_into(rep, 0, [18, -1]) == 18  # ... up to a release point
+
+
 def _two_saves() -> tuple[QueueArrays, list[ReplayTask]]:
     """One step: loads of layers 0-2, layer 2 waits on the save of layer 1; the two saves' copies are
     recorded (save 1: copy 1600-2590 us, its 90 us past the copy are the tail after the GIL came back)."""
