@@ -171,9 +171,8 @@ def task_from_row(row: Mapping[str, Any], *, bound: str = "hi") -> ReplayTask:
         wait = (min(s[0] for s in spans), max(s[1] for s in spans)) if spans else None
         r = max(times) if times else None
         if wait is not None:
-            met = [_dep_time(row, d, "hi") for d in WAIT_DEPS[kind]]  # met for sure: the upper bounds
-            met_by = max(t for t in met if t is not None) if any(t is not None for t in met) else None
-            check[kind] = wait[1] - wait[0] if met_by is not None and met_by <= wait[0] else -1
+            met = [t for t in (_dep_time(row, d, "hi") for d in WAIT_DEPS[kind]) if t is not None]  # upper bounds
+            check[kind] = wait[1] - wait[0] if met and max(met) <= wait[0] else -1
             if r is None or r > wait[1]:
                 r = wait[1]  # satisfied no later than the waiter's return
             elif exact and r > wait[0]:
