@@ -67,8 +67,7 @@ def timed_meta_build(sleep_then_now: Callable[[int], int], samples: Samples) -> 
     """A ``spend_meta_build`` that sleeps the planned time through the helper and records both parts."""
 
     def spend_meta_build(self, step: int, layer: int) -> int:  # noqa: ANN001 (the replica's signature)
-        index = step * self.plan.num_layers + layer
-        cost = self.plan.meta_build[index]
+        index, cost = self.planned_meta_build(step, layer)
         if cost:
             t0 = time.perf_counter_ns()
             woke = sleep_then_now(cost)

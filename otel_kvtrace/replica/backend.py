@@ -42,11 +42,15 @@ class FakeTokenDatabase:
         if not self.group_block_len:
             self.group_block_len = [[self.block_bytes]]
 
+    def planned_meta_build(self, step: int, layer: int) -> tuple[int, int]:
+        """(the plan index ``step * num_layers + layer`` the addresses encode, the planned build ns)."""
+        index = step * self.plan.num_layers + layer
+        return index, self.plan.meta_build[index]
+
     def spend_meta_build(self, step: int, layer: int) -> int:
         """Block the caller for the planned address-build time of (step, layer), as upstream's numpy work
-        would; returns the plan index ``step * num_layers + layer`` the addresses encode."""
-        index = step * self.plan.num_layers + layer
-        cost = self.plan.meta_build[index]
+        would; returns the plan index the addresses encode."""
+        index, cost = self.planned_meta_build(step, layer)
         if cost:
             clock = self.npu.clock
             clock.sleep_until(clock.now_ns() + cost)

@@ -12,12 +12,14 @@ from types import SimpleNamespace
 import pytest
 
 import send_wakeups
+from otel_kvtrace.replica.backend import FakeTokenDatabase
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="the bench's helper is built with gcc")
 
 
-def _db(cost_ns: int) -> SimpleNamespace:
-    return SimpleNamespace(plan=SimpleNamespace(num_layers=2, meta_build=[0, cost_ns]))
+def _db(cost_ns: int) -> FakeTokenDatabase:
+    """The replica's token database over a plan of one step, two layers: layer 1 builds for ``cost_ns``."""
+    return FakeTokenDatabase(SimpleNamespace(num_layers=2, meta_build=[0, cost_ns]), None)  # type: ignore[arg-type]
 
 
 def test_sleep_split_by_thread_and_layer(tmp_path: Path) -> None:
