@@ -136,6 +136,19 @@ static const char *field_names[N_FIELDS] = {
 static const int field_owner[N_FIELDS] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
 static PyObject *long_one, *long_zero, *str_dict; /* 1, 0 and "__dict__", set at import */
 
+/* The offset of type's plain object slot name (a T_OBJECT_EX member, writable, inside the instance), -1
+ * when it is not one (a property put there, a changed class: that field then goes through getattr/setattr),
+ * -2 with the exception set when the type has no such attribute at all. */
+static Py_ssize_t member_offset(PyTypeObject *type, PyObject *name) {
+    PyMemberDef *m;
+    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
+    if (d == NULL) return -2;
+    m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
+    Py_DECREF(d);
+    return (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
+            m->offset + (Py_ssize_t)sizeof(PyObject *) > type->tp_basicsize) ? -1 : m->offset;
+}
+
 typedef struct {
     PyObject_HEAD
     PyObject *pop;        /* pool.pop */
@@ -348,18 +361,9 @@ static int Take_init(Take *self, PyObject *args, PyObject *kwds) {
         Py_XSETREF(self->type[i], (PyTypeObject *)types[i]);
     }
     for (i = 0; i < N_FIELDS; i++) {
-        PyObject *d;
-        PyMemberDef *m;
         Py_XSETREF(self->name[i], PyUnicode_InternFromString(field_names[i]));
         if (self->name[i] == NULL) return -1;
-        d = PyObject_GetAttr((PyObject *)self->type[field_owner[i]], self->name[i]);
-        if (d == NULL) return -1;
-        m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
-        Py_DECREF(d);
-        /* not a plain slot (a property put there, a changed class): that field through getattr/setattr */
-        self->offset[i] = (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
-                           m->offset + (Py_ssize_t)sizeof(PyObject *) > self->type[field_owner[i]]->tp_basicsize)
-                              ? -1 : m->offset;
+        if ((self->offset[i] = member_offset(self->type[field_owner[i]], self->name[i])) < -1) return -1;
     }
     return 0;
 }
