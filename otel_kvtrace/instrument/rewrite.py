@@ -160,15 +160,24 @@ except {_T}Exception as {_T}e:
 """
 
 _GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT")
-# After the last (successful) gate ``wait()``: ``wrappers.gate_rule``, the one definition the wrapper path
-# is generated from too.
-_GATE_AFTER = f"""
+
+
+def _gate_after(native: bool) -> str:
+    """After the last (successful) gate ``wait()``: ``wrappers.gate_rule``, the one definition the wrapper path
+    is generated from too; ``native``: that rule as one call of ``_probes.GateAfter`` (``__kvtrace_gate_after``)."""
+    rule = (f"{_T}gate_after({_T}rec, ARG, {_T}g0, {_T}g1, {_T}stages)\n" if native
+            else wrappers.gate_rule(_T, "ARG"))
+    return f"""
 {_T}g1 = {_T}clock()
 try:
-""" + wrappers.indent_rule(wrappers.gate_rule(_T, "ARG"), 4) + f"""
+""" + wrappers.indent_rule(rule, 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
+
+
+_GATE_AFTER = _gate_after(wrappers.NATIVE_GATE is not None)
+_GATE_AFTER_INLINE = _gate_after(False)  # the rule's text: what a process without the extension compiles
 
 _SPAN_BEFORE = f"{_T}k0 = {_T}clock()"
 _BUILD_AFTER = f"{_T}stages += ({_S['META_BUILD']}, {_T}k0, {_T}clock())"
@@ -535,7 +544,8 @@ TAKE_UPSTREAM_FIELDS = frozenset({"layer_id", "final_layer", "wait_for_save_laye
 layer id, the comparison with it, save layer and transfer tasks): where ``take`` is called, :class:`_Upstream`
 treats them as it treats the fields the rule's text assigns such values to."""
 UPSTREAM_ARG_CALLS = frozenset({"getattr", "setattr", "len", "id", "type", "list", "queue_state", "slot_done",
-                                "npu_done", "total_bytes", "take", "fail", "original", "BackendResultError"})
+                                "npu_done", "total_bytes", "take", "gate_after", "fail", "original",
+                                "BackendResultError"})
 """The only functions of ours (``__kvtrace_<name>``) the inserted code may hand an upstream object (or a value
 read from one); they read it (``setattr``: only with a constant ``_kvtrace*`` name, ``original``: upstream's
 own function)."""
@@ -825,11 +835,12 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
         "npu_done": _npu_done, "slot_done": _slot_done,
         "pool": getattr(recorder, "_pool", None), "new_record": TaskRecord,
         "take": wrappers.make_take(recorder) if recorder is not None else None,
+        "gate_after": wrappers.make_gate_after() if recorder is not None else None,
         **{name: getattr(builtins, name) for name in _BUILTINS},
     }
 
 
-_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], bool], Any]] = \
+_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], bool, bool], Any]] = \
     weakref.WeakKeyDictionary()
 """Per upstream function, per (rewrite, closure names): the proved and compiled factory code; a session start
 re-runs only the exec."""
@@ -839,7 +850,8 @@ def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = r
     per_fn = _COMPILED.get(original)
     if per_fn is None:
         per_fn = _COMPILED[original] = {}
-    key = (tree, names, wrappers.NATIVE_TAKE is not None)  # the enqueue's text depends on the native take
+    # the enqueue's text depends on the native take, the gate stamps' on the native gate rule
+    key = (tree, names, wrappers.NATIVE_TAKE is not None, wrappers.NATIVE_GATE is not None)
     code = per_fn.get(key)
     if code is None:
         code = per_fn[key] = _compile_factory(original, names, tree)

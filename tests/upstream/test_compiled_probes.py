@@ -399,8 +399,11 @@ def _shape(rec: Any) -> dict[str, Any]:
 
 
 def _inline_take(monkeypatch: Any) -> None:
-    """What a process without the ``_probes`` extension runs: the enqueue's record take as its rule's text."""
+    """What a process without the ``_probes`` extension runs: the enqueue's record take and the gate rule as
+    their rules' text."""
     monkeypatch.setattr(wrappers, "NATIVE_TAKE", None)
+    monkeypatch.setattr(wrappers, "NATIVE_GATE", None)
+    monkeypatch.setattr(rewrite, "_GATE_AFTER", rewrite._GATE_AFTER_INLINE)
     for capture, suffix in ((False, ""), (True, "_CAPTURE")):
         prelude, on_raise = rewrite._enqueue_templates(capture, False)
         monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE" + suffix, prelude)
@@ -424,6 +427,10 @@ def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool = T
         enqueue = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__ + ".add_request"]
         code = upstream.binding.classes["recv_gva"].__dict__["add_request"].__code__
         assert ((rewrite.PREFIX if probes == "compiled" else "") + "seen" in code.co_varnames) is (not native)
+        if probes == "compiled":  # the gate rule: its text inlined, or the one native call
+            handle = upstream.binding.classes["recv_gva"].__dict__["_handle_request"].__code__
+            assert (rewrite.PREFIX + "gstamp" in handle.co_varnames) is (not native)
+            assert (rewrite.PREFIX + "gate_after" in handle.co_freevars) is native
         assert enqueue == ("compiled" if probes == "compiled" else "wrapper: OTEL_KVTRACE_PROBES=wrappers"), enqueue
         assert session.recorder.disabled_reason is None  # the slotted gate did not turn tracing off
     finally:
@@ -454,10 +461,11 @@ def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstr
 @pytest.mark.parametrize("probes", ["compiled", "wrappers"])
 def test_the_native_record_take_records_what_its_rule_records(upstream: Upstream, monkeypatch: Any,
                                                                probes: str) -> None:
-    """The enqueue with the native record take (``_probes.Take``, the default when built) and with its rule's
-    text inlined (a process without the extension) give the same records on the same workload, on both paths;
-    the inlined text passes the proof too (the compiled path stays compiled)."""
-    if wrappers.NATIVE_TAKE is None:
+    """The enqueue with the native record take (``_probes.Take``, the default when built) and the gate stamps
+    with the native gate rule (``_probes.GateAfter``), and both with their rule's text inlined (a process without
+    the extension) give the same records on the same workload, on both paths; the inlined text passes the proof
+    too (the compiled path stays compiled)."""
+    if wrappers.NATIVE_TAKE is None or wrappers.NATIVE_GATE is None:
         pytest.skip("the optional _probes extension is not built (tests/instrument/test_enqueue_take.py says why)")
     native, _ = _records(upstream, monkeypatch, probes)
     with monkeypatch.context() as m:
