@@ -1,5 +1,6 @@
 /* Optional accelerators of the recv probes: the bytes sum of a copy's size array (proxies.total_bytes), the
- * enqueue's record take (wrappers.take_rule, below) and the gate rule after a gate wait (wrappers.gate_rule).
+ * enqueue's record take (wrappers.take_rule, below), the gate rule after a gate wait (wrappers.gate_rule) and
+ * the save wait's after-stamp (rewrite.save_rule).
  *
  * proxies.total_bytes_rule is the reference and the fallback. total_bytes(sizes) here sums a 1-D integer
  * (or bool) array through the buffer protocol, exactly, in int64; whatever it does not take (not a numpy
@@ -134,7 +135,7 @@ static const char *field_names[N_FIELDS] = {
     "queue", "seq", "queue_depth_at_enqueue", "inflight_at_enqueue", "layer_id", "final_layer",
     "wait_for_save_layer", "gate_id", "transfer_tasks", "step", "holds"};
 static const int field_owner[N_FIELDS] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
-static PyObject *long_one, *long_zero, *str_dict; /* 1, 0 and "__dict__", set at import */
+static PyObject *long_one, *long_zero, *long_minus_one, *str_dict; /* 1, 0, -1 and "__dict__", set at import */
 
 /* The offset of type's plain object slot name (a T_OBJECT_EX member, writable, inside the instance), -1
  * when it is not one (a property put there, a changed class: that field then goes through getattr/setattr),
@@ -469,21 +470,24 @@ static const char *gfield_names[N_GFIELDS] = {"deps", "has_dep", "t_enqueue", "n
 static const int gfield_owner[N_GFIELDS] = {0, 0, 0, 0, 2, 2, 1, 1};
 static PyObject *str_get, *str_append; /* "get", "append", set at import */
 
+/* GateAfter's, and SaveAfter's (below: bits, lo[0], idx[0..1], type[0], the record's fields, and its own names
+ * and stage). */
 typedef struct {
     PyObject_HEAD
     PyObject *rule;       /* the rule's text compiled: a stamp that is not None or a 3-tuple */
     PyObject *stamp_attr; /* wrappers.GATE_STAMP_ATTR */
     PyObject *cond_wait, *npu_sync, *dep_npu, *bits;
+    PyObject *events_attr, *set_ns_attr, *stage; /* SaveAfter: "layer_save_finished_events", "set_ns", its stage */
     Py_ssize_t lo[2];     /* deps index of GATE_RECORD's lo, GATE_NPU's lo */
     PyObject *idx[4];     /* the same indices and their his as ints: record_lo, record_lo + 1, npu_lo, npu_lo + 1 */
     PyTypeObject *type[3]; /* TaskRecord, StreamLog, StreamPosition: their slots are read at offset[] */
     PyObject *name[N_GFIELDS];
     Py_ssize_t offset[N_GFIELDS];
     vectorcallfunc vectorcall;
-} GateAfter;
+} Rule;
 
 /* Field f of o, a new reference (NULL with AttributeError when the slot is unset, as getattr would). */
-static PyObject *gget(GateAfter *t, PyObject *o, int f) {
+static PyObject *gget(Rule *t, PyObject *o, int f) {
     if (t->offset[f] > 0 && Py_TYPE(o) == t->type[gfield_owner[f]]) {
         PyObject *v = *(PyObject **)((char *)o + t->offset[f]);
         if (v == NULL) {
@@ -497,7 +501,7 @@ static PyObject *gget(GateAfter *t, PyObject *o, int f) {
 }
 
 /* o.<f> = v (v borrowed). */
-static int gset(GateAfter *t, PyObject *o, int f, PyObject *v) {
+static int gset(Rule *t, PyObject *o, int f, PyObject *v) {
     if (t->offset[f] > 0 && Py_TYPE(o) == t->type[gfield_owner[f]]) {
         Py_INCREF(v);
         Py_XSETREF(*(PyObject **)((char *)o + t->offset[f]), v);
@@ -508,7 +512,7 @@ static int gset(GateAfter *t, PyObject *o, int f, PyObject *v) {
 
 /* deps[k] = v for the k-th of the four gate indices (v borrowed): list_ass_item's own store when deps is an
  * exact list holding that index, else the subscript store (its IndexError, a dict's or another type's). */
-static int gstore(GateAfter *t, PyObject *deps, int k, PyObject *v) {
+static int gstore(Rule *t, PyObject *deps, int k, PyObject *v) {
     Py_ssize_t i = t->lo[k >> 1] + (k & 1);
     if (PyList_CheckExact(deps) && i < PyList_GET_SIZE(deps)) {
         PyObject *old = PyList_GET_ITEM(deps, i);
@@ -542,7 +546,7 @@ static int gextend(PyObject *stages, PyObject **items, int n) {
 }
 
 /* rec.npu_marks.append((dep_npu, mark)) */
-static int gmark_append(GateAfter *t, PyObject *rec, PyObject *mark) {
+static int gmark_append(Rule *t, PyObject *rec, PyObject *mark) {
     PyObject *marks, *pair, *r;
     int ret;
     if ((marks = gget(t, rec, GF_NPU_MARKS)) == NULL) return -1;
@@ -564,7 +568,7 @@ static int gmark_append(GateAfter *t, PyObject *rec, PyObject *mark) {
 
 /* gate.__dict__.get(stamp_attr), None on AttributeError anywhere in that expression (a new reference; NULL
  * with another exception). */
-static PyObject *gate_stamp(GateAfter *t, PyObject *gate) {
+static PyObject *gate_stamp(Rule *t, PyObject *gate) {
     PyObject *d, *v;
     if ((d = PyObject_GetAttr(gate, str_dict)) != NULL) {
         if (PyDict_CheckExact(d)) {
@@ -583,7 +587,7 @@ static PyObject *gate_stamp(GateAfter *t, PyObject *gate) {
 }
 
 static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
-    GateAfter *t = (GateAfter *)callable;
+    Rule *t = (Rule *)callable;
     PyObject *rec, *g0, *g1, *stages, *gstamp, *deps = NULL, *v = NULL, *glog = NULL, *gp = NULL, *done_by = NULL;
     PyObject *items[6];
     int r;
@@ -689,7 +693,7 @@ fail:
     return NULL;
 }
 
-static int GateAfter_init(GateAfter *self, PyObject *args, PyObject *kwds) {
+static int GateAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
     PyObject *rule, *types[3], *stamp_attr, *cond_wait, *npu_sync, *dep_npu, *bits;
     Py_ssize_t lo[2];
     int i;
@@ -709,8 +713,6 @@ static int GateAfter_init(GateAfter *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_ValueError, "GateAfter: deps indices must be >= 0");
         return -1;
     }
-    Py_INCREF(rule);
-    Py_XSETREF(self->rule, rule);
     Py_INCREF(stamp_attr);
     Py_XSETREF(self->stamp_attr, stamp_attr);
     PyUnicode_InternInPlace(&self->stamp_attr);
@@ -736,17 +738,19 @@ static int GateAfter_init(GateAfter *self, PyObject *args, PyObject *kwds) {
         if (self->name[i] == NULL) return -1;
         if ((self->offset[i] = member_offset(self->type[gfield_owner[i]], self->name[i])) < -1) return -1;
     }
+    Py_INCREF(rule); /* last: set means initialised */
+    Py_XSETREF(self->rule, rule);
     return 0;
 }
 
-static int GateAfter_traverse(GateAfter *self, visitproc visit, void *arg) {
+static int GateAfter_traverse(Rule *self, visitproc visit, void *arg) {
     int i;
     Py_VISIT(self->rule);
     for (i = 0; i < 3; i++) Py_VISIT(self->type[i]);
     return 0;
 }
 
-static int GateAfter_clear(GateAfter *self) {
+static int GateAfter_clear(Rule *self) {
     int i;
     Py_CLEAR(self->rule);
     Py_CLEAR(self->stamp_attr);
@@ -754,20 +758,23 @@ static int GateAfter_clear(GateAfter *self) {
     Py_CLEAR(self->npu_sync);
     Py_CLEAR(self->dep_npu);
     Py_CLEAR(self->bits);
+    Py_CLEAR(self->events_attr);
+    Py_CLEAR(self->set_ns_attr);
+    Py_CLEAR(self->stage);
     for (i = 0; i < 4; i++) Py_CLEAR(self->idx[i]);
     for (i = 0; i < 3; i++) Py_CLEAR(self->type[i]);
     for (i = 0; i < N_GFIELDS; i++) Py_CLEAR(self->name[i]);
     return 0;
 }
 
-static void GateAfter_dealloc(GateAfter *self) {
+static void GateAfter_dealloc(Rule *self) {
     PyObject_GC_UnTrack(self);
     GateAfter_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
 static PyObject *GateAfter_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
-    GateAfter *self = (GateAfter *)type->tp_alloc(type, 0);
+    Rule *self = (Rule *)type->tp_alloc(type, 0);
     if (self != NULL) self->vectorcall = GateAfter_call;
     return (PyObject *)self;
 }
@@ -775,7 +782,7 @@ static PyObject *GateAfter_new(PyTypeObject *type, PyObject *args, PyObject *kwd
 static PyTypeObject GateAfter_Type = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "otel_kvtrace.instrument._probes.GateAfter",
-    .tp_basicsize = sizeof(GateAfter),
+    .tp_basicsize = sizeof(Rule),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
     .tp_doc = "GateAfter(rule, record_type, log_type, position_type, stamp_attr, cond_wait, npu_sync, dep_npu, bits, "
               "record_lo, npu_lo): the gate rule after a successful gate wait (wrappers.gate_rule), called as "
@@ -786,7 +793,146 @@ static PyTypeObject GateAfter_Type = {
     .tp_traverse = (traverseproc)GateAfter_traverse,
     .tp_clear = (inquiry)GateAfter_clear,
     .tp_call = PyVectorcall_Call,
-    .tp_vectorcall_offset = offsetof(GateAfter, vectorcall),
+    .tp_vectorcall_offset = offsetof(Rule, vectorcall),
+};
+
+
+/* ---- the save wait's after-stamp (rewrite.save_rule is the reference; same statements, same order) ---------
+ *
+ * SaveAfter(record_type, events_attr, set_ns_attr, stage, bit, lo)
+ *     (rec, thread, index, w0, w1, stages) -> None:
+ *
+ *     stages += (stage, w0, w1)
+ *     set_ns = getattr(thread.<events_attr>[index], <set_ns_attr>, -1)
+ *     deps = rec.deps
+ *     rec.has_dep |= bit
+ *     if set_ns >= 0: deps[lo] = deps[lo + 1] = set_ns
+ *     else:
+ *         deps[lo] = rec.t_enqueue
+ *         deps[lo + 1] = w1
+ *
+ * The constants and names are the rule's own, handed in by rewrite.make_save_after; there is no fallback (every
+ * step above is taken with the operation the rule applies, whatever the types). Upstream's thread,
+ * its event list and the event are only read, with the rule's operations (getattr, subscript, getattr with a
+ * default: only AttributeError gives -1); the rest as in GateAfter (record slots at their offsets, ``+=``,
+ * item stores, comparisons). An error leaves the exception set, as the rule would raise it, with what the rule
+ * had written by then written. tests/instrument/test_save_after.py compares it with the rule. */
+
+static PyObject *SaveAfter_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Rule *t = (Rule *)callable;
+    PyObject *rec, *w1, *v, *set_ns, *deps = NULL, *items[3];
+    int r;
+    if (PyVectorcall_NARGS(nargsf) != 6 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "save_after(rec, thread, index, w0, w1, stages)");
+        return NULL;
+    }
+    if (t->stage == NULL) {
+        PyErr_SetString(PyExc_TypeError, "SaveAfter not initialised");
+        return NULL;
+    }
+    rec = args[0];
+    w1 = args[4];
+    items[0] = t->stage;
+    items[1] = args[3];
+    items[2] = w1;
+    if (gextend(args[5], items, 3) < 0) return NULL;
+    if ((v = PyObject_GetAttr(args[1], t->events_attr)) == NULL) return NULL;
+    Py_SETREF(v, PyObject_GetItem(v, args[2]));
+    if (v == NULL) return NULL;
+    set_ns = PyObject_GetAttr(v, t->set_ns_attr);
+    Py_DECREF(v);
+    if (set_ns == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+        set_ns = long_minus_one;
+        Py_INCREF(set_ns);
+    }
+    if ((deps = gget(t, rec, GF_DEPS)) == NULL) goto fail;
+    if ((v = gget(t, rec, GF_HAS_DEP)) == NULL) goto fail;
+    Py_SETREF(v, PyNumber_InPlaceOr(v, t->bits));
+    if (v == NULL) goto fail;
+    r = gset(t, rec, GF_HAS_DEP, v);
+    Py_DECREF(v);
+    if (r < 0 || (r = PyObject_RichCompareBool(set_ns, long_zero, Py_GE)) < 0) goto fail;
+    if (r) {
+        if (gstore(t, deps, 0, set_ns) < 0 || gstore(t, deps, 1, set_ns) < 0) goto fail;
+    } else {
+        if ((v = gget(t, rec, GF_T_ENQUEUE)) == NULL) goto fail;
+        r = gstore(t, deps, 0, v);
+        Py_DECREF(v);
+        if (r < 0 || gstore(t, deps, 1, w1) < 0) goto fail;
+    }
+    Py_DECREF(deps);
+    Py_DECREF(set_ns);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(deps);
+    Py_DECREF(set_ns);
+    return NULL;
+}
+
+static int SaveAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
+    PyObject *type, *events_attr, *set_ns_attr, *stage, *bit;
+    Py_ssize_t lo;
+    int i;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "SaveAfter() takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!UUO!O!n", &PyType_Type, &type, &events_attr, &set_ns_attr, &PyLong_Type, &stage,
+                          &PyLong_Type, &bit, &lo))
+        return -1;
+    if (lo < 0 || lo > PY_SSIZE_T_MAX - 1) {
+        PyErr_SetString(PyExc_ValueError, "SaveAfter: the deps index must be >= 0");
+        return -1;
+    }
+    Py_INCREF(events_attr);
+    Py_XSETREF(self->events_attr, events_attr);
+    PyUnicode_InternInPlace(&self->events_attr);
+    Py_INCREF(set_ns_attr);
+    Py_XSETREF(self->set_ns_attr, set_ns_attr);
+    PyUnicode_InternInPlace(&self->set_ns_attr);
+    Py_INCREF(bit);
+    Py_XSETREF(self->bits, bit);
+    self->lo[0] = lo;
+    for (i = 0; i < 2; i++) {
+        Py_XSETREF(self->idx[i], PyLong_FromSsize_t(lo + i));
+        if (self->idx[i] == NULL) return -1;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(self->type[0], (PyTypeObject *)type);
+    for (i = 0; i < N_GFIELDS; i++) {
+        self->offset[i] = -1;
+        if (gfield_owner[i] != 0) continue; /* the record's fields only */
+        Py_XSETREF(self->name[i], PyUnicode_InternFromString(gfield_names[i]));
+        if (self->name[i] == NULL) return -1;
+        if ((self->offset[i] = member_offset(self->type[0], self->name[i])) < -1) return -1;
+    }
+    Py_INCREF(stage); /* last: set means initialised */
+    Py_XSETREF(self->stage, stage);
+    return 0;
+}
+
+static PyObject *SaveAfter_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Rule *self = (Rule *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = SaveAfter_call;
+    return (PyObject *)self;
+}
+
+static PyTypeObject SaveAfter_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.instrument._probes.SaveAfter",
+    .tp_basicsize = sizeof(Rule),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "SaveAfter(record_type, events_attr, set_ns_attr, stage, bit, lo): the save wait's after-stamp "
+              "(rewrite.save_rule), called as save_after(rec, thread, index, w0, w1, stages) -> None",
+    .tp_new = SaveAfter_new,
+    .tp_init = (initproc)SaveAfter_init,
+    .tp_dealloc = (destructor)GateAfter_dealloc,
+    .tp_traverse = (traverseproc)GateAfter_traverse,
+    .tp_clear = (inquiry)GateAfter_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Rule, vectorcall),
 };
 
 static PyMethodDef probes_methods[] = {
@@ -803,11 +949,13 @@ static struct PyModuleDef probes_module = {
 PyMODINIT_FUNC PyInit__probes(void) {
     PyObject *m;
     if ((long_one = PyLong_FromLong(1)) == NULL || (long_zero = PyLong_FromLong(0)) == NULL ||
+        (long_minus_one = PyLong_FromLong(-1)) == NULL ||
         (str_dict = PyUnicode_InternFromString("__dict__")) == NULL ||
         (str_get = PyUnicode_InternFromString("get")) == NULL ||
         (str_append = PyUnicode_InternFromString("append")) == NULL)
         return NULL;
-    if (PyType_Ready(&Take_Type) < 0 || PyType_Ready(&GateAfter_Type) < 0) return NULL;
+    if (PyType_Ready(&Take_Type) < 0 || PyType_Ready(&GateAfter_Type) < 0 || PyType_Ready(&SaveAfter_Type) < 0)
+        return NULL;
     if ((m = PyModule_Create(&probes_module)) == NULL) return NULL;
     Py_INCREF(&Take_Type);
     if (PyModule_AddObject(m, "Take", (PyObject *)&Take_Type) < 0) {
@@ -818,6 +966,12 @@ PyMODINIT_FUNC PyInit__probes(void) {
     Py_INCREF(&GateAfter_Type);
     if (PyModule_AddObject(m, "GateAfter", (PyObject *)&GateAfter_Type) < 0) {
         Py_DECREF(&GateAfter_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SaveAfter_Type);
+    if (PyModule_AddObject(m, "SaveAfter", (PyObject *)&SaveAfter_Type) < 0) {
+        Py_DECREF(&SaveAfter_Type);
         Py_DECREF(m);
         return NULL;
     }

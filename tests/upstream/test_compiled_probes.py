@@ -399,11 +399,13 @@ def _shape(rec: Any) -> dict[str, Any]:
 
 
 def _inline_take(monkeypatch: Any) -> None:
-    """What a process without the ``_probes`` extension runs: the enqueue's record take and the gate rule as
-    their rules' text."""
+    """What a process without the ``_probes`` extension runs: the enqueue's record take, the gate rule and the save
+    wait's after-stamp as their rules' text."""
     monkeypatch.setattr(wrappers, "NATIVE_TAKE", None)
     monkeypatch.setattr(wrappers, "NATIVE_GATE", None)
     monkeypatch.setattr(rewrite, "_GATE_AFTER", rewrite._GATE_AFTER_INLINE)
+    monkeypatch.setattr(rewrite, "NATIVE_SAVE", None)
+    monkeypatch.setattr(rewrite, "_SAVE_AFTER", rewrite._SAVE_AFTER_INLINE)
     for capture, suffix in ((False, ""), (True, "_CAPTURE")):
         prelude, on_raise = rewrite._enqueue_templates(capture, False)
         monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE" + suffix, prelude)
@@ -431,6 +433,8 @@ def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool = T
             handle = upstream.binding.classes["recv_gva"].__dict__["_handle_request"].__code__
             assert (rewrite.PREFIX + "gstamp" in handle.co_varnames) is (not native)
             assert (rewrite.PREFIX + "gate_after" in handle.co_freevars) is native
+            assert (rewrite.PREFIX + "set_ns" in handle.co_varnames) is (not native)
+            assert (rewrite.PREFIX + "save_after" in handle.co_freevars) is native
         assert enqueue == ("compiled" if probes == "compiled" else "wrapper: OTEL_KVTRACE_PROBES=wrappers"), enqueue
         assert session.recorder.disabled_reason is None  # the slotted gate did not turn tracing off
     finally:
@@ -462,10 +466,10 @@ def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstr
 def test_the_native_record_take_records_what_its_rule_records(upstream: Upstream, monkeypatch: Any,
                                                                probes: str) -> None:
     """The enqueue with the native record take (``_probes.Take``, the default when built) and the gate stamps
-    with the native gate rule (``_probes.GateAfter``), and both with their rule's text inlined (a process without
-    the extension) give the same records on the same workload, on both paths; the inlined text passes the proof
-    too (the compiled path stays compiled)."""
-    if wrappers.NATIVE_TAKE is None or wrappers.NATIVE_GATE is None:
+    with the native gate rule (``_probes.GateAfter``) and save after-stamp (``_probes.SaveAfter``), and all with
+    their rule's text inlined (a process without the extension) give the same records on the same workload, on
+    both paths; the inlined text passes the proof too (the compiled path stays compiled)."""
+    if wrappers.NATIVE_TAKE is None or wrappers.NATIVE_GATE is None or rewrite.NATIVE_SAVE is None:
         pytest.skip("the optional _probes extension is not built (tests/instrument/test_enqueue_take.py says why)")
     native, _ = _records(upstream, monkeypatch, probes)
     with monkeypatch.context() as m:
