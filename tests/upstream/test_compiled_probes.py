@@ -325,6 +325,31 @@ def test_a_raising_batch_copy_raises_the_same_with_and_without_tracing(upstream:
     assert rec.stages[-3] == 7  # backend_submit, closed by the exception
 
 
+@pytest.mark.parametrize("probes", ["compiled", "wrappers"])
+def test_a_raising_native_gate_rule_turns_tracing_off_not_the_recv_thread(upstream: Upstream, monkeypatch: Any,
+                                                                          probes: str) -> None:
+    """A gate stamp the recording never writes (two items) makes the gate rule raise inside the native call
+    (``_probes.GateAfter`` hands it to the rule's text, whose unpacking raises): the stamp's handler turns
+    tracing off with that error, and upstream's ``_handle_request`` completes the load as without tracing."""
+    monkeypatch.setenv("OTEL_KVTRACE_PROBES", probes)
+    targets = upstream.binding.to_targets()
+    session = start_tracing(targets, exporter=None, run_id="gate-raise")
+    try:
+        assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__] == probes
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        thread = env.thread
+        gate = upstream.gate_class()
+        gate.record()
+        gate.__dict__[wrappers.GATE_STAMP_ATTR] = (1, 2)
+        thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)], gate=gate))
+        thread._handle_request(thread.request_queue.get())
+        assert env.load_done[1].is_set()
+        reason = session.recorder.disabled_reason
+    finally:
+        session.shutdown()
+    assert reason is not None and "not enough values to unpack" in reason, reason
+
+
 # ---- same records on both paths -----------------------------------------------------------------------
 
 
