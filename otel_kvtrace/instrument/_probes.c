@@ -161,28 +161,38 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Take;
 
-/* Field f of o, a new reference (NULL with AttributeError when the slot is unset, as getattr would). */
-static PyObject *fget(Take *t, PyObject *o, int f) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[field_owner[f]]) {
-        PyObject *v = *(PyObject **)((char *)o + t->offset[f]);
+/* o.<name>, a new reference: the slot at offset when o's type is exactly type (NULL with AttributeError when
+ * it is unset, as getattr would), else getattr. */
+static inline PyObject *slot_get(PyObject *o, Py_ssize_t offset, PyTypeObject *type, PyObject *name) {
+    if (offset > 0 && Py_TYPE(o) == type) {
+        PyObject *v = *(PyObject **)((char *)o + offset);
         if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, t->name[f]);
+            PyErr_SetObject(PyExc_AttributeError, name);
             return NULL;
         }
         Py_INCREF(v);
         return v;
     }
-    return PyObject_GetAttr(o, t->name[f]);
+    return PyObject_GetAttr(o, name);
 }
 
-/* o.<f> = v (v borrowed). */
-static int fset(Take *t, PyObject *o, int f, PyObject *v) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[field_owner[f]]) {
+/* o.<name> = v (v borrowed), at the slot's offset as slot_get reads it, else setattr. */
+static inline int slot_set(PyObject *o, Py_ssize_t offset, PyTypeObject *type, PyObject *name, PyObject *v) {
+    if (offset > 0 && Py_TYPE(o) == type) {
         Py_INCREF(v);
-        Py_XSETREF(*(PyObject **)((char *)o + t->offset[f]), v);
+        Py_XSETREF(*(PyObject **)((char *)o + offset), v);
         return 0;
     }
-    return PyObject_SetAttr(o, t->name[f], v);
+    return PyObject_SetAttr(o, name, v);
+}
+
+/* Field f of o (a new reference) and o.<f> = v (v borrowed). */
+static PyObject *fget(Take *t, PyObject *o, int f) {
+    return slot_get(o, t->offset[f], t->type[field_owner[f]], t->name[f]);
+}
+
+static int fset(Take *t, PyObject *o, int f, PyObject *v) {
+    return slot_set(o, t->offset[f], t->type[field_owner[f]], t->name[f], v);
 }
 
 /* o.<f> = v, v stolen (NULL: the exception of the expression that made it). */
@@ -486,28 +496,13 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Rule;
 
-/* Field f of o, a new reference (NULL with AttributeError when the slot is unset, as getattr would). */
+/* Field f of o (a new reference) and o.<f> = v (v borrowed), as Take's fget/fset. */
 static PyObject *gget(Rule *t, PyObject *o, int f) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[gfield_owner[f]]) {
-        PyObject *v = *(PyObject **)((char *)o + t->offset[f]);
-        if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, t->name[f]);
-            return NULL;
-        }
-        Py_INCREF(v);
-        return v;
-    }
-    return PyObject_GetAttr(o, t->name[f]);
+    return slot_get(o, t->offset[f], t->type[gfield_owner[f]], t->name[f]);
 }
 
-/* o.<f> = v (v borrowed). */
 static int gset(Rule *t, PyObject *o, int f, PyObject *v) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[gfield_owner[f]]) {
-        Py_INCREF(v);
-        Py_XSETREF(*(PyObject **)((char *)o + t->offset[f]), v);
-        return 0;
-    }
-    return PyObject_SetAttr(o, t->name[f], v);
+    return slot_set(o, t->offset[f], t->type[gfield_owner[f]], t->name[f], v);
 }
 
 /* deps[k] = v for the k-th of the four gate indices (v borrowed): list_ass_item's own store when deps is an

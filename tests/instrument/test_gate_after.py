@@ -17,21 +17,11 @@ from hypothesis import strategies as st
 from otel_kvtrace.instrument import rewrite, wrappers
 from otel_kvtrace.instrument.stream_order import FAR_FUTURE, StreamLog, StreamPosition
 from otel_kvtrace.record.model import NO_TIME, NUM_DEPS, TaskRecord
+from tests.instrument.test_enqueue_take import Gate, SlottedGate
 from tests.native import require_built
 
 RULE = wrappers.gate_after_rule()
 STAMP = wrappers.GATE_STAMP_ATTR
-
-
-class Gate:
-    """A gate with ``__dict__`` (upstream's ``AttentionComputeStartGate`` shape)."""
-
-    def __init__(self) -> None:
-        self._event = None
-
-
-class SlottedGate:
-    __slots__ = ("_event",)
 
 
 class OddDict(dict):
