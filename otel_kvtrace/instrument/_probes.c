@@ -466,7 +466,8 @@ static PyTypeObject Take_Type = {
  * tuple through ``+=`` (PyNumber_InPlaceAdd; the caller's ``stages`` is not rebound, but it is the record's own
  * list, and ``+=`` of a non-list never reaches the record); ``deps[i] = v`` and ``done_by[gp]`` on an exact
  * list with an index inside it are the list's item, else PyObject_SetItem/GetItem (the same IndexError).
- * Comparisons are PyObject_RichCompareBool (the rule's ``<``/``>`` and truth). Upstream's gate is only read:
+ * Comparisons are PyObject_RichCompareBool (the rule's ``<``/``>`` and truth), ``|=`` PyNumber_InPlaceOr, both done
+ * in C for exact ints of up to two digits (gcompare, gor: the same answers). Upstream's gate is only read:
  * its ``__dict__`` and, in that, our own stamp. An error leaves the exception set, as the rule would raise it,
  * with what the rule had written by then written (the caller's handler turns tracing off).
  * tests/instrument/test_gate_after.py compares it with the rule over generated records, stamps and logs. */
@@ -503,6 +504,43 @@ static PyObject *gget(Rule *t, PyObject *o, int f) {
 
 static int gset(Rule *t, PyObject *o, int f, PyObject *v) {
     return slot_set(o, t->offset[f], t->type[gfield_owner[f]], t->name[f], v);
+}
+
+/* 1 and *out set when o is an exact int of at most two 30-bit digits (|v| < 2^60: every ns stamp, index, count
+ * and bit mask), read from its digits as _ringpack's as_int reads them; 0 otherwise (no exception). */
+static inline int small_int(PyObject *o, long long *out) {
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    if (PyLong_CheckExact(o)) {
+        Py_ssize_t size = Py_SIZE(o);
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        if (size >= -2 && size <= 2) {
+            Py_ssize_t n = size < 0 ? -size : size;
+            long long v = n == 0 ? 0 : n == 1 ? (long long)d[0] : (long long)d[0] | (long long)d[1] << PyLong_SHIFT;
+            *out = size < 0 ? -v : v;
+            return 1;
+        }
+    }
+#else
+    (void)o;
+    (void)out;
+#endif
+    return 0;
+}
+
+/* PyObject_RichCompareBool(a, b, op) for op <, > or >=: two such exact ints compared by value in C (what
+ * long_richcompare answers), anything else the generic comparison (its exceptions too). */
+static inline int gcompare(PyObject *a, PyObject *b, int op) {
+    long long x, y;
+    if (small_int(a, &x) && small_int(b, &y)) return op == Py_LT ? x < y : op == Py_GT ? x > y : x >= y;
+    return PyObject_RichCompareBool(a, b, op);
+}
+
+/* v | bits (new reference): in C for two such non-negative exact ints (PyLong_FromLongLong: the small-int cache
+ * as long_or's result), else PyNumber_InPlaceOr (the rule's |=). */
+static inline PyObject *gor(PyObject *v, PyObject *bits) {
+    long long x, y;
+    if (small_int(v, &x) && small_int(bits, &y) && x >= 0 && y >= 0) return PyLong_FromLongLong(x | y);
+    return PyNumber_InPlaceOr(v, bits);
 }
 
 /* deps[k] = v for the k-th of the four gate indices (v borrowed): list_ass_item's own store when deps is an
@@ -605,7 +643,7 @@ static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_
     }
     if ((deps = gget(t, rec, GF_DEPS)) == NULL) goto fail;
     if ((v = gget(t, rec, GF_HAS_DEP)) == NULL) goto fail;
-    Py_SETREF(v, PyNumber_InPlaceOr(v, t->bits));
+    Py_SETREF(v, gor(v, t->bits));
     if (v == NULL || gset(t, rec, GF_HAS_DEP, v) < 0) goto fail;
     Py_CLEAR(v);
     if (gstamp == Py_None) { /* recorded before tracing started (or a gate without __dict__) */
@@ -621,11 +659,11 @@ static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_
         /* borrowed from gstamp (a tuple, held until the end) */
         PyObject *grec = PyTuple_GET_ITEM(gstamp, 0), *gpos = PyTuple_GET_ITEM(gstamp, 1);
         PyObject *gmark = PyTuple_GET_ITEM(gstamp, 2), *gcond;
-        if ((r = PyObject_RichCompareBool(grec, g1, Py_LT)) < 0) goto fail;
+        if ((r = gcompare(grec, g1, Py_LT)) < 0) goto fail;
         gcond = r ? grec : g1;
-        if ((r = PyObject_RichCompareBool(gcond, g0, Py_LT)) < 0) goto fail;
+        if ((r = gcompare(gcond, g0, Py_LT)) < 0) goto fail;
         if (r) gcond = g0;
-        if ((r = PyObject_RichCompareBool(gcond, g0, Py_GT)) < 0) goto fail;
+        if ((r = gcompare(gcond, g0, Py_GT)) < 0) goto fail;
         if (r) {
             items[0] = t->cond_wait;
             items[1] = g0;
@@ -643,20 +681,16 @@ static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_
         if (r < 0) goto fail;
         if ((glog = gget(t, gpos, GF_LOG)) == NULL || (gp = gget(t, gpos, GF_POSITION)) == NULL) goto fail;
         if ((done_by = gget(t, glog, GF_DONE_BY)) == NULL) goto fail;
-        if (PyList_CheckExact(done_by) && PyLong_CheckExact(gp)) {
-            Py_ssize_t i = PyLong_AsSsize_t(gp);
-            if (i == -1 && PyErr_Occurred()) {
-                PyErr_Clear(); /* past a Py_ssize_t: the subscript's own error below */
-                i = -1;
-            }
-            if (i >= 0 && i < PyList_GET_SIZE(done_by)) {
+        if (PyList_CheckExact(done_by)) {
+            long long i;
+            if (small_int(gp, &i) && i >= 0 && i < PyList_GET_SIZE(done_by)) { /* else the subscript's own way */
                 v = PyList_GET_ITEM(done_by, i);
                 Py_INCREF(v);
             }
         }
         if (v == NULL && (v = PyObject_GetItem(done_by, gp)) == NULL) goto fail;
         Py_CLEAR(done_by);
-        r = PyObject_RichCompareBool(g1, v, Py_LT);
+        r = gcompare(g1, v, Py_LT);
         Py_CLEAR(v);
         if (r < 0) goto fail;
         if (r) {
@@ -664,7 +698,7 @@ static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_
             Py_CLEAR(done_by);
         }
         if ((v = gget(t, glog, GF_OBSERVED)) == NULL) goto fail;
-        r = PyObject_RichCompareBool(gp, v, Py_GT);
+        r = gcompare(gp, v, Py_GT);
         Py_CLEAR(v);
         if (r < 0 || (r && gset(t, glog, GF_OBSERVED, gp) < 0)) goto fail;
         if (gstore(t, deps, 0, grec) < 0 || gstore(t, deps, 1, grec) < 0 || gstore(t, deps, 2, grec) < 0 ||
@@ -844,11 +878,11 @@ static PyObject *SaveAfter_call(PyObject *callable, PyObject *const *args, size_
     }
     if ((deps = gget(t, rec, GF_DEPS)) == NULL) goto fail;
     if ((v = gget(t, rec, GF_HAS_DEP)) == NULL) goto fail;
-    Py_SETREF(v, PyNumber_InPlaceOr(v, t->bits));
+    Py_SETREF(v, gor(v, t->bits));
     if (v == NULL) goto fail;
     r = gset(t, rec, GF_HAS_DEP, v);
     Py_DECREF(v);
-    if (r < 0 || (r = PyObject_RichCompareBool(set_ns, long_zero, Py_GE)) < 0) goto fail;
+    if (r < 0 || (r = gcompare(set_ns, long_zero, Py_GE)) < 0) goto fail;
     if (r) {
         if (gstore(t, deps, 0, set_ns) < 0 || gstore(t, deps, 1, set_ns) < 0) goto fail;
     } else {
