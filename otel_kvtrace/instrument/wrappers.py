@@ -160,8 +160,8 @@ if {p}tasks:  # upstream clears the list after the task: keep its elements (one 
 
 
 def _native(name: str) -> Any:
-    """``_probes.<name>`` (``Take``: :func:`take_rule` in C, ``GateAfter``: :func:`gate_rule`), or None when the
-    optional extension is not built."""
+    """``_probes.<name>`` (``Take``: :func:`take_rule` in C, ``GateAfter``: :func:`gate_rule`, ``SaveAfter``:
+    ``rewrite.save_rule``), or None when the optional extension is not built."""
     try:
         from otel_kvtrace.instrument import _probes  # type: ignore[attr-defined]
     except ImportError:
