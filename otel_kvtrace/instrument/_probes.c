@@ -1,5 +1,6 @@
-/* Optional accelerators of the recv probes: the bytes sum of a copy's size array (proxies.total_bytes), and
- * the enqueue's record take (wrappers.take_rule, below).
+/* Optional accelerators of the recv probes: the bytes sum of a copy's size array (proxies.total_bytes), the
+ * enqueue's record take (wrappers.take_rule, below), the gate rule after a gate wait (wrappers.gate_rule) and
+ * the save wait's after-stamp (rewrite.save_rule).
  *
  * proxies.total_bytes_rule is the reference and the fallback. total_bytes(sizes) here sums a 1-D integer
  * (or bool) array through the buffer protocol, exactly, in int64; whatever it does not take (not a numpy
@@ -134,7 +135,20 @@ static const char *field_names[N_FIELDS] = {
     "queue", "seq", "queue_depth_at_enqueue", "inflight_at_enqueue", "layer_id", "final_layer",
     "wait_for_save_layer", "gate_id", "transfer_tasks", "step", "holds"};
 static const int field_owner[N_FIELDS] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2};
-static PyObject *long_one, *long_zero, *str_dict; /* 1, 0 and "__dict__", set at import */
+static PyObject *long_one, *long_zero, *long_minus_one, *str_dict; /* 1, 0, -1 and "__dict__", set at import */
+
+/* The offset of type's plain object slot name (a T_OBJECT_EX member, writable, inside the instance), -1
+ * when it is not one (a property put there, a changed class: that field then goes through getattr/setattr),
+ * -2 with the exception set when the type has no such attribute at all. */
+static Py_ssize_t member_offset(PyTypeObject *type, PyObject *name) {
+    PyMemberDef *m;
+    PyObject *d = PyObject_GetAttr((PyObject *)type, name);
+    if (d == NULL) return -2;
+    m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
+    Py_DECREF(d);
+    return (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
+            m->offset + (Py_ssize_t)sizeof(PyObject *) > type->tp_basicsize) ? -1 : m->offset;
+}
 
 typedef struct {
     PyObject_HEAD
@@ -147,28 +161,38 @@ typedef struct {
     vectorcallfunc vectorcall;
 } Take;
 
-/* Field f of o, a new reference (NULL with AttributeError when the slot is unset, as getattr would). */
-static PyObject *fget(Take *t, PyObject *o, int f) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[field_owner[f]]) {
-        PyObject *v = *(PyObject **)((char *)o + t->offset[f]);
+/* o.<name>, a new reference: the slot at offset when o's type is exactly type (NULL with AttributeError when
+ * it is unset, as getattr would), else getattr. */
+static inline PyObject *slot_get(PyObject *o, Py_ssize_t offset, PyTypeObject *type, PyObject *name) {
+    if (offset > 0 && Py_TYPE(o) == type) {
+        PyObject *v = *(PyObject **)((char *)o + offset);
         if (v == NULL) {
-            PyErr_SetObject(PyExc_AttributeError, t->name[f]);
+            PyErr_SetObject(PyExc_AttributeError, name);
             return NULL;
         }
         Py_INCREF(v);
         return v;
     }
-    return PyObject_GetAttr(o, t->name[f]);
+    return PyObject_GetAttr(o, name);
 }
 
-/* o.<f> = v (v borrowed). */
-static int fset(Take *t, PyObject *o, int f, PyObject *v) {
-    if (t->offset[f] > 0 && Py_TYPE(o) == t->type[field_owner[f]]) {
+/* o.<name> = v (v borrowed), at the slot's offset as slot_get reads it, else setattr. */
+static inline int slot_set(PyObject *o, Py_ssize_t offset, PyTypeObject *type, PyObject *name, PyObject *v) {
+    if (offset > 0 && Py_TYPE(o) == type) {
         Py_INCREF(v);
-        Py_XSETREF(*(PyObject **)((char *)o + t->offset[f]), v);
+        Py_XSETREF(*(PyObject **)((char *)o + offset), v);
         return 0;
     }
-    return PyObject_SetAttr(o, t->name[f], v);
+    return PyObject_SetAttr(o, name, v);
+}
+
+/* Field f of o (a new reference) and o.<f> = v (v borrowed). */
+static PyObject *fget(Take *t, PyObject *o, int f) {
+    return slot_get(o, t->offset[f], t->type[field_owner[f]], t->name[f]);
+}
+
+static int fset(Take *t, PyObject *o, int f, PyObject *v) {
+    return slot_set(o, t->offset[f], t->type[field_owner[f]], t->name[f], v);
 }
 
 /* o.<f> = v, v stolen (NULL: the exception of the expression that made it). */
@@ -348,18 +372,9 @@ static int Take_init(Take *self, PyObject *args, PyObject *kwds) {
         Py_XSETREF(self->type[i], (PyTypeObject *)types[i]);
     }
     for (i = 0; i < N_FIELDS; i++) {
-        PyObject *d;
-        PyMemberDef *m;
         Py_XSETREF(self->name[i], PyUnicode_InternFromString(field_names[i]));
         if (self->name[i] == NULL) return -1;
-        d = PyObject_GetAttr((PyObject *)self->type[field_owner[i]], self->name[i]);
-        if (d == NULL) return -1;
-        m = Py_IS_TYPE(d, &PyMemberDescr_Type) ? ((PyMemberDescrObject *)d)->d_member : NULL;
-        Py_DECREF(d);
-        /* not a plain slot (a property put there, a changed class): that field through getattr/setattr */
-        self->offset[i] = (m == NULL || m->type != T_OBJECT_EX || (m->flags & READONLY) || m->offset <= 0 ||
-                           m->offset + (Py_ssize_t)sizeof(PyObject *) > self->type[field_owner[i]]->tp_basicsize)
-                              ? -1 : m->offset;
+        if ((self->offset[i] = member_offset(self->type[field_owner[i]], self->name[i])) < -1) return -1;
     }
     return 0;
 }
@@ -410,6 +425,545 @@ static PyTypeObject Take_Type = {
     .tp_vectorcall_offset = offsetof(Take, vectorcall),
 };
 
+
+/* ---- the gate rule after a successful gate wait (wrappers.gate_rule is the reference; same statements, same
+ * order) ----------------------------------------------------------------------------------------------------
+ *
+ * GateAfter(rule, record_type, log_type, position_type, stamp_attr, cond_wait, npu_sync, dep_npu, bits,
+ *           record_lo, npu_lo)
+ *     (rec, gate, g0, g1, stages) -> None:
+ *
+ *     try: gstamp = gate.__dict__.get(stamp_attr)
+ *     except AttributeError: gstamp = None
+ *     deps = rec.deps
+ *     rec.has_dep |= bits
+ *     if gstamp is None:
+ *         stages += (npu_sync, g0, g1)
+ *         deps[record_lo] = deps[npu_lo] = rec.t_enqueue
+ *         deps[record_lo + 1] = g0
+ *         deps[npu_lo + 1] = g1
+ *     else:
+ *         grec, gpos, gmark = gstamp
+ *         gcond = grec if grec < g1 else g1
+ *         if gcond < g0: gcond = g0
+ *         if gcond > g0: stages += (cond_wait, g0, gcond, npu_sync, gcond, g1)
+ *         else: stages += (npu_sync, gcond, g1)
+ *         glog = gpos.log
+ *         gp = gpos.position
+ *         if g1 < glog.done_by[gp]: glog.done_by[gp] = g1
+ *         if gp > glog.observed: glog.observed = gp
+ *         deps[record_lo] = deps[record_lo + 1] = deps[npu_lo] = grec
+ *         deps[npu_lo + 1] = g1
+ *         rec.npu_marks.append((dep_npu, gpos))
+ *         if gmark is not None: rec.npu_marks.append((dep_npu, gmark))
+ *
+ * The constants are the rule's own, handed in by wrappers.make_gate_after. A stamp that is neither None nor a
+ * tuple of three (never written by wrap_gate_record) goes to ``rule`` (the rule's text compiled,
+ * wrappers.gate_after_rule) before anything is written, which then unpacks it as the text does. Fields of the
+ * exact record / log / position types are their slots, read and written at the member offsets; another type,
+ * or a field that is not a plain slot, goes through getattr/setattr. The one list operations are the rule's:
+ * ``stages += tuple`` appends the items to an exact list (what list.extend does), anything else gets the
+ * tuple through ``+=`` (PyNumber_InPlaceAdd; the caller's ``stages`` is not rebound, but it is the record's own
+ * list, and ``+=`` of a non-list never reaches the record); ``deps[i] = v`` and ``done_by[gp]`` on an exact
+ * list with an index inside it are the list's item, else PyObject_SetItem/GetItem (the same IndexError).
+ * Comparisons are PyObject_RichCompareBool (the rule's ``<``/``>`` and truth), ``|=`` PyNumber_InPlaceOr, both done
+ * in C for exact ints of up to two digits (gcompare, gor: the same answers). Upstream's gate is only read:
+ * its ``__dict__`` and, in that, our own stamp. An error leaves the exception set, as the rule would raise it,
+ * with what the rule had written by then written (the caller's handler turns tracing off).
+ * tests/instrument/test_gate_after.py compares it with the rule over generated records, stamps and logs. */
+
+enum { GF_DEPS, GF_HAS_DEP, GF_T_ENQUEUE, GF_NPU_MARKS, /* TaskRecord */
+       GF_LOG, GF_POSITION,                             /* StreamPosition */
+       GF_DONE_BY, GF_OBSERVED,                          /* StreamLog */
+       N_GFIELDS };
+static const char *gfield_names[N_GFIELDS] = {"deps", "has_dep", "t_enqueue", "npu_marks", "log", "position",
+                                              "done_by", "observed"};
+static const int gfield_owner[N_GFIELDS] = {0, 0, 0, 0, 2, 2, 1, 1};
+static PyObject *str_get, *str_append; /* "get", "append", set at import */
+
+/* GateAfter's, and SaveAfter's (below: bits, lo[0], idx[0..1], type[0], the record's fields, and its own names
+ * and stage). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *rule;       /* the rule's text compiled: a stamp that is not None or a 3-tuple */
+    PyObject *stamp_attr; /* wrappers.GATE_STAMP_ATTR */
+    PyObject *cond_wait, *npu_sync, *dep_npu, *bits;
+    PyObject *events_attr, *set_ns_attr, *stage; /* SaveAfter: "layer_save_finished_events", "set_ns", its stage */
+    Py_ssize_t lo[2];     /* deps index of GATE_RECORD's lo, GATE_NPU's lo */
+    PyObject *idx[4];     /* the same indices and their his as ints: record_lo, record_lo + 1, npu_lo, npu_lo + 1 */
+    PyTypeObject *type[3]; /* TaskRecord, StreamLog, StreamPosition: their slots are read at offset[] */
+    PyObject *name[N_GFIELDS];
+    Py_ssize_t offset[N_GFIELDS];
+    vectorcallfunc vectorcall;
+} Rule;
+
+/* Field f of o (a new reference) and o.<f> = v (v borrowed), as Take's fget/fset. */
+static PyObject *gget(Rule *t, PyObject *o, int f) {
+    return slot_get(o, t->offset[f], t->type[gfield_owner[f]], t->name[f]);
+}
+
+static int gset(Rule *t, PyObject *o, int f, PyObject *v) {
+    return slot_set(o, t->offset[f], t->type[gfield_owner[f]], t->name[f], v);
+}
+
+/* 1 and *out set when o is an exact int of at most two 30-bit digits (|v| < 2^60: every ns stamp, index, count
+ * and bit mask), read from its digits as _ringpack's as_int reads them; 0 otherwise (no exception). */
+static inline int small_int(PyObject *o, long long *out) {
+#if PY_VERSION_HEX < 0x030C0000 && PyLong_SHIFT == 30
+    if (PyLong_CheckExact(o)) {
+        Py_ssize_t size = Py_SIZE(o);
+        const digit *d = ((PyLongObject *)o)->ob_digit;
+        if (size >= -2 && size <= 2) {
+            Py_ssize_t n = size < 0 ? -size : size;
+            long long v = n == 0 ? 0 : n == 1 ? (long long)d[0] : (long long)d[0] | (long long)d[1] << PyLong_SHIFT;
+            *out = size < 0 ? -v : v;
+            return 1;
+        }
+    }
+#else
+    (void)o;
+    (void)out;
+#endif
+    return 0;
+}
+
+/* PyObject_RichCompareBool(a, b, op) for op <, > or >=: two such exact ints compared by value in C (what
+ * long_richcompare answers), anything else the generic comparison (its exceptions too). */
+static inline int gcompare(PyObject *a, PyObject *b, int op) {
+    long long x, y;
+    if (small_int(a, &x) && small_int(b, &y)) return op == Py_LT ? x < y : op == Py_GT ? x > y : x >= y;
+    return PyObject_RichCompareBool(a, b, op);
+}
+
+/* v | bits (new reference): in C for two such non-negative exact ints (PyLong_FromLongLong: the small-int cache
+ * as long_or's result), else PyNumber_InPlaceOr (the rule's |=). */
+static inline PyObject *gor(PyObject *v, PyObject *bits) {
+    long long x, y;
+    if (small_int(v, &x) && small_int(bits, &y) && x >= 0 && y >= 0) return PyLong_FromLongLong(x | y);
+    return PyNumber_InPlaceOr(v, bits);
+}
+
+/* deps[k] = v for the k-th of the four gate indices (v borrowed): list_ass_item's own store when deps is an
+ * exact list holding that index, else the subscript store (its IndexError, a dict's or another type's). */
+static int gstore(Rule *t, PyObject *deps, int k, PyObject *v) {
+    Py_ssize_t i = t->lo[k >> 1] + (k & 1);
+    if (PyList_CheckExact(deps) && i < PyList_GET_SIZE(deps)) {
+        PyObject *old = PyList_GET_ITEM(deps, i);
+        Py_INCREF(v);
+        PyList_SET_ITEM(deps, i, v);
+        Py_DECREF(old);
+        return 0;
+    }
+    return PyObject_SetItem(deps, t->idx[k], v);
+}
+
+/* stages += (n items) (borrowed). */
+static int gextend(PyObject *stages, PyObject **items, int n) {
+    int i;
+    PyObject *tup, *r;
+    if (PyList_CheckExact(stages)) {
+        for (i = 0; i < n; i++)
+            if (PyList_Append(stages, items[i]) < 0) return -1;
+        return 0;
+    }
+    if ((tup = PyTuple_New(n)) == NULL) return -1;
+    for (i = 0; i < n; i++) {
+        Py_INCREF(items[i]);
+        PyTuple_SET_ITEM(tup, i, items[i]);
+    }
+    r = PyNumber_InPlaceAdd(stages, tup);
+    Py_DECREF(tup);
+    if (r == NULL) return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+/* rec.npu_marks.append((dep_npu, mark)) */
+static int gmark_append(Rule *t, PyObject *rec, PyObject *mark) {
+    PyObject *marks, *pair, *r;
+    int ret;
+    if ((marks = gget(t, rec, GF_NPU_MARKS)) == NULL) return -1;
+    if ((pair = PyTuple_Pack(2, t->dep_npu, mark)) == NULL) {
+        Py_DECREF(marks);
+        return -1;
+    }
+    if (PyList_CheckExact(marks)) {
+        ret = PyList_Append(marks, pair);
+    } else {
+        r = PyObject_CallMethodOneArg(marks, str_append, pair); /* not "O": pair is a tuple */
+        ret = r == NULL ? -1 : 0;
+        Py_XDECREF(r);
+    }
+    Py_DECREF(pair);
+    Py_DECREF(marks);
+    return ret;
+}
+
+/* gate.__dict__.get(stamp_attr), None on AttributeError anywhere in that expression (a new reference; NULL
+ * with another exception). */
+static PyObject *gate_stamp(Rule *t, PyObject *gate) {
+    PyObject *d, *v;
+    if ((d = PyObject_GetAttr(gate, str_dict)) != NULL) {
+        if (PyDict_CheckExact(d)) {
+            v = PyDict_GetItemWithError(d, t->stamp_attr);
+            if (v == NULL && !PyErr_Occurred()) v = Py_None;
+            Py_XINCREF(v);
+        } else {
+            v = PyObject_CallMethodOneArg(d, str_get, t->stamp_attr);
+        }
+        Py_DECREF(d);
+        if (v != NULL) return v;
+    }
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+    PyErr_Clear();
+    Py_RETURN_NONE;
+}
+
+static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Rule *t = (Rule *)callable;
+    PyObject *rec, *g0, *g1, *stages, *gstamp, *deps = NULL, *v = NULL, *glog = NULL, *gp = NULL, *done_by = NULL;
+    PyObject *items[6];
+    int r;
+    if (PyVectorcall_NARGS(nargsf) != 5 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "gate_after(rec, gate, g0, g1, stages)");
+        return NULL;
+    }
+    if (t->rule == NULL) {
+        PyErr_SetString(PyExc_TypeError, "GateAfter not initialised");
+        return NULL;
+    }
+    rec = args[0];
+    g0 = args[2];
+    g1 = args[3];
+    stages = args[4];
+    if ((gstamp = gate_stamp(t, args[1])) == NULL) return NULL;
+    if (gstamp != Py_None && !(PyTuple_CheckExact(gstamp) && PyTuple_GET_SIZE(gstamp) == 3)) {
+        Py_DECREF(gstamp); /* not the stamp wrap_gate_record writes: the rule's own unpacking */
+        return PyObject_Vectorcall(t->rule, args, 5, NULL);
+    }
+    if ((deps = gget(t, rec, GF_DEPS)) == NULL) goto fail;
+    if ((v = gget(t, rec, GF_HAS_DEP)) == NULL) goto fail;
+    Py_SETREF(v, gor(v, t->bits));
+    if (v == NULL || gset(t, rec, GF_HAS_DEP, v) < 0) goto fail;
+    Py_CLEAR(v);
+    if (gstamp == Py_None) { /* recorded before tracing started (or a gate without __dict__) */
+        items[0] = t->npu_sync;
+        items[1] = g0;
+        items[2] = g1;
+        if (gextend(stages, items, 3) < 0) goto fail;
+        if ((v = gget(t, rec, GF_T_ENQUEUE)) == NULL) goto fail;
+        if (gstore(t, deps, 0, v) < 0 || gstore(t, deps, 2, v) < 0) goto fail;
+        Py_CLEAR(v);
+        if (gstore(t, deps, 1, g0) < 0 || gstore(t, deps, 3, g1) < 0) goto fail;
+    } else {
+        /* borrowed from gstamp (a tuple, held until the end) */
+        PyObject *grec = PyTuple_GET_ITEM(gstamp, 0), *gpos = PyTuple_GET_ITEM(gstamp, 1);
+        PyObject *gmark = PyTuple_GET_ITEM(gstamp, 2), *gcond;
+        if ((r = gcompare(grec, g1, Py_LT)) < 0) goto fail;
+        gcond = r ? grec : g1;
+        if ((r = gcompare(gcond, g0, Py_LT)) < 0) goto fail;
+        if (r) gcond = g0;
+        if ((r = gcompare(gcond, g0, Py_GT)) < 0) goto fail;
+        if (r) {
+            items[0] = t->cond_wait;
+            items[1] = g0;
+            items[2] = gcond;
+            items[3] = t->npu_sync;
+            items[4] = gcond;
+            items[5] = g1;
+            r = gextend(stages, items, 6);
+        } else {
+            items[0] = t->npu_sync;
+            items[1] = gcond;
+            items[2] = g1;
+            r = gextend(stages, items, 3);
+        }
+        if (r < 0) goto fail;
+        if ((glog = gget(t, gpos, GF_LOG)) == NULL || (gp = gget(t, gpos, GF_POSITION)) == NULL) goto fail;
+        if ((done_by = gget(t, glog, GF_DONE_BY)) == NULL) goto fail;
+        if (PyList_CheckExact(done_by)) {
+            long long i;
+            if (small_int(gp, &i) && i >= 0 && i < PyList_GET_SIZE(done_by)) { /* else the subscript's own way */
+                v = PyList_GET_ITEM(done_by, i);
+                Py_INCREF(v);
+            }
+        }
+        if (v == NULL && (v = PyObject_GetItem(done_by, gp)) == NULL) goto fail;
+        Py_CLEAR(done_by);
+        r = gcompare(g1, v, Py_LT);
+        Py_CLEAR(v);
+        if (r < 0) goto fail;
+        if (r) {
+            if ((done_by = gget(t, glog, GF_DONE_BY)) == NULL || PyObject_SetItem(done_by, gp, g1) < 0) goto fail;
+            Py_CLEAR(done_by);
+        }
+        if ((v = gget(t, glog, GF_OBSERVED)) == NULL) goto fail;
+        r = gcompare(gp, v, Py_GT);
+        Py_CLEAR(v);
+        if (r < 0 || (r && gset(t, glog, GF_OBSERVED, gp) < 0)) goto fail;
+        if (gstore(t, deps, 0, grec) < 0 || gstore(t, deps, 1, grec) < 0 || gstore(t, deps, 2, grec) < 0 ||
+            gstore(t, deps, 3, g1) < 0)
+            goto fail;
+        if (gmark_append(t, rec, gpos) < 0) goto fail; /* tightened to the earliest later completion */
+        if (gmark != Py_None && gmark_append(t, rec, gmark) < 0) goto fail;
+        Py_CLEAR(glog);
+        Py_CLEAR(gp);
+    }
+    Py_DECREF(deps);
+    Py_DECREF(gstamp);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(v);
+    Py_XDECREF(done_by);
+    Py_XDECREF(gp);
+    Py_XDECREF(glog);
+    Py_XDECREF(deps);
+    Py_DECREF(gstamp);
+    return NULL;
+}
+
+static int GateAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
+    PyObject *rule, *types[3], *stamp_attr, *cond_wait, *npu_sync, *dep_npu, *bits;
+    Py_ssize_t lo[2];
+    int i;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "GateAfter() takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OO!O!O!UO!O!O!O!nn", &rule, &PyType_Type, &types[0], &PyType_Type, &types[1],
+                          &PyType_Type, &types[2], &stamp_attr, &PyLong_Type, &cond_wait, &PyLong_Type, &npu_sync,
+                          &PyLong_Type, &dep_npu, &PyLong_Type, &bits, &lo[0], &lo[1]))
+        return -1;
+    if (!PyCallable_Check(rule)) {
+        PyErr_SetString(PyExc_TypeError, "GateAfter: rule must be callable");
+        return -1;
+    }
+    if (lo[0] < 0 || lo[1] < 0 || lo[0] > PY_SSIZE_T_MAX - 1 || lo[1] > PY_SSIZE_T_MAX - 1) {
+        PyErr_SetString(PyExc_ValueError, "GateAfter: deps indices must be >= 0");
+        return -1;
+    }
+    Py_INCREF(stamp_attr);
+    Py_XSETREF(self->stamp_attr, stamp_attr);
+    PyUnicode_InternInPlace(&self->stamp_attr);
+    Py_INCREF(cond_wait);
+    Py_XSETREF(self->cond_wait, cond_wait);
+    Py_INCREF(npu_sync);
+    Py_XSETREF(self->npu_sync, npu_sync);
+    Py_INCREF(dep_npu);
+    Py_XSETREF(self->dep_npu, dep_npu);
+    Py_INCREF(bits);
+    Py_XSETREF(self->bits, bits);
+    for (i = 0; i < 4; i++) {
+        self->lo[i >> 1] = lo[i >> 1];
+        Py_XSETREF(self->idx[i], PyLong_FromSsize_t(lo[i >> 1] + (i & 1)));
+        if (self->idx[i] == NULL) return -1;
+    }
+    for (i = 0; i < 3; i++) {
+        Py_INCREF(types[i]);
+        Py_XSETREF(self->type[i], (PyTypeObject *)types[i]);
+    }
+    for (i = 0; i < N_GFIELDS; i++) {
+        Py_XSETREF(self->name[i], PyUnicode_InternFromString(gfield_names[i]));
+        if (self->name[i] == NULL) return -1;
+        if ((self->offset[i] = member_offset(self->type[gfield_owner[i]], self->name[i])) < -1) return -1;
+    }
+    Py_INCREF(rule); /* last: set means initialised */
+    Py_XSETREF(self->rule, rule);
+    return 0;
+}
+
+static int GateAfter_traverse(Rule *self, visitproc visit, void *arg) {
+    int i;
+    Py_VISIT(self->rule);
+    for (i = 0; i < 3; i++) Py_VISIT(self->type[i]);
+    return 0;
+}
+
+static int GateAfter_clear(Rule *self) {
+    int i;
+    Py_CLEAR(self->rule);
+    Py_CLEAR(self->stamp_attr);
+    Py_CLEAR(self->cond_wait);
+    Py_CLEAR(self->npu_sync);
+    Py_CLEAR(self->dep_npu);
+    Py_CLEAR(self->bits);
+    Py_CLEAR(self->events_attr);
+    Py_CLEAR(self->set_ns_attr);
+    Py_CLEAR(self->stage);
+    for (i = 0; i < 4; i++) Py_CLEAR(self->idx[i]);
+    for (i = 0; i < 3; i++) Py_CLEAR(self->type[i]);
+    for (i = 0; i < N_GFIELDS; i++) Py_CLEAR(self->name[i]);
+    return 0;
+}
+
+static void GateAfter_dealloc(Rule *self) {
+    PyObject_GC_UnTrack(self);
+    GateAfter_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *GateAfter_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Rule *self = (Rule *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = GateAfter_call;
+    return (PyObject *)self;
+}
+
+static PyTypeObject GateAfter_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.instrument._probes.GateAfter",
+    .tp_basicsize = sizeof(Rule),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "GateAfter(rule, record_type, log_type, position_type, stamp_attr, cond_wait, npu_sync, dep_npu, bits, "
+              "record_lo, npu_lo): the gate rule after a successful gate wait (wrappers.gate_rule), called as "
+              "gate_after(rec, gate, g0, g1, stages) -> None",
+    .tp_new = GateAfter_new,
+    .tp_init = (initproc)GateAfter_init,
+    .tp_dealloc = (destructor)GateAfter_dealloc,
+    .tp_traverse = (traverseproc)GateAfter_traverse,
+    .tp_clear = (inquiry)GateAfter_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Rule, vectorcall),
+};
+
+
+/* ---- the save wait's after-stamp (rewrite.save_rule is the reference; same statements, same order) ---------
+ *
+ * SaveAfter(record_type, events_attr, set_ns_attr, stage, bit, lo)
+ *     (rec, thread, index, w0, w1, stages) -> None:
+ *
+ *     stages += (stage, w0, w1)
+ *     set_ns = getattr(thread.<events_attr>[index], <set_ns_attr>, -1)
+ *     deps = rec.deps
+ *     rec.has_dep |= bit
+ *     if set_ns >= 0: deps[lo] = deps[lo + 1] = set_ns
+ *     else:
+ *         deps[lo] = rec.t_enqueue
+ *         deps[lo + 1] = w1
+ *
+ * The constants and names are the rule's own, handed in by rewrite.make_save_after; there is no fallback (every
+ * step above is taken with the operation the rule applies, whatever the types). Upstream's thread,
+ * its event list and the event are only read, with the rule's operations (getattr, subscript, getattr with a
+ * default: only AttributeError gives -1); the rest as in GateAfter (record slots at their offsets, ``+=``,
+ * item stores, comparisons). An error leaves the exception set, as the rule would raise it, with what the rule
+ * had written by then written. tests/instrument/test_save_after.py compares it with the rule. */
+
+static PyObject *SaveAfter_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    Rule *t = (Rule *)callable;
+    PyObject *rec, *w1, *v, *set_ns, *deps = NULL, *items[3];
+    int r;
+    if (PyVectorcall_NARGS(nargsf) != 6 || (kwnames != NULL && PyTuple_GET_SIZE(kwnames))) {
+        PyErr_SetString(PyExc_TypeError, "save_after(rec, thread, index, w0, w1, stages)");
+        return NULL;
+    }
+    if (t->stage == NULL) {
+        PyErr_SetString(PyExc_TypeError, "SaveAfter not initialised");
+        return NULL;
+    }
+    rec = args[0];
+    w1 = args[4];
+    items[0] = t->stage;
+    items[1] = args[3];
+    items[2] = w1;
+    if (gextend(args[5], items, 3) < 0) return NULL;
+    if ((v = PyObject_GetAttr(args[1], t->events_attr)) == NULL) return NULL;
+    Py_SETREF(v, PyObject_GetItem(v, args[2]));
+    if (v == NULL) return NULL;
+    set_ns = PyObject_GetAttr(v, t->set_ns_attr);
+    Py_DECREF(v);
+    if (set_ns == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return NULL;
+        PyErr_Clear();
+        set_ns = long_minus_one;
+        Py_INCREF(set_ns);
+    }
+    if ((deps = gget(t, rec, GF_DEPS)) == NULL) goto fail;
+    if ((v = gget(t, rec, GF_HAS_DEP)) == NULL) goto fail;
+    Py_SETREF(v, gor(v, t->bits));
+    if (v == NULL) goto fail;
+    r = gset(t, rec, GF_HAS_DEP, v);
+    Py_DECREF(v);
+    if (r < 0 || (r = gcompare(set_ns, long_zero, Py_GE)) < 0) goto fail;
+    if (r) {
+        if (gstore(t, deps, 0, set_ns) < 0 || gstore(t, deps, 1, set_ns) < 0) goto fail;
+    } else {
+        if ((v = gget(t, rec, GF_T_ENQUEUE)) == NULL) goto fail;
+        r = gstore(t, deps, 0, v);
+        Py_DECREF(v);
+        if (r < 0 || gstore(t, deps, 1, w1) < 0) goto fail;
+    }
+    Py_DECREF(deps);
+    Py_DECREF(set_ns);
+    Py_RETURN_NONE;
+fail:
+    Py_XDECREF(deps);
+    Py_DECREF(set_ns);
+    return NULL;
+}
+
+static int SaveAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
+    PyObject *type, *events_attr, *set_ns_attr, *stage, *bit;
+    Py_ssize_t lo;
+    int i;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "SaveAfter() takes no keyword arguments");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "O!UUO!O!n", &PyType_Type, &type, &events_attr, &set_ns_attr, &PyLong_Type, &stage,
+                          &PyLong_Type, &bit, &lo))
+        return -1;
+    if (lo < 0 || lo > PY_SSIZE_T_MAX - 1) {
+        PyErr_SetString(PyExc_ValueError, "SaveAfter: the deps index must be >= 0");
+        return -1;
+    }
+    Py_INCREF(events_attr);
+    Py_XSETREF(self->events_attr, events_attr);
+    PyUnicode_InternInPlace(&self->events_attr);
+    Py_INCREF(set_ns_attr);
+    Py_XSETREF(self->set_ns_attr, set_ns_attr);
+    PyUnicode_InternInPlace(&self->set_ns_attr);
+    Py_INCREF(bit);
+    Py_XSETREF(self->bits, bit);
+    self->lo[0] = lo;
+    for (i = 0; i < 2; i++) {
+        Py_XSETREF(self->idx[i], PyLong_FromSsize_t(lo + i));
+        if (self->idx[i] == NULL) return -1;
+    }
+    Py_INCREF(type);
+    Py_XSETREF(self->type[0], (PyTypeObject *)type);
+    for (i = 0; i < N_GFIELDS; i++) {
+        self->offset[i] = -1;
+        if (gfield_owner[i] != 0) continue; /* the record's fields only */
+        Py_XSETREF(self->name[i], PyUnicode_InternFromString(gfield_names[i]));
+        if (self->name[i] == NULL) return -1;
+        if ((self->offset[i] = member_offset(self->type[0], self->name[i])) < -1) return -1;
+    }
+    Py_INCREF(stage); /* last: set means initialised */
+    Py_XSETREF(self->stage, stage);
+    return 0;
+}
+
+static PyObject *SaveAfter_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Rule *self = (Rule *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = SaveAfter_call;
+    return (PyObject *)self;
+}
+
+static PyTypeObject SaveAfter_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.instrument._probes.SaveAfter",
+    .tp_basicsize = sizeof(Rule),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_doc = "SaveAfter(record_type, events_attr, set_ns_attr, stage, bit, lo): the save wait's after-stamp "
+              "(rewrite.save_rule), called as save_after(rec, thread, index, w0, w1, stages) -> None",
+    .tp_new = SaveAfter_new,
+    .tp_init = (initproc)SaveAfter_init,
+    .tp_dealloc = (destructor)GateAfter_dealloc,
+    .tp_traverse = (traverseproc)GateAfter_traverse,
+    .tp_clear = (inquiry)GateAfter_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(Rule, vectorcall),
+};
+
 static PyMethodDef probes_methods[] = {
     {"total_bytes", (PyCFunction)total_bytes, METH_O,
      "total_bytes(sizes): exact sum of a 1-D integer ndarray, else the Python rule's answer"},
@@ -424,13 +978,29 @@ static struct PyModuleDef probes_module = {
 PyMODINIT_FUNC PyInit__probes(void) {
     PyObject *m;
     if ((long_one = PyLong_FromLong(1)) == NULL || (long_zero = PyLong_FromLong(0)) == NULL ||
-        (str_dict = PyUnicode_InternFromString("__dict__")) == NULL)
+        (long_minus_one = PyLong_FromLong(-1)) == NULL ||
+        (str_dict = PyUnicode_InternFromString("__dict__")) == NULL ||
+        (str_get = PyUnicode_InternFromString("get")) == NULL ||
+        (str_append = PyUnicode_InternFromString("append")) == NULL)
         return NULL;
-    if (PyType_Ready(&Take_Type) < 0) return NULL;
+    if (PyType_Ready(&Take_Type) < 0 || PyType_Ready(&GateAfter_Type) < 0 || PyType_Ready(&SaveAfter_Type) < 0)
+        return NULL;
     if ((m = PyModule_Create(&probes_module)) == NULL) return NULL;
     Py_INCREF(&Take_Type);
     if (PyModule_AddObject(m, "Take", (PyObject *)&Take_Type) < 0) {
         Py_DECREF(&Take_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&GateAfter_Type);
+    if (PyModule_AddObject(m, "GateAfter", (PyObject *)&GateAfter_Type) < 0) {
+        Py_DECREF(&GateAfter_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&SaveAfter_Type);
+    if (PyModule_AddObject(m, "SaveAfter", (PyObject *)&SaveAfter_Type) < 0) {
+        Py_DECREF(&SaveAfter_Type);
         Py_DECREF(m);
         return NULL;
     }

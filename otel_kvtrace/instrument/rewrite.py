@@ -143,32 +143,90 @@ def _wait_loop(start: str, stage: str) -> tuple[str, str, str]:
 
 
 _SAVE_BEFORE, _SAVE_TIMED_OUT, _SAVE_RESTART = _wait_loop("w0", "SAVE_CPU_WAIT")
-_SAVE_AFTER = f"""
+_SAVE_EVENTS, _SET_NS = "layer_save_finished_events", "set_ns"
+
+
+def save_rule(p: str, thread: str, index: str) -> str:
+    """THE save wait's after-stamp, as statements over names prefixed ``p``: after the last (successful) ``wait()``
+    of ``<thread>.layer_save_finished_events[<index>]`` that ran from ``w0`` to ``w1``, its stage and the save's CPU
+    dependency, exact when the event is our proxy (its ``set_ns``, the producer's ``set()`` time), else bounded by
+    the task's enqueue and ``w1``. ``_probes.SaveAfter`` (``NATIVE_SAVE``) is this rule in C, statement by
+    statement, called once in its place (``save_after(rec, thread, index, w0, w1, stages)``); without the
+    extension the text is inlined (``tests/instrument/test_save_after.py`` holds the two equal;
+    :func:`save_after_rule` is the text as a function, the tests' reference)."""
+    lo = 2 * _D["SAVE_CPU"]
+    return f"""
+{p}stages += ({_S['SAVE_CPU_WAIT']}, {p}w0, {p}w1)
+{p}set_ns = {p}getattr({thread}.{_SAVE_EVENTS}[{index}], {_SET_NS!r}, -1)
+{p}deps = {p}rec.deps
+{p}rec.has_dep |= {1 << _D['SAVE_CPU']}
+if {p}set_ns >= 0:
+    {p}deps[{lo}] = {p}deps[{lo + 1}] = {p}set_ns
+else:
+    {p}deps[{lo}] = {p}rec.t_enqueue
+    {p}deps[{lo + 1}] = {p}w1
+"""
+
+
+def save_after_rule() -> Callable:
+    """:func:`save_rule`'s text as the function ``save_after(rec, thread, index, w0, w1, stages)``: the reference
+    ``tests/instrument/test_save_after.py`` compares ``_probes.SaveAfter`` with."""
+    source = ("def save_after(rec, thread, index, w0, w1, stages):\n" +
+              wrappers.indent_rule(save_rule("", "thread", "index"), 4) + "\n")
+    ns: dict[str, Any] = {}
+    exec(compile(source, f"{__file__}:save_after", "exec"), ns)  # noqa: S102 - our own rule's text
+    return ns["save_after"]
+
+
+NATIVE_SAVE: Any = wrappers._native("SaveAfter")
+"""The native save after-stamp (``None``: :func:`save_rule` is inlined). Read when ``_SAVE_AFTER`` is generated
+(at import) and when the callable is made (:func:`make_save_after`); a test that sets it to None swaps
+``_SAVE_AFTER`` too."""
+
+
+def make_save_after() -> Any:
+    """``NATIVE_SAVE`` over the rule's own names and constants, or None without the extension."""
+    if NATIVE_SAVE is None:
+        return None
+    return NATIVE_SAVE(TaskRecord, _SAVE_EVENTS, _SET_NS, _S["SAVE_CPU_WAIT"], 1 << _D["SAVE_CPU"],
+                       2 * _D["SAVE_CPU"])
+
+
+def _save_after(native: bool) -> str:
+    """After the last (successful) save ``wait()``: :func:`save_rule`, or (``native``) its one native call."""
+    rule = (f"{_T}save_after({_T}rec, SELF, ARG, {_T}w0, {_T}w1, {_T}stages)\n" if native
+            else save_rule(_T, "SELF", "ARG"))
+    return f"""
 {_T}w1 = {_T}clock()
 try:
-    {_T}stages += ({_S['SAVE_CPU_WAIT']}, {_T}w0, {_T}w1)
-    {_T}set_ns = {_T}getattr(SELF.layer_save_finished_events[ARG], "set_ns", -1)
-    {_T}deps = {_T}rec.deps
-    {_T}rec.has_dep |= {1 << _D['SAVE_CPU']}
-    if {_T}set_ns >= 0:
-        {_T}deps[{2 * _D['SAVE_CPU']}] = {_T}deps[{2 * _D['SAVE_CPU'] + 1}] = {_T}set_ns
-    else:
-        {_T}deps[{2 * _D['SAVE_CPU']}] = {_T}rec.t_enqueue
-        {_T}deps[{2 * _D['SAVE_CPU'] + 1}] = {_T}w1
+""" + wrappers.indent_rule(rule, 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
 
+
+_SAVE_AFTER = _save_after(NATIVE_SAVE is not None)
+_SAVE_AFTER_INLINE = _save_after(False)  # the rule's text: what a process without the extension compiles
+
 _GATE_BEFORE, _GATE_TIMED_OUT, _GATE_RESTART = _wait_loop("g0", "GATE_COND_WAIT")
-# After the last (successful) gate ``wait()``: ``wrappers.gate_rule``, the one definition the wrapper path
-# is generated from too.
-_GATE_AFTER = f"""
+
+
+def _gate_after(native: bool) -> str:
+    """After the last (successful) gate ``wait()``: ``wrappers.gate_rule``, the one definition the wrapper path
+    is generated from too; ``native``: that rule as one call of ``_probes.GateAfter`` (``__kvtrace_gate_after``)."""
+    rule = (f"{_T}gate_after({_T}rec, ARG, {_T}g0, {_T}g1, {_T}stages)\n" if native
+            else wrappers.gate_rule(_T, "ARG"))
+    return f"""
 {_T}g1 = {_T}clock()
 try:
-""" + wrappers.indent_rule(wrappers.gate_rule(_T, "ARG"), 4) + f"""
+""" + wrappers.indent_rule(rule, 4) + f"""
 except {_T}Exception as {_T}e:
     {_T}fail({_T}e)
 """
+
+
+_GATE_AFTER = _gate_after(wrappers.NATIVE_GATE is not None)
+_GATE_AFTER_INLINE = _gate_after(False)  # the rule's text: what a process without the extension compiles
 
 _SPAN_BEFORE = f"{_T}k0 = {_T}clock()"
 _BUILD_AFTER = f"{_T}stages += ({_S['META_BUILD']}, {_T}k0, {_T}clock())"
@@ -535,7 +593,8 @@ TAKE_UPSTREAM_FIELDS = frozenset({"layer_id", "final_layer", "wait_for_save_laye
 layer id, the comparison with it, save layer and transfer tasks): where ``take`` is called, :class:`_Upstream`
 treats them as it treats the fields the rule's text assigns such values to."""
 UPSTREAM_ARG_CALLS = frozenset({"getattr", "setattr", "len", "id", "type", "list", "queue_state", "slot_done",
-                                "npu_done", "total_bytes", "take", "fail", "original", "BackendResultError"})
+                                "npu_done", "total_bytes", "take", "gate_after", "save_after", "fail", "original",
+                                "BackendResultError"})
 """The only functions of ours (``__kvtrace_<name>``) the inserted code may hand an upstream object (or a value
 read from one); they read it (``setattr``: only with a constant ``_kvtrace*`` name, ``original``: upstream's
 own function)."""
@@ -825,11 +884,13 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
         "npu_done": _npu_done, "slot_done": _slot_done,
         "pool": getattr(recorder, "_pool", None), "new_record": TaskRecord,
         "take": wrappers.make_take(recorder) if recorder is not None else None,
+        "gate_after": wrappers.make_gate_after() if recorder is not None else None,
+        "save_after": make_save_after() if recorder is not None else None,
         **{name: getattr(builtins, name) for name in _BUILTINS},
     }
 
 
-_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], bool], Any]] = \
+_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], tuple[bool, ...]], Any]] = \
     weakref.WeakKeyDictionary()
 """Per upstream function, per (rewrite, closure names): the proved and compiled factory code; a session start
 re-runs only the exec."""
@@ -839,7 +900,8 @@ def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = r
     per_fn = _COMPILED.get(original)
     if per_fn is None:
         per_fn = _COMPILED[original] = {}
-    key = (tree, names, wrappers.NATIVE_TAKE is not None)  # the enqueue's text depends on the native take
+    # the enqueue's text depends on the native take, the gate and save stamps' on the native rules
+    key = (tree, names, (wrappers.NATIVE_TAKE is not None, wrappers.NATIVE_GATE is not None, NATIVE_SAVE is not None))
     code = per_fn.get(key)
     if code is None:
         code = per_fn[key] = _compile_factory(original, names, tree)

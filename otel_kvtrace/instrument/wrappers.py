@@ -159,16 +159,17 @@ if {p}tasks:  # upstream clears the list after the task: keep its elements (one 
 """
 
 
-def _native_take() -> Any:
-    """``_probes.Take`` (:func:`take_rule` in C), or None when the optional extension is not built."""
+def _native(name: str) -> Any:
+    """``_probes.<name>`` (``Take``: :func:`take_rule` in C, ``GateAfter``: :func:`gate_rule`, ``SaveAfter``:
+    ``rewrite.save_rule``), or None when the optional extension is not built."""
     try:
         from otel_kvtrace.instrument import _probes  # type: ignore[attr-defined]
     except ImportError:
         return None
-    return getattr(_probes, "Take", None)
+    return getattr(_probes, name, None)
 
 
-NATIVE_TAKE: Any = _native_take()
+NATIVE_TAKE: Any = _native("Take")
 """The native record take of the enqueue (``None``: :func:`take_rule` is inlined). Read when the enqueue's text
 is generated (:func:`enqueue_rule`: the compiled templates at ``rewrite``'s import, the wrapper's at install)
 and when its closure is made (:func:`make_take`); a test that sets it to None swaps the templates too."""
@@ -481,7 +482,11 @@ def gate_rule(p: str, gate: str) -> str:
     the record was seen, then the NPU synchronize; the record time is exact, the NPU completion bounded
     (tightened by stream order: ``StreamLog.observe`` inlined). The wrapper below (``p=""``) and the
     compiled probes (``rewrite._GATE_AFTER``, ``p="__kvtrace_"``) are both generated from this text: one
-    definition, no frame of its own on either path (TaskRecord.dep_exact/dep_bounds inlined too)."""
+    definition, no frame of its own on either path (TaskRecord.dep_exact/dep_bounds inlined too).
+    ``_probes.GateAfter`` (``NATIVE_GATE``) is this rule in C, statement by statement, called once in its place
+    (``gate_after(rec, gate, g0, g1, stages)``); without the extension the text is inlined
+    (``tests/instrument/test_gate_after.py`` holds the two equal; :func:`gate_after_rule` is the text as a
+    function, the C's fallback and the tests' reference)."""
     return f"""
 try:
     {p}gstamp = {gate}.__dict__.get({GATE_STAMP_ATTR!r})
@@ -517,8 +522,39 @@ else:
 """
 
 
-_GATE_WAIT_SOURCE = f"""
-def make(original, clock, state_by_thread, get_ident, rt):
+_GATE_AFTER_SOURCE = f"""
+def make():
+    def gate_after(rec, gate, g0, g1, stages):
+{indent_rule(gate_rule("", "gate"), 8)}
+    return gate_after
+"""
+
+
+def gate_after_rule() -> Callable:
+    """:func:`gate_rule`'s text as the function ``gate_after(rec, gate, g0, g1, stages)`` (compiled once, its lines in
+    ``linecache``): what ``_probes.GateAfter`` hands a stamp it does not take (not None, not a tuple of three),
+    and the reference ``tests/instrument/test_gate_after.py`` compares it with."""
+    return generated("gate_after")()
+
+
+NATIVE_GATE: Any = _native("GateAfter")
+"""The native gate rule (``None``: :func:`gate_rule` is inlined). Read when the gate stamps' text is generated
+(``rewrite._GATE_AFTER`` at ``rewrite``'s import, the wrapper's at install) and when the callable is made
+(:func:`make_gate_after`); a test that sets it to None swaps ``rewrite._GATE_AFTER`` too."""
+
+
+def make_gate_after() -> Any:
+    """``NATIVE_GATE`` over the rule's own constants and types, or None without the extension."""
+    if NATIVE_GATE is None:
+        return None
+    return NATIVE_GATE(gate_after_rule(), TaskRecord, StreamLog, StreamPosition, GATE_STAMP_ATTR, GATE_COND_WAIT,
+                       GATE_NPU_SYNC, DEP_GATE_NPU, _GATE_BITS, _GATE_RECORD_LO, _GATE_NPU_LO)
+
+
+def _gate_wait_source(native: bool) -> str:
+    rule = "gate_after(rec, self, g0, g1, stages)\n" if native else gate_rule("", "self")
+    return f"""
+def make(original, clock, state_by_thread, get_ident, rt, gate_after):
     def wait(self, *args, **kwargs):
         st = state_by_thread.get(get_ident())
         if st is None or st.current is None:
@@ -533,7 +569,7 @@ def make(original, clock, state_by_thread, get_ident, rt):
                 if not ok:  # timed out waiting for the record
                     stages += ({GATE_COND_WAIT}, g0, g1)
                 else:
-{indent_rule(gate_rule("", "self"), 20)}
+{indent_rule(rule, 20)}
         except Exception as exc:
             rt.fail(exc)
         return ok
@@ -541,9 +577,15 @@ def make(original, clock, state_by_thread, get_ident, rt):
 """
 
 
+_GATE_WAIT_SOURCE = {native: _gate_wait_source(native) for native in (False, True)}
+"""The gate wait wrapper's text, with the gate rule inlined (False) or native (True): see :func:`gate_rule`."""
+
+
 def wrap_gate_wait(original: Callable, rt: Runtime) -> Callable:
     """Stages and dependencies of one gate ``wait()`` (:func:`gate_rule`) on a recv thread of the wrapper path."""
-    wait = generated("gate_wait")(original, rt.recorder.clock, rt.state_by_thread, get_ident, rt)
+    gate_after = make_gate_after()
+    wait = generated("gate_wait", gate_after is not None)(original, rt.recorder.clock, rt.state_by_thread, get_ident,
+                                                          rt, gate_after)
     return _mark(wait, original)
 
 

@@ -325,6 +325,31 @@ def test_a_raising_batch_copy_raises_the_same_with_and_without_tracing(upstream:
     assert rec.stages[-3] == 7  # backend_submit, closed by the exception
 
 
+@pytest.mark.parametrize("probes", ["compiled", "wrappers"])
+def test_a_raising_native_gate_rule_turns_tracing_off_not_the_recv_thread(upstream: Upstream, monkeypatch: Any,
+                                                                          probes: str) -> None:
+    """A gate stamp the recording never writes (two items) makes the gate rule raise inside the native call
+    (``_probes.GateAfter`` hands it to the rule's text, whose unpacking raises): the stamp's handler turns
+    tracing off with that error, and upstream's ``_handle_request`` completes the load as without tracing."""
+    monkeypatch.setenv("OTEL_KVTRACE_PROBES", probes)
+    targets = upstream.binding.to_targets()
+    session = start_tracing(targets, exporter=None, run_id="gate-raise")
+    try:
+        assert patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__] == probes
+        env = upstream.gva_thread(N_LAYERS, FakeBackend(), start=False)
+        thread = env.thread
+        gate = upstream.gate_class()
+        gate.record()
+        gate.__dict__[wrappers.GATE_STAMP_ATTR] = (1, 2)
+        thread.add_request(upstream.gva_task(1, [upstream.request("r1", 3)], gate=gate))
+        thread._handle_request(thread.request_queue.get())
+        assert env.load_done[1].is_set()
+        reason = session.recorder.disabled_reason
+    finally:
+        session.shutdown()
+    assert reason is not None and "not enough values to unpack" in reason, reason
+
+
 # ---- same records on both paths -----------------------------------------------------------------------
 
 
@@ -399,8 +424,13 @@ def _shape(rec: Any) -> dict[str, Any]:
 
 
 def _inline_take(monkeypatch: Any) -> None:
-    """What a process without the ``_probes`` extension runs: the enqueue's record take as its rule's text."""
+    """What a process without the ``_probes`` extension runs: the enqueue's record take, the gate rule and the save
+    wait's after-stamp as their rules' text."""
     monkeypatch.setattr(wrappers, "NATIVE_TAKE", None)
+    monkeypatch.setattr(wrappers, "NATIVE_GATE", None)
+    monkeypatch.setattr(rewrite, "_GATE_AFTER", rewrite._GATE_AFTER_INLINE)
+    monkeypatch.setattr(rewrite, "NATIVE_SAVE", None)
+    monkeypatch.setattr(rewrite, "_SAVE_AFTER", rewrite._SAVE_AFTER_INLINE)
     for capture, suffix in ((False, ""), (True, "_CAPTURE")):
         prelude, on_raise = rewrite._enqueue_templates(capture, False)
         monkeypatch.setattr(rewrite, "_ENQUEUE_PRELUDE" + suffix, prelude)
@@ -424,6 +454,12 @@ def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool = T
         enqueue = patches.probe_paths(targets)[upstream.binding.classes["recv_gva"].__qualname__ + ".add_request"]
         code = upstream.binding.classes["recv_gva"].__dict__["add_request"].__code__
         assert ((rewrite.PREFIX if probes == "compiled" else "") + "seen" in code.co_varnames) is (not native)
+        if probes == "compiled":  # the gate rule: its text inlined, or the one native call
+            handle = upstream.binding.classes["recv_gva"].__dict__["_handle_request"].__code__
+            assert (rewrite.PREFIX + "gstamp" in handle.co_varnames) is (not native)
+            assert (rewrite.PREFIX + "gate_after" in handle.co_freevars) is native
+            assert (rewrite.PREFIX + "set_ns" in handle.co_varnames) is (not native)
+            assert (rewrite.PREFIX + "save_after" in handle.co_freevars) is native
         assert enqueue == ("compiled" if probes == "compiled" else "wrapper: OTEL_KVTRACE_PROBES=wrappers"), enqueue
         assert session.recorder.disabled_reason is None  # the slotted gate did not turn tracing off
     finally:
@@ -454,10 +490,11 @@ def test_the_compiled_path_records_what_the_wrapper_path_records(upstream: Upstr
 @pytest.mark.parametrize("probes", ["compiled", "wrappers"])
 def test_the_native_record_take_records_what_its_rule_records(upstream: Upstream, monkeypatch: Any,
                                                                probes: str) -> None:
-    """The enqueue with the native record take (``_probes.Take``, the default when built) and with its rule's
-    text inlined (a process without the extension) give the same records on the same workload, on both paths;
-    the inlined text passes the proof too (the compiled path stays compiled)."""
-    if wrappers.NATIVE_TAKE is None:
+    """The enqueue with the native record take (``_probes.Take``, the default when built) and the gate stamps
+    with the native gate rule (``_probes.GateAfter``) and save after-stamp (``_probes.SaveAfter``), and all with
+    their rule's text inlined (a process without the extension) give the same records on the same workload, on
+    both paths; the inlined text passes the proof too (the compiled path stays compiled)."""
+    if wrappers.NATIVE_TAKE is None or wrappers.NATIVE_GATE is None or rewrite.NATIVE_SAVE is None:
         pytest.skip("the optional _probes extension is not built (tests/instrument/test_enqueue_take.py says why)")
     native, _ = _records(upstream, monkeypatch, probes)
     with monkeypatch.context() as m:
