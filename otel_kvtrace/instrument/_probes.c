@@ -158,6 +158,7 @@ typedef struct {
     PyTypeObject *type[3]; /* QueueState, WorkerState, TaskRecord: their slots are read at offset[] */
     PyObject *name[N_FIELDS];
     Py_ssize_t offset[N_FIELDS];
+    int ready;            /* set by a whole __init__, the last thing it does; a second __init__ is refused */
     vectorcallfunc vectorcall;
 } Take;
 
@@ -264,7 +265,7 @@ static PyObject *Take_call(PyObject *callable, PyObject *const *args, size_t nar
         PyErr_SetString(PyExc_TypeError, "take(st, layer_id, wait_for_save_layer, tasks, gate)");
         return NULL;
     }
-    if (t->pop == NULL) {
+    if (!t->ready) {
         PyErr_SetString(PyExc_TypeError, "Take not initialised");
         return NULL;
     }
@@ -356,6 +357,10 @@ static int Take_init(Take *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "Take() takes no keyword arguments");
         return -1;
     }
+    if (self->ready) { /* its offsets would change under a call in progress on another thread */
+        PyErr_SetString(PyExc_TypeError, "Take() is initialised once");
+        return -1;
+    }
     PyObject *gate_attr;
     if (!PyArg_ParseTuple(args, "OOO!O!O!U", &pool, &new_record, &PyType_Type, &types[2], &PyType_Type, &types[0],
                           &PyType_Type, &types[1], &gate_attr))
@@ -376,6 +381,7 @@ static int Take_init(Take *self, PyObject *args, PyObject *kwds) {
         if (self->name[i] == NULL) return -1;
         if ((self->offset[i] = member_offset(self->type[field_owner[i]], self->name[i])) < -1) return -1;
     }
+    self->ready = 1;
     return 0;
 }
 
@@ -383,12 +389,15 @@ static int Take_traverse(Take *self, visitproc visit, void *arg) {
     int i;
     Py_VISIT(self->pop);
     Py_VISIT(self->new_record);
+    Py_VISIT(self->gate_attr);
     for (i = 0; i < 3; i++) Py_VISIT(self->type[i]);
+    for (i = 0; i < N_FIELDS; i++) Py_VISIT(self->name[i]);
     return 0;
 }
 
 static int Take_clear(Take *self) {
     int i;
+    self->ready = 0;
     Py_CLEAR(self->pop);
     Py_CLEAR(self->new_record);
     Py_CLEAR(self->gate_attr);
@@ -490,10 +499,11 @@ typedef struct {
     PyObject *cond_wait, *npu_sync, *dep_npu, *bits;
     PyObject *events_attr, *set_ns_attr, *stage; /* SaveAfter: "layer_save_finished_events", "set_ns", its stage */
     Py_ssize_t lo[2];     /* deps index of GATE_RECORD's lo, GATE_NPU's lo */
-    PyObject *idx[4];     /* the same indices and their his as ints: record_lo, record_lo + 1, npu_lo, npu_lo + 1 */
+    PyObject *idx[4];     /* the same indices and their his, as ints: record_lo, record_lo + 1, npu_lo, npu_lo + 1 */
     PyTypeObject *type[3]; /* TaskRecord, StreamLog, StreamPosition: their slots are read at offset[] */
     PyObject *name[N_GFIELDS];
     Py_ssize_t offset[N_GFIELDS];
+    int ready;            /* as Take's: a call before a whole __init__, or a second __init__, is refused */
     vectorcallfunc vectorcall;
 } Rule;
 
@@ -628,7 +638,7 @@ static PyObject *GateAfter_call(PyObject *callable, PyObject *const *args, size_
         PyErr_SetString(PyExc_TypeError, "gate_after(rec, gate, g0, g1, stages)");
         return NULL;
     }
-    if (t->rule == NULL) {
+    if (!t->ready) {
         PyErr_SetString(PyExc_TypeError, "GateAfter not initialised");
         return NULL;
     }
@@ -730,6 +740,10 @@ static int GateAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "GateAfter() takes no keyword arguments");
         return -1;
     }
+    if (self->ready) { /* its offsets would change under a call in progress on another thread */
+        PyErr_SetString(PyExc_TypeError, "GateAfter() is initialised once");
+        return -1;
+    }
     if (!PyArg_ParseTuple(args, "OO!O!O!UO!O!O!O!nn", &rule, &PyType_Type, &types[0], &PyType_Type, &types[1],
                           &PyType_Type, &types[2], &stamp_attr, &PyLong_Type, &cond_wait, &PyLong_Type, &npu_sync,
                           &PyLong_Type, &dep_npu, &PyLong_Type, &bits, &lo[0], &lo[1]))
@@ -767,20 +781,32 @@ static int GateAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
         if (self->name[i] == NULL) return -1;
         if ((self->offset[i] = member_offset(self->type[gfield_owner[i]], self->name[i])) < -1) return -1;
     }
-    Py_INCREF(rule); /* last: set means initialised */
+    Py_INCREF(rule);
     Py_XSETREF(self->rule, rule);
+    self->ready = 1;
     return 0;
 }
 
-static int GateAfter_traverse(Rule *self, visitproc visit, void *arg) {
+static int Rule_traverse(Rule *self, visitproc visit, void *arg) {
     int i;
     Py_VISIT(self->rule);
+    Py_VISIT(self->stamp_attr); /* a str or int subclass given to __init__ may hold a cycle */
+    Py_VISIT(self->cond_wait);
+    Py_VISIT(self->npu_sync);
+    Py_VISIT(self->dep_npu);
+    Py_VISIT(self->bits);
+    Py_VISIT(self->events_attr);
+    Py_VISIT(self->set_ns_attr);
+    Py_VISIT(self->stage);
+    for (i = 0; i < 4; i++) Py_VISIT(self->idx[i]);
     for (i = 0; i < 3; i++) Py_VISIT(self->type[i]);
+    for (i = 0; i < N_GFIELDS; i++) Py_VISIT(self->name[i]);
     return 0;
 }
 
-static int GateAfter_clear(Rule *self) {
+static int Rule_clear(Rule *self) {
     int i;
+    self->ready = 0;
     Py_CLEAR(self->rule);
     Py_CLEAR(self->stamp_attr);
     Py_CLEAR(self->cond_wait);
@@ -796,9 +822,9 @@ static int GateAfter_clear(Rule *self) {
     return 0;
 }
 
-static void GateAfter_dealloc(Rule *self) {
+static void Rule_dealloc(Rule *self) {
     PyObject_GC_UnTrack(self);
-    GateAfter_clear(self);
+    Rule_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -818,9 +844,9 @@ static PyTypeObject GateAfter_Type = {
               "gate_after(rec, gate, g0, g1, stages) -> None",
     .tp_new = GateAfter_new,
     .tp_init = (initproc)GateAfter_init,
-    .tp_dealloc = (destructor)GateAfter_dealloc,
-    .tp_traverse = (traverseproc)GateAfter_traverse,
-    .tp_clear = (inquiry)GateAfter_clear,
+    .tp_dealloc = (destructor)Rule_dealloc,
+    .tp_traverse = (traverseproc)Rule_traverse,
+    .tp_clear = (inquiry)Rule_clear,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Rule, vectorcall),
 };
@@ -855,7 +881,7 @@ static PyObject *SaveAfter_call(PyObject *callable, PyObject *const *args, size_
         PyErr_SetString(PyExc_TypeError, "save_after(rec, thread, index, w0, w1, stages)");
         return NULL;
     }
-    if (t->stage == NULL) {
+    if (!t->ready) {
         PyErr_SetString(PyExc_TypeError, "SaveAfter not initialised");
         return NULL;
     }
@@ -908,6 +934,10 @@ static int SaveAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "SaveAfter() takes no keyword arguments");
         return -1;
     }
+    if (self->ready) { /* its offsets would change under a call in progress on another thread */
+        PyErr_SetString(PyExc_TypeError, "SaveAfter() is initialised once");
+        return -1;
+    }
     if (!PyArg_ParseTuple(args, "O!UUO!O!n", &PyType_Type, &type, &events_attr, &set_ns_attr, &PyLong_Type, &stage,
                           &PyLong_Type, &bit, &lo))
         return -1;
@@ -937,8 +967,9 @@ static int SaveAfter_init(Rule *self, PyObject *args, PyObject *kwds) {
         if (self->name[i] == NULL) return -1;
         if ((self->offset[i] = member_offset(self->type[0], self->name[i])) < -1) return -1;
     }
-    Py_INCREF(stage); /* last: set means initialised */
+    Py_INCREF(stage);
     Py_XSETREF(self->stage, stage);
+    self->ready = 1;
     return 0;
 }
 
@@ -957,9 +988,9 @@ static PyTypeObject SaveAfter_Type = {
               "(rewrite.save_rule), called as save_after(rec, thread, index, w0, w1, stages) -> None",
     .tp_new = SaveAfter_new,
     .tp_init = (initproc)SaveAfter_init,
-    .tp_dealloc = (destructor)GateAfter_dealloc,
-    .tp_traverse = (traverseproc)GateAfter_traverse,
-    .tp_clear = (inquiry)GateAfter_clear,
+    .tp_dealloc = (destructor)Rule_dealloc,
+    .tp_traverse = (traverseproc)Rule_traverse,
+    .tp_clear = (inquiry)Rule_clear,
     .tp_call = PyVectorcall_Call,
     .tp_vectorcall_offset = offsetof(Rule, vectorcall),
 };

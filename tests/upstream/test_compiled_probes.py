@@ -423,7 +423,7 @@ def _shape(rec: Any) -> dict[str, Any]:
     return out
 
 
-def _inline_take(monkeypatch: Any) -> None:
+def _inline_rules(monkeypatch: Any) -> None:
     """What a process without the ``_probes`` extension runs: the enqueue's record take, the gate rule and the save
     wait's after-stamp as their rules' text."""
     monkeypatch.setattr(wrappers, "NATIVE_TAKE", None)
@@ -437,10 +437,14 @@ def _inline_take(monkeypatch: Any) -> None:
         monkeypatch.setattr(rewrite, "_ENQUEUE_RAISE" + suffix, on_raise)
 
 
-def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool = True) -> tuple[list[dict[str, Any]], str]:
+def _records(upstream: Upstream, monkeypatch: Any, probes: str, native: bool | None = None
+             ) -> tuple[list[dict[str, Any]], str]:
+    """``native``: the natives in use (default: where the extension is built), else the rules' text."""
+    if native is None:
+        native = wrappers.NATIVE_TAKE is not None
     monkeypatch.setenv("OTEL_KVTRACE_PROBES", probes)
     if not native:
-        _inline_take(monkeypatch)
+        _inline_rules(monkeypatch)
     gate_before = upstream.gate_class()
     gate_before.record()
     targets = upstream.binding.to_targets()
