@@ -220,24 +220,31 @@ def test_the_native_gate_rule_keeps_reference_counts() -> None:
     record and the log let go of what the rule put there, the objects it touched have their counts again."""
     native = _native()
     for name, extra in [*CASES.items(), ("raises", dict(gate="dict raises other")), ("short deps", dict(deps="short"))]:
-        case = {**BASE, **extra, "g0": 10**30, "g1": 10**30 + 100, "grec": 10**30 + 50, "t_enqueue": 10**31}
+        # big ints (no cached small ones), bounds above g1 (so the done_by store runs), has_dep past the inline path
+        bound = 10**31 + 7
+        case = {**BASE, **extra, "g0": 10**30, "g1": 10**30 + 100, "grec": 10**30 + 50, "t_enqueue": 10**31,
+                "done_by": [bound] * 3, "has_dep": 2**70 + 1}
         objs = _make(case)
         rec = objs["rec"]
-        g0, g1 = case["g0"], case["g1"]
+        g0, g1, has_dep = case["g0"], case["g1"], rec.has_dep
         watched = [x for x in (g0, g1, objs["pos"], objs["mark"], objs["stamp"], objs["gate"], rec.t_enqueue,
-                               objs["log"], objs["stamp"] and objs["stamp"][0]) if x is not None]
+                               objs["log"], objs["stamp"] and objs["stamp"][0], bound, has_dep) if x is not None]
         before = [sys.getrefcount(x) for x in watched]
+        stored = False
         for _ in range(50):
             try:
                 native(rec, objs["gate"], g0, g1, rec.stages)
             except Exception:  # noqa: BLE001, S110 - counted below
                 pass
+            stored |= objs["log"].done_by[1] is g1  # the store branch ran (position 1)
             rec.stages = list(case["prior_stages"])
             rec.deps = {"list": [NO_TIME] * (2 * NUM_DEPS), "short": [NO_TIME] * 5, "dict": {}}[case["deps"]]
             rec.npu_marks.clear()
-            if isinstance(objs["log"].done_by, list):
-                objs["log"].done_by = list(case["done_by"])
+            rec.has_dep = has_dep
+            objs["log"].done_by = (list(case["done_by"]) if isinstance(objs["log"].done_by, list)
+                                   else dict(enumerate(case["done_by"])))
         assert [sys.getrefcount(x) for x in watched] == before, name
+        assert stored or case["gate"] != "stamped" or name in ("raises", "short deps"), name
 
 
 def test_the_native_gate_rule_checks_its_call() -> None:

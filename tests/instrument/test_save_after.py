@@ -149,14 +149,14 @@ def test_the_native_save_rule_raises_what_the_rule_raises(extra: dict[str, Any])
 def test_the_native_save_rule_keeps_reference_counts() -> None:
     native = _native()
     for name, extra in [*CASES.items(), ("raises", dict(event="raises other")), ("short", dict(deps="short"))]:
-        case = {**BASE, **extra, "w0": 10**30, "w1": 10**30 + 100, "t_enqueue": 10**31}
+        case = {**BASE, **extra, "w0": 10**30, "w1": 10**30 + 100, "t_enqueue": 10**31, "has_dep": 2**70 + 4}
         if case["set_ns"] == 150:
             case["set_ns"] = 10**30 + 50
         objs = _make(case)
         rec, thread = objs["rec"], objs["thread"]
-        w0, w1 = case["w0"], case["w1"]
+        w0, w1, has_dep = case["w0"], case["w1"], rec.has_dep  # has_dep past the inline int path: the generic |=
         events = getattr(thread, "layer_save_finished_events", None)
-        watched = [w0, w1, rec.t_enqueue, thread, events, case["set_ns"]]
+        watched = [w0, w1, rec.t_enqueue, thread, events, case["set_ns"], has_dep]
         before = [sys.getrefcount(x) for x in watched]
         for _ in range(50):
             try:
@@ -165,6 +165,7 @@ def test_the_native_save_rule_keeps_reference_counts() -> None:
                 pass
             rec.stages = list(case["prior_stages"])
             rec.deps = {"list": [NO_TIME] * (2 * NUM_DEPS), "short": [NO_TIME], "dict": {}}[case["deps"]]
+            rec.has_dep = has_dep
         assert [sys.getrefcount(x) for x in watched] == before, name
 
 
