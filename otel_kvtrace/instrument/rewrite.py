@@ -171,14 +171,12 @@ else:
 def save_after_rule() -> Callable:
     """:func:`save_rule`'s text as the function ``save_after(rec, thread, index, w0, w1, stages)``: the reference
     ``tests/instrument/test_save_after.py`` compares ``_probes.SaveAfter`` with."""
-    source = ("def save_after(rec, thread, index, w0, w1, stages):\n" +
-              wrappers.indent_rule(save_rule("", "thread", "index"), 4) + "\n")
-    ns: dict[str, Any] = {}
-    exec(compile(source, f"{__file__}:save_after", "exec"), ns)  # noqa: S102 - our own rule's text
-    return ns["save_after"]
+    source = ("def make():\n    def save_after(rec, thread, index, w0, w1, stages):\n" +
+              wrappers.indent_rule(save_rule("", "thread", "index"), 8) + "\n    return save_after\n")
+    return wrappers.compile_generated("save_after", False, source, __file__)()
 
 
-NATIVE_SAVE: Any = wrappers._native("SaveAfter")
+NATIVE_SAVE: Any = wrappers.native_probe("SaveAfter")
 """The native save after-stamp (``None``: :func:`save_rule` is inlined). Read when ``_SAVE_AFTER`` is generated
 (at import) and when the callable is made (:func:`make_save_after`); a test that sets it to None swaps
 ``_SAVE_AFTER`` too."""

@@ -58,7 +58,14 @@ def generated(name: str, variant: bool = False) -> Callable:
     source = globals()[f"_{name.upper()}_SOURCE"]
     if isinstance(source, dict):  # one file name for every variant: a process installs one of them
         source = source[variant]
-    filename = f"{__file__}:{name}"
+    return compile_generated(name, variant, source, __file__)
+
+
+def compile_generated(name: str, variant: bool, source: str, home: str) -> Callable:
+    """The ``make`` defined by ``source`` (a rule's generated text), compiled once per (name, variant) under the
+    file name ``<home>:<name>`` and registered in ``linecache``: :func:`generated`'s texts, and the rules
+    kept in other modules (``rewrite.save_after_rule``)."""
+    filename = f"{home}:{name}"
     # at every install (a linecache.clearcache() drops it); mtime None: checkcache keeps it
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     make = _GENERATED.get((name, variant))
@@ -159,7 +166,7 @@ if {p}tasks:  # upstream clears the list after the task: keep its elements (one 
 """
 
 
-def _native(name: str) -> Any:
+def native_probe(name: str) -> Any:
     """``_probes.<name>`` (``Take``: :func:`take_rule` in C, ``GateAfter``: :func:`gate_rule`, ``SaveAfter``:
     ``rewrite.save_rule``), or None when the optional extension is not built."""
     try:
@@ -169,7 +176,7 @@ def _native(name: str) -> Any:
     return getattr(_probes, name, None)
 
 
-NATIVE_TAKE: Any = _native("Take")
+NATIVE_TAKE: Any = native_probe("Take")
 """The native record take of the enqueue (``None``: :func:`take_rule` is inlined). Read when the enqueue's text
 is generated (:func:`enqueue_rule`: the compiled templates at ``rewrite``'s import, the wrapper's at install)
 and when its closure is made (:func:`make_take`); a test that sets it to None swaps the templates too."""
@@ -537,7 +544,7 @@ def gate_after_rule() -> Callable:
     return generated("gate_after")()
 
 
-NATIVE_GATE: Any = _native("GateAfter")
+NATIVE_GATE: Any = native_probe("GateAfter")
 """The native gate rule (``None``: :func:`gate_rule` is inlined). Read when the gate stamps' text is generated
 (``rewrite._GATE_AFTER`` at ``rewrite``'s import, the wrapper's at install) and when the callable is made
 (:func:`make_gate_after`); a test that sets it to None swaps ``rewrite._GATE_AFTER`` too."""
