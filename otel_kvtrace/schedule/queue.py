@@ -129,23 +129,6 @@ def unreadable_waiter(thread: Any) -> str | None:
             "blocking")
 
 
-class _Unlocked:
-    """``with`` block run with a held lock released (a probe: an NPU ``query()`` is a driver call, so a
-    producer's ``put`` or save ``set()`` never waits on one), held again after, whatever happens. One
-    object per queue: nothing allocated per ``get()``."""
-
-    __slots__ = ("lock",)
-
-    def __init__(self, lock: Any) -> None:
-        self.lock = lock
-
-    def __enter__(self) -> None:
-        self.lock.release()
-
-    def __exit__(self, *exc: object) -> None:
-        self.lock.acquire()
-
-
 class SchedulingQueue(queue.Queue):
     """``queue.Queue`` whose ``get()`` returns the policy's pick (see the module docstring)."""
 
@@ -166,7 +149,6 @@ class SchedulingQueue(queue.Queue):
         self._handed: tuple[Any, int] = (None, -1)  # the item get() handed out last, and its step
         self._waiter_seen: Any = None  # the slot waiter last found readable (checked again only if replaced)
         self._unserved: dict[int, int] = {}  # per step: its queued tasks (kept by put and pop, not recounted)
-        self._unlocked = _Unlocked(self.mutex)
 
     def set_policy(self, policy: str) -> None:
         """Runtime switch; ``fifo`` drains what is queued in FIFO order from the next ``get()`` on."""
@@ -301,11 +283,18 @@ class SchedulingQueue(queue.Queue):
         # the fast path: a head whose waits are met (or cannot be checked) goes, no rule pass. Probed with
         # the lock released (an NPU ``query()`` is a driver call): a producer's put or save set never
         # waits on it. Handing out the head is always allowed, so a stale answer can only cost a pass.
-        with self._unlocked:
-            try:
-                state = probe(self.thread, head.item, time.perf_counter_ns())[0]
-            except Exception:
-                state = -1  # the full decision reports it (and falls back to fifo)
+        failed = None
+        mutex = self.mutex
+        mutex.release()  # released and taken again inline (no context manager: two frames per decision)
+        try:
+            state, wake = probe(self.thread, head.item, time.perf_counter_ns())
+        except Exception as exc:
+            state, wake, failed = -1, 0, exc
+        finally:
+            mutex.acquire()
+        if failed is not None:  # a scheduler failure turns the scheduler off, never the thread
+            self._fallback(f"scheduler error: {type(failed).__name__}: {failed}")
+            return 0, None, seen
         if not self.queue or self.queue[0] is not head:
             return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again
         if state in (READY, UNKNOWN) or self.policy != "ready_queue":
@@ -317,8 +306,11 @@ class SchedulingQueue(queue.Queue):
             return 0, None, seen
         if cands is None:
             return 0, None, seen  # nothing could pass: the head blocks in its own wait, as upstream
-        with self._unlocked:
-            pick, wait_s = self._choose(head, cands)
+        mutex.release()
+        try:
+            pick, wait_s = self._choose(head, (state, wake), cands)
+        finally:
+            mutex.acquire()
         if pick > 0:
             picked = next(e for j, e, _ in cands if j == pick)
             if self.policy != "ready_queue" or pick >= len(self.queue) or self.queue[pick] is not picked:
@@ -378,27 +370,30 @@ class SchedulingQueue(queue.Queue):
             self.on_change()
 
     # the decision ----------------------------------------------------------------------------------
-    def _choose(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
-        """Probe the head again, then the candidates the rules let pass, in order; the first ready goes.
-        ``(index, -)`` to hand out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+    def _choose(self, head: _Entry, head_probe: tuple[int, int], cands: list[tuple[int, _Entry, str | None]]
+                ) -> tuple[int, float | None]:
+        """Probe the candidates the rules let pass, in order; the first ready goes. ``head_probe``: the head's
+        probe of this decision (not repeated: a head that became ready since costs at most one pass, which
+        the rules allow, and its producer's signal makes ``get()`` decide again). ``(index, -)`` to hand
+        out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
         try:
-            return self._choose_ready(head, cands)
+            return self._choose_ready(head_probe, cands)
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
             self._fallback(f"scheduler error: {type(exc).__name__}: {exc}")
             return 0, None
 
-    def _choose_ready(self, head: _Entry, cands: list[tuple[int, _Entry, str | None]]) -> tuple[int, float | None]:
+    def _choose_ready(self, head_probe: tuple[int, int], cands: list[tuple[int, _Entry, str | None]]
+                      ) -> tuple[int, float | None]:
+        head_state = head_probe[0]
         now = time.perf_counter_ns()
-        head_state, wake = probe(self.thread, head.item, now)
-        if head_state in (READY, UNKNOWN):
-            return 0, None
-        waits = [(head_state, wake)]
+        waits = [head_probe]
         blocked = self.blocked_by
+        thread = self.thread
         for j, e, blocker in cands:
             if blocker is not None:
                 blocked[blocker] += 1
                 continue
-            state, wake = probe(self.thread, e.item, now)
+            state, wake = probe(thread, e.item, now)
             if state == READY:
                 return j, None
             if state != UNKNOWN:

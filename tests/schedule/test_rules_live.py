@@ -269,3 +269,29 @@ def test_a_traced_slot_waiter_stays_readable_so_tracing_does_not_change_the_sche
     thread = SimpleNamespace(external_slot_release_waiter=traced_slot_waiter(Waiter(), rt, SimpleNamespace()))
     assert unreadable_waiter(thread) is None
     assert thread.external_slot_release_waiter.kvtrace_release_time(3) == 42
+
+
+class _Broken(FakeNpuEvent):
+    """A driver call that fails."""
+
+    def query(self) -> bool:
+        raise RuntimeError("driver says no")
+
+
+@pytest.mark.parametrize("broken", [1, 2], ids=["head's probe", "candidate's probe"])
+def test_a_failing_probe_turns_the_scheduler_off_not_the_thread(
+        broken: int, caplog: pytest.LogCaptureFixture) -> None:
+    """A probe that raises: one warning, the scheduler falls back to fifo, the head is handed out and every
+    later get() is FIFO; the exception never reaches the recv thread. Head 3 waits on save 1 (set, its NPU
+    event maybe broken); 5 waits on save 2 (set, its NPU event maybe broken)."""
+    q, th = make()
+    th.layer_save_finished_events[1].set()
+    th.layer_save_finished_events[2].set()
+    th.sync_save_events[1] = _Broken() if broken == 1 else FakeNpuEvent(done=False)  # type: ignore[assignment]
+    th.sync_save_events[2] = _Broken() if broken == 2 else FakeNpuEvent()  # type: ignore[assignment]
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(5, wait_for_save_layer=2))
+    q.put(Task(6))
+    assert [pick(q), pick(q), pick(q)] == [3, 5, 6] and q.policy == "fifo" and q.bypassed == 0
+    said = [r.getMessage() for r in caplog.records if "scheduler error" in r.getMessage()]
+    assert len(said) == 1 and "RuntimeError: driver says no" in said[0]

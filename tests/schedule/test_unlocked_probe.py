@@ -15,27 +15,28 @@ from .fakes import FakeNpuEvent, FakeThread, Task
 
 
 class _MeanwhileEvent(FakeNpuEvent):
-    """Not complete; its ``at``-th query runs ``meanwhile`` first (what another thread does during it)."""
+    """Its first query runs ``meanwhile`` first (what another thread does during it)."""
 
-    def __init__(self, at: int, meanwhile: Callable[[], None]) -> None:
-        super().__init__(done=False)
-        self.at = at
+    def __init__(self, done: bool, meanwhile: Callable[[], None]) -> None:
+        super().__init__(done=done)
         self.meanwhile = meanwhile
 
     def query(self) -> bool:
-        if self.queries + 1 == self.at:
+        if not self.queries:
             self.meanwhile()
         return super().query()
 
 
 def _queue(at: int, meanwhile: Callable[[SchedulingQueue], None]) -> SchedulingQueue:
-    """Head 5 waits on an incomplete save sync event (queried ``at``-th: 1 = the head's fast-path probe,
-    2 = its probe again among the candidates); 6 (a ready save) and 7 (no waits) may pass it."""
+    """Head 5 waits on an incomplete save sync event; 6 (a ready save) and 7 (no waits) may pass it.
+    ``meanwhile`` runs during the ``at``-th probe: 1 = the head's (its save sync event), 2 = the first
+    candidate's (6's complete save sync event); 0 = never."""
     thread = FakeThread(num_layers=16)  # 7 is not the final layer: it may pass a waiting head too
     q = SchedulingQueue(thread, "ready_queue")
     for layer in (1, 2):
         thread.layer_save_finished_events[layer].set()
-    thread.sync_save_events[1] = _MeanwhileEvent(at, lambda: meanwhile(q))
+    thread.sync_save_events[1] = _MeanwhileEvent(False, lambda: meanwhile(q) if at == 1 else None)
+    thread.sync_save_events[2] = _MeanwhileEvent(True, lambda: meanwhile(q) if at == 2 else None)
     for task in (Task(5, wait_for_save_layer=1), Task(6, wait_for_save_layer=2), Task(7)):
         q.put(task)
     return q
