@@ -9,6 +9,11 @@ totals, differenced between two loop lengths).
   self Ir per C function)`` (``callgrind_annotate``).
 
 ``PYTHONHASHSEED=0`` always: str hashes (dict probes) otherwise move a count by ~2 % between identical runs.
+
+``cache=True`` (``dumps``) adds callgrind's cache simulation over a small fixed hierarchy (``CACHE``: 32 KB
+L1s, a 2 MB last level, so that a few MB of writes by the counted code's caller evict everything) and
+returns the miss counts with each dump: with the caches emptied before each counted call, the last-level
+misses of a call are the cache lines it touches cold, its footprint (see ``recording_instructions.py --cold``).
 """
 
 from __future__ import annotations
@@ -38,10 +43,19 @@ def build_helper(tmp: Path) -> Path:
     return lib
 
 
-def _run(code: str, cwd: Path, env: dict[str, str] | None, out: str, toggled: bool) -> subprocess.CompletedProcess:
+CACHE = ("--cache-sim=yes", "--I1=32768,8,64", "--D1=32768,8,64", "--LL=2097152,16,64")
+"""The simulated hierarchy of ``cache=True``: fixed, so counts do not depend on the host's caches."""
+COLD_EVENTS = ("ILmr", "DLmr", "DLmw")
+"""Last-level misses: instruction reads, data reads, data writes (a line touched cold costs one of these)."""
+
+
+def _run(code: str, cwd: Path, env: dict[str, str] | None, out: str, toggled: bool,
+         cache: bool = False) -> subprocess.CompletedProcess:
     cmd = ["valgrind", "--tool=callgrind"]
     if toggled:
         cmd += ["--instr-atstart=no", "--collect-atstart=no"]
+    if cache:
+        cmd += list(CACHE)
     cmd += [f"--callgrind-out-file={out}", sys.executable, "-c", code]
     full_env = {**os.environ, **(env or {}), "PYTHONHASHSEED": "0"}
     return subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=cwd, env=full_env)
@@ -58,8 +72,8 @@ def total(code: str, cwd: Path, env: dict[str, str] | None = None) -> int:
 
 def functions(path: Path) -> tuple[int, dict[str, int]]:
     """(total, self instructions per C function) of one callgrind dump."""
-    done = subprocess.run(["callgrind_annotate", "--threshold=100", str(path)], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(["callgrind_annotate", "--threshold=100", "--show=Ir", str(path)], capture_output=True,
+                          text=True, check=True)
     tot = 0
     per: dict[str, int] = {}
     for line in done.stdout.splitlines():
@@ -76,15 +90,46 @@ def functions(path: Path) -> tuple[int, dict[str, int]]:
     return tot, per
 
 
-def dumps(code: str, cwd: Path, out: Path, env: dict[str, str] | None = None) -> dict[str, tuple[int, dict[str, int]]]:
+def cold_by_function(path: Path) -> dict[str, int]:
+    """Last-level misses (``COLD_EVENTS`` summed) per C function of one dump made with ``cache=True``."""
+    done = subprocess.run(["callgrind_annotate", "--threshold=100", "--show=" + ",".join(COLD_EVENTS), str(path)],
+                          capture_output=True, text=True, check=True)
+    per: dict[str, int] = {}
+    number = r"\s*([\d,]+|\.)(?: \(\s*[\d.]+%\))?"
+    for line in done.stdout.splitlines():
+        m = re.match(number * len(COLD_EVENTS) + r"\s+(\S+):(\S+)", line)
+        if m is None or "PROGRAM TOTALS" in line:
+            continue
+        name = m.group(len(COLD_EVENTS) + 2).split(" ")[0]
+        if name == "_PyObject_MakeTpCall" and m.group(len(COLD_EVENTS) + 1).endswith("ceval.c"):
+            name = "eval loop (ceval.c, bytecodes)"
+        count = sum(int(v.replace(",", "")) for v in m.groups()[:len(COLD_EVENTS)] if v != ".")
+        per[name] = per.get(name, 0) + count
+    return per
+
+
+def events(path: Path) -> dict[str, int]:
+    """Event name -> total of one callgrind dump (its ``events:`` and ``totals:`` lines)."""
+    names: list[str] = []
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("events:"):
+            names = line.split()[1:]
+        elif line.startswith("totals:"):
+            return dict(zip(names, (int(v) for v in line.split()[1:])))
+    raise RuntimeError(f"no totals in callgrind dump {path}")
+
+
+def dumps(code: str, cwd: Path, out: Path, env: dict[str, str] | None = None, cache: bool = False
+          ) -> dict[str, tuple[int, dict[str, int], dict[str, int]]]:
     """Run ``code`` with instrumentation and collection off at start; per dump it triggered by
-    ``kv_dump(what)``: ``what -> (total, self Ir per C function)``. ``out``: the dump files' prefix (its
-    directory must be private to this run)."""
-    _run(code, cwd, env, str(out), toggled=True)
-    result: dict[str, tuple[int, dict[str, int]]] = {}
+    ``kv_dump(what)``: ``what -> (total, self Ir per C function, event totals)`` (with ``cache``, the event
+    totals carry the simulated cache misses). ``out``: the dump files' prefix (its directory must be private
+    to this run)."""
+    _run(code, cwd, env, str(out), toggled=True, cache=cache)
+    result: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
     for dump in sorted(out.parent.glob(f"{out.name}.*")):
         head = dump.read_text(errors="replace")[:4000]
         m = re.search(r"^desc: Trigger: Client Request: (\w+)", head, re.M)
         if m is not None:
-            result[m.group(1)] = functions(dump)
+            result[m.group(1)] = (*functions(dump), {**events(dump), **({"by_function": cold_by_function(dump)} if cache else {})})
     return result

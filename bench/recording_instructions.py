@@ -20,12 +20,22 @@ Printed per mode: instructions per call, and the added instructions (traced - un
 ``--ablate`` (compiled probes only) additionally compiles ``_handle_request`` with one group of stamps
 emptied at a time (template replaced by ``pass``; the proof still runs) and prints what each group costs.
 
+``--cold`` counts, instead of the instructions alone, the cache lines each call touches *cold*: callgrind's
+cache simulation (``_callgrind.CACHE``: 32 KB L1s, 2 MB last level) with ``COLD_MB`` of writes before every
+counted call (not counted), so each call starts with empty caches, as a recv thread woken after the forward's
+Python work, or a forward after the recv thread's, does on a busy host. Its last-level misses (instruction
+reads + data reads + data writes) are the lines it needed from memory: its footprint. On this VM a cold
+line costs ~15-30 ns against ~0.15 ns per instruction (``bench/upstream_overhead.py --cold-mb``: the same
+calls timed cold), so what the recording adds in situ follows its added lines more than its instructions
+(docs/export.md, "The cold footprint").
+
 Usage::
 
     .venv/bin/python bench/recording_instructions.py                 # untraced, compiled, wrappers
     .venv/bin/python bench/recording_instructions.py --ablate        # + per-stamp cost of the compiled path
     .venv/bin/python bench/recording_instructions.py --against DIR   # another checkout too, side by side
     .venv/bin/python bench/recording_instructions.py --modes untraced,traced,traced+agent  # with the ring
+    .venv/bin/python bench/recording_instructions.py --cold --modes untraced,traced,traced+agent  # lines cold
 """
 
 from __future__ import annotations
@@ -53,14 +63,38 @@ STAMP_GROUPS: dict[str, tuple[str, ...]] = {
 }
 
 
-def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
-    """Runs under valgrind: warm up, then count ``tasks`` add_request and ``tasks`` _handle_request calls."""
+COLD_MB = 4
+"""``--cold``: MB written (one byte per 64-byte line) before each counted call: twice the simulated last level."""
+
+
+def evictor(cold: bool) -> Any:
+    """A function that empties the (simulated) caches by writing ``COLD_MB``, or one that does nothing."""
+    if not cold:
+        return lambda: None
+    import numpy as np
+
+    buf = np.zeros(COLD_MB << 20, dtype=np.uint8)
+
+    def evict() -> None:
+        buf[::64] += 1
+
+    return evict
+
+
+def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False) -> None:
+    """Runs under valgrind: warm up, then count ``tasks`` add_request and ``tasks`` _handle_request calls
+    (``cold``: each after the caches were emptied, see ``--cold``)."""
     import ctypes
     import gc
     import importlib.util
 
     cg = ctypes.CDLL(lib)
-    on, off = cg.kv_on, cg.kv_off
+    off = cg.kv_off
+    evict = evictor(cold)
+
+    def on() -> None:
+        evict()
+        cg.kv_on()
     spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -116,7 +150,7 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str]) -> None:
         run(tasks, 1, 300 + tasks)
         cg.kv_dump(b"recv")
         if not ablate:
-            release_path(h, up, bench, session, cg, tasks)
+            release_path(h, up, bench, session, cg, tasks, evict)
         if session is not None:
             reason = session.recorder.disabled_reason
             session.shutdown()
@@ -129,7 +163,7 @@ SIDES = ("forward", "recv", "release")
 """Dumps per run: ``add_request`` (forward), ``_handle_request`` (recv), ``wait_for_layer_load`` (release)."""
 
 
-def release_path(h: Any, up: Any, bench: Any, session: Any, cg: Any, tasks: int) -> None:
+def release_path(h: Any, up: Any, bench: Any, session: Any, cg: Any, tasks: int, evict: Any) -> None:
     """The forward's per-layer ``wait_for_layer_load`` on a REAL ``KVPoolWorker`` (``harness.pool_worker``: its
     own ``_start_kv_transfer_threads``, real recv and send threads running), counted for ``tasks`` calls, dump
     ``release``: with tracing, the wrapper, the consumer-wait stamps of ``layer_load_finished_events[i].wait``
@@ -181,6 +215,7 @@ def release_path(h: Any, up: Any, bench: Any, session: Any, cg: Any, tasks: int)
             worker.layer_load_tasks[layer][:] = lists[layer]  # refilled: the recv thread cleared it
             on = count and counted < tasks
             if on:
+                evict()
                 cg.kv_on()
             worker.wait_for_layer_load()
             if on:
@@ -268,15 +303,20 @@ def opcodes(mode: str, tasks: int) -> dict[str, dict[str, float]]:
     return {name: {k: v / tasks for k, v in c.items()} for name, c in zip(("forward", "recv"), counts)}
 
 
-def measure(tree: Path, mode: str, tasks: int, lib: Path, ablate: list[str], tmp: Path) -> dict[str, Any]:
-    """One valgrind run of ``child`` in ``tree``; per side: instructions per call and per C function."""
+def measure(tree: Path, mode: str, tasks: int, lib: Path, ablate: list[str], tmp: Path,
+            cold: bool = False) -> dict[str, Any]:
+    """One valgrind run of ``child`` in ``tree``; per side: instructions per call and per C function (``cold``:
+    also the cache lines touched cold per call, in all and per C function)."""
     tag = f"{mode}-{'-'.join(a.replace(' ', '_') for a in ablate) or 'all'}-{abs(hash(str(tree)))}"
     code = (f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(0, {str(HERE)!r}); "
-            f"import recording_instructions as r; r.child({mode!r}, {tasks}, {str(lib)!r}, {ablate!r})")
+            f"import recording_instructions as r; r.child({mode!r}, {tasks}, {str(lib)!r}, {ablate!r}, {cold!r})")
     result: dict[str, Any] = {}
-    for what, (total, per) in _callgrind.dumps(code, tree, tmp / f"cg.{tag}").items():
+    for what, (total, per, ev) in _callgrind.dumps(code, tree, tmp / f"cg.{tag}", cache=cold).items():
         if what in SIDES:
             result[what] = {"per_call": total / tasks, "functions": {k: v / tasks for k, v in per.items()}}
+            if cold:
+                result[what]["cold_lines"] = sum(ev[k] for k in _callgrind.COLD_EVENTS) / tasks
+                result[what]["cold_functions"] = {k: v / tasks for k, v in ev["by_function"].items()}
     return result
 
 
@@ -297,6 +337,9 @@ def main() -> None:
     parser.add_argument("--opcodes", action="store_true",
                         help="bytecodes per call instead (no valgrind): per upstream line and per otel_kvtrace function")
     parser.add_argument("--json", type=Path, default=None, help="write every count here too")
+    parser.add_argument("--cold", action="store_true",
+                        help="also count the cache lines each call touches with the caches emptied before it "
+                             "(simulated; slower: use --tasks 100)")
     args = parser.parse_args()
     modes = args.modes.split(",")
     if args.opcodes:
@@ -316,12 +359,12 @@ def main() -> None:
         res: dict[str, dict[str, Any]] = {}
         for name, tree in trees:
             for mode in modes:
-                res[f"{name}/{mode}"] = measure(tree, mode, args.tasks, lib, [], tmp)
+                res[f"{name}/{mode}"] = measure(tree, mode, args.tasks, lib, [], tmp, args.cold)
                 print(f"  counted {name}/{mode}", file=sys.stderr, flush=True)
         abl: dict[str, dict[str, Any]] = {}
         if args.ablate:
             for group in STAMP_GROUPS:
-                abl[group] = measure(HERE.parent, "traced", args.tasks, lib, [group], tmp)
+                abl[group] = measure(HERE.parent, "traced", args.tasks, lib, [group], tmp, args.cold)
                 print(f"  counted ablation {group}", file=sys.stderr, flush=True)
     print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None "
           "but for +agent modes; wait_for_layer_load: the forward's per-layer release on a real KVPoolWorker)")
@@ -342,6 +385,8 @@ def main() -> None:
                 print(f"-- {name}/{mode} {side}: added instructions per call by C function (self cost)")
                 for fn, d in _delta(res[f"{name}/{mode}"][side]["functions"], base[side]["functions"], args.top):
                     print(f"   {d:+9.0f}  {fn}")
+    if args.cold:
+        _print_cold(trees, modes, res, abl, args.top)
     if abl:
         full = res["this/traced"]["recv"]["per_call"]
         print("-- compiled _handle_request, instructions per call of each stamp group (all stamps - that group emptied)")
@@ -351,6 +396,34 @@ def main() -> None:
         print(f"   {full - base:+9.0f}  all stamps (prelude, try/finally, exit and submit included)")
     if args.json:
         args.json.write_text(json.dumps({"modes": res, "ablate": abl}, indent=1))
+
+
+def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], abl: dict[str, Any],
+                top: int) -> None:
+    """``--cold``: cache lines touched cold per call (last-level misses, caches emptied before each call)."""
+    print(f"cache lines touched cold per call (simulated {'/'.join(_callgrind.CACHE[1:])}, {COLD_MB} MB written "
+          "before each counted call; instruction + data-read + data-write last-level misses)")
+    print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9} "
+          f"{'wait_for_layer_load':>20} {'added':>9}")
+    for name, _tree in trees:
+        base = res[f"{name}/untraced"]
+        for mode in modes:
+            r = res[f"{name}/{mode}"]
+            print(f"{name + '/' + mode:24}" + "".join(
+                f" {r[side]['cold_lines']:{w}.0f} {r[side]['cold_lines'] - base[side]['cold_lines']:+9.1f}"
+                for side, w in (("forward", 12), ("recv", 16), ("release", 20))))
+    for name, _tree in trees:
+        base = res[f"{name}/untraced"]
+        for mode in modes[1:]:
+            for side in SIDES:
+                print(f"-- {name}/{mode} {side}: added cache lines touched cold per call by C function")
+                for fn, d in _delta(res[f"{name}/{mode}"][side]["cold_functions"], base[side]["cold_functions"], top):
+                    print(f"   {d:+9.1f}  {fn}")
+    if abl:
+        full = res["this/traced"]["recv"]["cold_lines"]
+        print("-- compiled _handle_request, cache lines touched cold per call by each stamp group")
+        for group, r in abl.items():
+            print(f"   {full - r['recv']['cold_lines']:+9.1f}  {group}")
 
 
 if __name__ == "__main__":

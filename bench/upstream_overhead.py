@@ -26,6 +26,14 @@ Usage::
     .venv/bin/python bench/upstream_overhead.py --breakdown     # per-component recv-thread CPU
     .venv/bin/python bench/upstream_overhead.py --commit-modes  # crc vs store-order ring commit
     .venv/bin/python bench/upstream_overhead.py --settle-ab     # CPU table, procedure between chunks same vs sleep
+    .venv/bin/python bench/upstream_overhead.py --cold-mb 0 2 32  # CPU table, caches emptied before each call
+
+``--cold-mb``: the CPU table only, each call after that many MB were written (one byte per 64-byte line:
+the caches emptied as far as they hold), side by side with 0 (warm, the default table's procedure). A recv
+thread woken after the forward's Python work, or a forward after the recv thread's, runs on caches that the
+other thread filled; what the recording adds then follows the cache lines it touches more than its
+instructions (``bench/recording_instructions.py --cold`` counts those lines; docs/export.md, "The cold
+footprint").
 """
 
 from __future__ import annotations
@@ -164,9 +172,25 @@ def measure(tasks_per_round: int, rounds: int, num_layers: int, blocks: int,
     return results
 
 
-def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -> tuple[float, float]:
+def evictor(cold_mb: float) -> Any:
+    """A function that writes ``cold_mb`` MB (one byte per 64-byte line), emptying the caches that far; None for 0."""
+    if cold_mb <= 0:
+        return None
+    import numpy as np
+
+    buf = np.zeros(int(cold_mb * (1 << 20)), dtype=np.uint8)
+
+    def evict() -> None:
+        buf[::64] += 1
+
+    return evict
+
+
+def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int,
+                  evict: Any = None) -> tuple[float, float]:
     """The same tasks driven synchronously on this thread (no thread hand-offs, GC off): CPU ns per
-    ``add_request`` (the forward's side) and per ``_handle_request`` (the recv thread's side)."""
+    ``add_request`` (the forward's side) and per ``_handle_request`` (the recv thread's side); ``evict``
+    (:func:`evictor`) runs before each timed call, untimed."""
     import gc
 
     request = up.request("r-bench", blocks)
@@ -177,10 +201,14 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int) -
     try:
         for i in range(count):
             task, layer = _ready_task(up, env, request, i, num_layers)
+            if evict is not None:
+                evict()
             t0 = time.thread_time_ns()
             thread.add_request(task)
             t1 = time.thread_time_ns()
             item = thread.request_queue.get()
+            if evict is not None:
+                evict()
             t2 = time.thread_time_ns()
             thread._handle_request(item)
             t3 = time.thread_time_ns()
@@ -259,7 +287,7 @@ CPU (then waited for asleep, as ``sleep`` does: such a chunk starts after a slee
 
 def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int,
                 modes: tuple[str, ...] = CPU_MODES, settles: tuple[str, ...] = ("same",),
-                gap_s: float = GAP_S) -> dict[str, list[tuple[float, float]]]:
+                gap_s: float = GAP_S, cold_mb: float = 0) -> dict[str, list[tuple[float, float]]]:
     """Per mode, per round: CPU ns per add_request and per _handle_request. With several ``settles`` (the
     procedure between chunks, ``SETTLES``), each mode runs under each of them in the same rounds, keyed
     ``mode@settle``; with one, keyed by mode; the order of the modes is reversed every other round. Chunks
@@ -276,11 +304,12 @@ def measure_cpu(tasks: int, rounds: int, num_layers: int, blocks: int,
                 session = _start(targets, mode, tmp, "bench-cpu")
                 env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
                 _cpu_per_call(up, env, 50, num_layers, blocks)  # warm-up
+                evict = evictor(cold_mb)
                 chunks = []
                 for _ in range(max(1, tasks // CHUNK)):
                     if not _settle(session, settle, gap_s):
                         LATE_DRAINS[key] = LATE_DRAINS.get(key, 0) + 1
-                    chunks.append(_cpu_per_call(up, env, CHUNK, num_layers, blocks))
+                    chunks.append(_cpu_per_call(up, env, CHUNK, num_layers, blocks, evict))
                 out[key].append((statistics.fmean(c[0] for c in chunks), statistics.fmean(c[1] for c in chunks)))
                 if session is not None:
                     session.shutdown()
@@ -389,6 +418,37 @@ def settle_ab(args: Any) -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at end, {time.strftime('%H:%M:%S', time.gmtime())} UTC")
 
 
+def cold_table(args: Any) -> None:
+    """``--cold-mb``: the CPU table with the caches emptied before each call, per size, in the same rounds."""
+    import os
+
+    modes = ("untraced", "traced", "traced+agent")
+    rounds = max(3, args.rounds // 3)
+    print(f"load average {os.getloadavg()[0]:.2f} at start, {time.strftime('%H:%M:%S', time.gmtime())} UTC",
+          flush=True)
+    cpu: dict[float, dict[str, list[tuple[float, float]]]] = {mb: {m: [] for m in modes} for mb in args.cold_mb}
+    for rnd in range(rounds):
+        for mb in (args.cold_mb if rnd % 2 == 0 else args.cold_mb[::-1]):
+            got = measure_cpu(args.tasks, 1, args.layers, args.blocks, modes, (args.settle,), args.gap_ms / 1000, mb)
+            for m in modes:
+                cpu[mb][m] += got[m]
+    print(f"\nCPU per call on the calling thread (synchronous, GC off, chunks of {CHUNK}), caches emptied before "
+          f"each call by writing MB (0: warm); {rounds} rounds; median over rounds, added = against untraced:")
+    print(f"{'MB':>6} {'add_request us':>15} " + " ".join(f"{m + ' +us':>17}" for m in modes[1:])
+          + f" {'_handle_request us':>19} " + " ".join(f"{m + ' +us':>17}" for m in modes[1:]))
+    for mb in args.cold_mb:
+        base = cpu[mb]["untraced"]
+        cells = []
+        for side in (0, 1):
+            cells.append(f"{statistics.median(u[side] for u in base) / 1e3:15.2f}" if side == 0 else
+                         f"{statistics.median(u[side] for u in base) / 1e3:19.2f}")
+            cells += [f"{statistics.median(t[side] - u[side] for t, u in zip(cpu[mb][m], base, strict=True)) / 1e3:+17.2f}"
+                      for m in modes[1:]]
+        print(f"{mb:6g} " + " ".join(cells))
+    _print_late_drains()
+    print(f"load average {os.getloadavg()[0]:.2f} at end, {time.strftime('%H:%M:%S', time.gmtime())} UTC")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tasks", type=int, default=200, help="tasks per mode per round (default 200)")
@@ -404,6 +464,9 @@ def main() -> None:
                         help="--settle same: the procedure's length in every mode (default 250 ms)")
     parser.add_argument("--settle-ab", action="store_true",
                         help="only the CPU table, under both --settle procedures side by side in the same rounds")
+    parser.add_argument("--cold-mb", type=float, nargs="+", default=None, metavar="MB",
+                        help="only the CPU table, each call after MB of writes (caches emptied; 0 = warm), per MB "
+                             "given, side by side (see above)")
     parser.add_argument("--breakdown", action="store_true",
                         help="print the recv thread's added CPU per component instead (bench/recv_breakdown.py)")
     args = parser.parse_args()
@@ -422,6 +485,11 @@ def main() -> None:
         return
     if args.settle_ab:
         settle_ab(args)
+        return
+    if args.cold_mb is not None:
+        if any(mb < 0 for mb in args.cold_mb):
+            parser.error("--cold-mb takes sizes >= 0")
+        cold_table(args)
         return
     results = measure(args.tasks, args.rounds, args.layers, args.blocks)
     # The machine is shared: compare modes within each round (they ran back to back), then take the
