@@ -95,6 +95,7 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False
     def on() -> None:
         evict()
         cg.kv_on()
+
     spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
