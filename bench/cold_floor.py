@@ -116,17 +116,12 @@ def child(variant: str, tasks: int, lib: str, tape_dir: str, stamps: int) -> Non
     """Runs under valgrind: ``tasks`` counted ``add_request`` and ``_handle_request`` calls, each cold."""
     import ctypes
     import gc
-    import importlib.util
 
     import recording_instructions
 
     cg = ctypes.CDLL(lib)
     evict = recording_instructions.evictor(True)
-    spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = recording_instructions.load_upstream_overhead()
     h = bench._load_harness()
     num_layers = 8
     with h.upstream_session(h.upstream_source_dir()) as up:
@@ -139,38 +134,9 @@ def child(variant: str, tasks: int, lib: str, tape_dir: str, stamps: int) -> Non
             cls = type(thread)
             cls._handle_request, cls.add_request = _wrappers(variant, stamps, cls._handle_request, cls.add_request,
                                                              kvtape.Tape())
-        request = up.request("r-bench", 16)
         gc.collect()
         gc.disable()
-
-        def run(n: int, which: int, i0: int) -> None:
-            for i in range(i0, i0 + n):
-                task, layer = bench._ready_task(up, env, request, i, num_layers)
-                if which == 0:
-                    evict()
-                    cg.kv_on()
-                    thread.add_request(task)
-                    cg.kv_off()
-                    thread._handle_request(thread.request_queue.get())
-                else:
-                    thread.add_request(task)
-                    item = thread.request_queue.get()
-                    evict()
-                    cg.kv_on()
-                    thread._handle_request(item)
-                    cg.kv_off()
-                env.load_done[layer].clear()
-                env.save_done[layer - 1].clear()
-
-        cg.kv_dump.argtypes = [ctypes.c_char_p]
-        for which in (0, 1):
-            run(100, which, 0)
-        cg.kv_start()
-        run(tasks, 0, 100)
-        cg.kv_dump(b"forward")
-        cg.kv_start()
-        run(tasks, 1, 100 + tasks)
-        cg.kv_dump(b"recv")
+        recording_instructions.count_calls(bench, up, env, num_layers, 16, cg, evict, tasks, 100)
 
 
 def main() -> None:

@@ -81,26 +81,27 @@ def evictor(cold: bool) -> Any:
     return evict
 
 
-def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False) -> None:
-    """Runs under valgrind: warm up, then count ``tasks`` add_request and ``tasks`` _handle_request calls
-    (``cold``: each after the caches were emptied, see ``--cold``)."""
-    import ctypes
-    import gc
+def load_upstream_overhead() -> Any:
+    """``bench/upstream_overhead.py`` as a module (its harness loader, tasks and session start)."""
     import importlib.util
-
-    cg = ctypes.CDLL(lib)
-    off = cg.kv_off
-    evict = evictor(cold)
-
-    def on() -> None:
-        evict()
-        cg.kv_on()
 
     spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench
     spec.loader.exec_module(bench)
+    return bench
+
+
+def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False) -> None:
+    """Runs under valgrind: warm up, then count ``tasks`` add_request and ``tasks`` _handle_request calls
+    (``cold``: each after the caches were emptied, see ``--cold``)."""
+    import ctypes
+    import gc
+
+    cg = ctypes.CDLL(lib)
+    evict = evictor(cold)
+    bench = load_upstream_overhead()
     if ablate:
         from otel_kvtrace.instrument import rewrite
 
@@ -116,40 +117,9 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False
 
             assert rewrite.is_compiled(up.binding.classes["recv_gva"]._handle_request), "ablated build fell back"
         env = up.gva_thread(num_layers, h.FakeBackend(), start=False)
-        thread = env.thread
-        request = up.request("r-bench", blocks)
         gc.collect()
         gc.disable()
-
-        def run(n: int, which: int, i0: int) -> None:
-            for i in range(i0, i0 + n):
-                if i % 100 == 0:
-                    bench._settle(session)
-                task, layer = bench._ready_task(up, env, request, i, num_layers)
-                if which == 0:
-                    on()
-                    thread.add_request(task)
-                    off()
-                    item = thread.request_queue.get()
-                    thread._handle_request(item)
-                else:
-                    thread.add_request(task)
-                    item = thread.request_queue.get()
-                    on()
-                    thread._handle_request(item)
-                    off()
-                env.load_done[layer].clear()
-                env.save_done[layer - 1].clear()
-
-        cg.kv_dump.argtypes = [ctypes.c_char_p]
-        for which in (0, 1):  # warm both code paths (attach, pools, caches) with the toggles in place
-            run(300, which, 0)
-        cg.kv_start()
-        run(tasks, 0, 300)
-        cg.kv_dump(b"forward")
-        cg.kv_start()
-        run(tasks, 1, 300 + tasks)
-        cg.kv_dump(b"recv")
+        count_calls(bench, up, env, num_layers, blocks, cg, evict, tasks, 300, lambda: bench._settle(session))
         if not ablate:
             release_path(h, up, bench, session, cg, tasks, evict)
         if session is not None:
@@ -157,6 +127,49 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False
             session.shutdown()
             if reason:
                 raise RuntimeError(f"tracing disabled itself: {reason}")
+
+
+def count_calls(bench: Any, up: Any, env: Any, num_layers: int, blocks: int, cg: Any, evict: Any, tasks: int,
+                warm: int, settle: Any = None) -> None:
+    """``warm`` uncounted calls of both paths (attach, pools, caches, with the toggles in place), then dump
+    ``forward``: ``tasks`` counted ``add_request`` calls, and dump ``recv``: ``tasks`` counted
+    ``_handle_request`` calls; ``evict()`` before each counted call, ``settle()`` every 100 tasks (both
+    uncounted). The tasks are ``upstream_overhead._ready_task``'s, on ``env``'s thread, synchronous."""
+    import ctypes
+
+    thread = env.thread
+    request = up.request("r-bench", blocks)
+
+    def run(n: int, which: int, i0: int) -> None:
+        for i in range(i0, i0 + n):
+            if settle is not None and i % 100 == 0:
+                settle()
+            task, layer = bench._ready_task(up, env, request, i, num_layers)
+            if which == 0:
+                evict()
+                cg.kv_on()
+                thread.add_request(task)
+                cg.kv_off()
+                thread._handle_request(thread.request_queue.get())
+            else:
+                thread.add_request(task)
+                item = thread.request_queue.get()
+                evict()
+                cg.kv_on()
+                thread._handle_request(item)
+                cg.kv_off()
+            env.load_done[layer].clear()
+            env.save_done[layer - 1].clear()
+
+    cg.kv_dump.argtypes = [ctypes.c_char_p]
+    for which in (0, 1):
+        run(warm, which, 0)
+    cg.kv_start()
+    run(tasks, 0, warm)
+    cg.kv_dump(b"forward")
+    cg.kv_start()
+    run(tasks, 1, warm + tasks)
+    cg.kv_dump(b"recv")
 
 
 RELEASE_LAYERS = 8
@@ -243,14 +256,9 @@ def opcodes(mode: str, tasks: int) -> dict[str, dict[str, float]]:
     side: in upstream's function by source line (a stamp carries the line of the statement it stamps, so
     traced - untraced per line is that stamp's bytecodes) and in otel_kvtrace's own functions by name."""
     import gc
-    import importlib.util
     import linecache
 
-    spec = importlib.util.spec_from_file_location("kvtrace_upstream_overhead", HERE / "upstream_overhead.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = bench
-    spec.loader.exec_module(bench)
+    bench = load_upstream_overhead()
     h = bench._load_harness()
     num_layers, blocks = 8, 16
     counts: list[dict[str, int]] = [{}, {}]
@@ -369,16 +377,7 @@ def main() -> None:
                 print(f"  counted ablation {group}", file=sys.stderr, flush=True)
     print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None "
           "but for +agent modes; wait_for_layer_load: the forward's per-layer release on a real KVPoolWorker)")
-    print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9} "
-          f"{'wait_for_layer_load':>20} {'added':>9}")
-    for name, _tree in trees:
-        base = res[f"{name}/untraced"]
-        for mode in modes:
-            r = res[f"{name}/{mode}"]
-            print(f"{name + '/' + mode:24} {r['forward']['per_call']:12.0f} "
-                  f"{r['forward']['per_call'] - base['forward']['per_call']:+9.0f} "
-                  f"{r['recv']['per_call']:16.0f} {r['recv']['per_call'] - base['recv']['per_call']:+9.0f} "
-                  f"{r['release']['per_call']:20.0f} {r['release']['per_call'] - base['release']['per_call']:+9.0f}")
+    _print_table(trees, modes, res, "per_call", ".0f")
     for name, _tree in trees:
         base = res[f"{name}/untraced"]
         for mode in modes[1:]:
@@ -399,11 +398,8 @@ def main() -> None:
         args.json.write_text(json.dumps({"modes": res, "ablate": abl}, indent=1))
 
 
-def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], abl: dict[str, Any],
-                top: int) -> None:
-    """``--cold``: cache lines touched cold per call (last-level misses, caches emptied before each call)."""
-    print(f"cache lines touched cold per call (simulated {'/'.join(_callgrind.CACHE[1:])}, {COLD_MB} MB written "
-          "before each counted call; instruction + data-read + data-write last-level misses)")
+def _print_table(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], key: str, added: str) -> None:
+    """Per tree and mode, ``key`` per call of each side, and added against the tree's untraced run."""
     print(f"{'tree/mode':24} {'add_request':>12} {'added':>9} {'_handle_request':>16} {'added':>9} "
           f"{'wait_for_layer_load':>20} {'added':>9}")
     for name, _tree in trees:
@@ -411,8 +407,16 @@ def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, 
         for mode in modes:
             r = res[f"{name}/{mode}"]
             print(f"{name + '/' + mode:24}" + "".join(
-                f" {r[side]['cold_lines']:{w}.0f} {r[side]['cold_lines'] - base[side]['cold_lines']:+9.1f}"
-                for side, w in (("forward", 12), ("recv", 16), ("release", 20))))
+                f" {r[side][key]:{width}.0f} {r[side][key] - base[side][key]:+9{added}}"
+                for side, width in (("forward", 12), ("recv", 16), ("release", 20))))
+
+
+def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], abl: dict[str, Any],
+                top: int) -> None:
+    """``--cold``: cache lines touched cold per call (last-level misses, caches emptied before each call)."""
+    print(f"cache lines touched cold per call (simulated {'/'.join(_callgrind.CACHE[1:])}, {COLD_MB} MB written "
+          "before each counted call; instruction + data-read + data-write last-level misses)")
+    _print_table(trees, modes, res, "cold_lines", ".1f")
     for name, _tree in trees:
         base = res[f"{name}/untraced"]
         for mode in modes[1:]:
