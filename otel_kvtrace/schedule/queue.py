@@ -308,11 +308,10 @@ class SchedulingQueue(queue.Queue):
             return 0, None, seen  # nothing could pass: the head blocks in its own wait, as upstream
         mutex.release()
         try:
-            pick, wait_s = self._choose(head, (state, wake), cands)
+            pick, wait_s, picked = self._choose((state, wake), cands)
         finally:
             mutex.acquire()
         if pick > 0:
-            picked = next(e for j, e, _ in cands if j == pick)
             if self.policy != "ready_queue" or pick >= len(self.queue) or self.queue[pick] is not picked:
                 return -1 if self.policy == "ready_queue" else 0, 0.0, seen - 1  # changed meanwhile: decide again
             self.bypassed += 1
@@ -325,8 +324,11 @@ class SchedulingQueue(queue.Queue):
         entries = self.queue
         head = entries[0]
         unserved = self._unserved
-        first: dict[int, int] = {head.step: head.layer}
-        earlier: dict[int, set[str] | None] = {}  # per earlier step: the union of its tasks' request ids
+        # the first queued layer of the step being scanned (the head's step: the head's). Steps only grow
+        # along the queue (put numbers them in enqueue order; a pop keeps the order), so one step's tasks are
+        # contiguous and a pair of scalars is the per-step map: no dict per decision
+        step, first = head.step, head.layer
+        earlier: dict[int, set[str] | None] | None = None  # per earlier step: its tasks' request ids (lazily)
         folded = 0  # entries[:folded] are in ``earlier`` (request ids read only for a cross-step candidate)
         out: list[tuple[int, _Entry, str | None]] = []
         free = False
@@ -334,17 +336,22 @@ class SchedulingQueue(queue.Queue):
             e = entries[j]
             blocker = rules.bypass_blocker(
                 ready=True, is_final=e.final, unserved_in_step=unserved[e.step], need=e.src,
-                first_unfinished=first.get(e.step, 1 << 30), barrier=e.barrier)
+                first_unfinished=first if e.step == step else 1 << 30, barrier=e.barrier)
             if blocker == rules.BARRIER:
                 break
-            first.setdefault(e.step, e.layer)
+            if e.step != step:
+                step, first = e.step, e.layer
             if blocker is None and e.step != head.step:
+                if earlier is None:
+                    earlier = {}
                 while folded < j:
                     _add_requests(earlier, entries[folded])
                     folded += 1
                 ids = e.request_ids()
-                if any(rules.request_blocks(e.step, ids, s, reqs) for s, reqs in earlier.items()):
-                    blocker = rules.SAME_REQUEST
+                for s, reqs in earlier.items():
+                    if rules.request_blocks(e.step, ids, s, reqs):
+                        blocker = rules.SAME_REQUEST
+                        break
             out.append((j, e, blocker))
             free = free or blocker is None
         if free:
@@ -370,20 +377,21 @@ class SchedulingQueue(queue.Queue):
             self.on_change()
 
     # the decision ----------------------------------------------------------------------------------
-    def _choose(self, head: _Entry, head_probe: tuple[int, int], cands: list[tuple[int, _Entry, str | None]]
-                ) -> tuple[int, float | None]:
+    def _choose(self, head_probe: tuple[int, int], cands: list[tuple[int, _Entry, str | None]]
+                ) -> tuple[int, float | None, _Entry | None]:
         """Probe the candidates the rules let pass, in order; the first ready goes. ``head_probe``: the head's
         probe of this decision (not repeated: a head that became ready since costs at most one pass, which
-        the rules allow, and its producer's signal makes ``get()`` decide again). ``(index, -)`` to hand
-        out, or ``(-1, wait)``: wait None = until a signal, 0 = poll, >0 s."""
+        the rules allow, and its producer's signal makes ``get()`` decide again). ``(index, -, entry)`` to
+        hand out (entry: a candidate's, None for the head), or ``(-1, wait, None)``: wait None = until a signal,
+        0 = poll, >0 s."""
         try:
             return self._choose_ready(head_probe, cands)
         except Exception as exc:  # a scheduler failure turns the scheduler off, never the thread
             self._fallback(f"scheduler error: {type(exc).__name__}: {exc}")
-            return 0, None
+            return 0, None, None
 
     def _choose_ready(self, head_probe: tuple[int, int], cands: list[tuple[int, _Entry, str | None]]
-                      ) -> tuple[int, float | None]:
+                      ) -> tuple[int, float | None, _Entry | None]:
         head_state = head_probe[0]
         now = time.perf_counter_ns()
         waits = [head_probe]
@@ -395,7 +403,7 @@ class SchedulingQueue(queue.Queue):
                 continue
             state, wake = probe(thread, e.item, now)
             if state == READY:
-                return j, None
+                return j, None, e
             if state != UNKNOWN:
                 waits.append((state, wake))
             blocked[rules.DEPENDENCY] += 1
@@ -403,8 +411,8 @@ class SchedulingQueue(queue.Queue):
             # nothing else is ready, and either the head waits only on device progress (an NPU event, a
             # gate) or no other queued task could pass it: block in the head's own wait as upstream does
             # (no polling, no extra wake-up hop)
-            return 0, None
-        return -1, _wait_for(waits, now)
+            return 0, None, None
+        return -1, _wait_for(waits, now), None
 
 
 def _add_requests(earlier: dict[int, set[str] | None], entry: _Entry) -> None:

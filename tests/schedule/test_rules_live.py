@@ -114,6 +114,27 @@ def test_earlier_step_sharing_a_request_is_never_passed() -> None:
     assert q.blocked_by[rules.SAME_REQUEST] == 1
 
 
+def _request(req_id: str) -> Any:
+    """A transfer task of one request (what the same-request rule reads)."""
+    rng = type("Rng", (), {"request": type("R", (), {"req_id": req_id})()})()
+    return type("TT", (), {"block_ranges": [rng], "shared_block_data": None})()
+
+
+def test_buffer_chain_holds_in_a_later_step_against_that_steps_first_queued_layer() -> None:
+    """Head: step 1's layer 3, waiting on its save. Step 2 (another request) queues layer 1 (waits on save 0,
+    not set) and layer 4, whose save source 2 was set in step 1 (stale for step 2): layer 4 may not pass,
+    because step 2's first queued layer (1) is not loaded; the rule is asked per step, not per queue."""
+    q, th = make(FakeThread(num_layers=16))
+    q.put(Task(3, wait_for_save_layer=1, transfer_tasks=[_request("a")]))
+    q.put(Task(1, wait_for_save_layer=0, transfer_tasks=[_request("b")]))  # a new step: layer ids restart
+    q.put(Task(4, wait_for_save_layer=2, transfer_tasks=[_request("b")]))
+    th.layer_save_finished_events[2].set()  # stale: set in step 1
+    assert pick(q) is None  # nothing may go: both waiting tasks wait on a CPU signal, layer 4 on the chain
+    assert q.bypassed == 0 and q.blocked_by[rules.BUFFER_CHAIN] == 1 and q.blocked_by[rules.DEPENDENCY] == 1
+    th.layer_save_finished_events[1].set()
+    assert [pick(q), pick(q), pick(q)] == [3, 1, 4] and q.bypassed == 0  # 1 alone ahead of 4: 4 waits for it
+
+
 def test_head_waiting_on_the_device_only_is_handed_out_rather_than_polled() -> None:
     q, th = make()
     q.put(Task(3, wait_for_save_layer=1))
