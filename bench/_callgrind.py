@@ -11,7 +11,7 @@ totals, differenced between two loop lengths).
 ``PYTHONHASHSEED=0`` always: str hashes (dict probes) otherwise move a count by ~2 % between identical runs.
 
 ``cache=True`` (``dumps``) adds callgrind's cache simulation over a small fixed hierarchy (``CACHE``: 32 KB
-L1s, a 2 MB last level, so that a few MB of writes by the counted code's caller evict everything) and
+L1s, a 2 MB last level, so that a few MB of writes and 64 KB of run code evict everything) and
 returns the miss counts with each dump: with the caches emptied before each counted call, the last-level
 misses of a call are the cache lines it touches cold, its footprint (see ``recording_instructions.py --cold``).
 """
@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 HELPER_C = r"""
 #include <valgrind/callgrind.h>
@@ -30,11 +31,14 @@ void kv_on(void) { CALLGRIND_TOGGLE_COLLECT; }
 void kv_off(void) { CALLGRIND_TOGGLE_COLLECT; }
 void kv_start(void) { CALLGRIND_ZERO_STATS; CALLGRIND_START_INSTRUMENTATION; }
 void kv_dump(const char *what) { CALLGRIND_DUMP_STATS_AT(what); }
+/* 64 KB of straight-line code: run, it displaces every line of a 32 KB instruction cache (--cold) */
+void kv_flush_code(void) { __asm__ volatile(".rept 65536\n\tnop\n.endr"); }
 """
 
 
 def build_helper(tmp: Path) -> Path:
-    """The client-request helper (``kv_on``/``kv_off``/``kv_start``/``kv_dump``) as a shared library in ``tmp``,
+    """The client-request helper (``kv_on``/``kv_off``/``kv_start``/``kv_dump``, and ``kv_flush_code``: 64 KB of
+    code that, run, empties a 32 KB instruction cache) as a shared library in ``tmp``,
     for ``ctypes.CDLL`` inside the counted code."""
     src = tmp / "kvcg.c"
     src.write_text(HELPER_C)
@@ -120,13 +124,13 @@ def events(path: Path) -> dict[str, int]:
 
 
 def dumps(code: str, cwd: Path, out: Path, env: dict[str, str] | None = None, cache: bool = False
-          ) -> dict[str, tuple[int, dict[str, int], dict[str, int]]]:
+          ) -> dict[str, tuple[int, dict[str, int], dict[str, Any]]]:
     """Run ``code`` with instrumentation and collection off at start; per dump it triggered by
     ``kv_dump(what)``: ``what -> (total, self Ir per C function, event totals)`` (with ``cache``, the event
-    totals carry the simulated cache misses). ``out``: the dump files' prefix (its directory must be private
+    totals carry the simulated cache misses, and ``by_function`` the last-level misses per C function). ``out``: the dump files' prefix (its directory must be private
     to this run)."""
     _run(code, cwd, env, str(out), toggled=True, cache=cache)
-    result: dict[str, tuple[int, dict[str, int], dict[str, int]]] = {}
+    result: dict[str, tuple[int, dict[str, int], dict[str, Any]]] = {}
     for dump in sorted(out.parent.glob(f"{out.name}.*")):
         head = dump.read_text(errors="replace")[:4000]
         m = re.search(r"^desc: Trigger: Client Request: (\w+)", head, re.M)

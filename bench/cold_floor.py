@@ -1,6 +1,6 @@
 """The floor of a raw-stamp recording: cache lines touched cold per call, on the REAL vLLM-Ascend recv thread.
 
-``bench/recording_instructions.py --cold`` counts the lines the recording touches cold per call (+1,738 per
+``bench/recording_instructions.py --cold`` counts the lines the recording touches cold per call (+1,754 per
 layer with the ring: docs/export.md, "The cold footprint"). This bench counts, the same way (callgrind's cache
 simulation, ``_callgrind.CACHE``, caches emptied before every counted call), what the design named there
 would touch: per stamp one C call that appends ``(id, clock)`` as two int64 to a preallocated per-thread
@@ -120,7 +120,7 @@ def child(variant: str, tasks: int, lib: str, tape_dir: str, stamps: int) -> Non
     import recording_instructions
 
     cg = ctypes.CDLL(lib)
-    evict = recording_instructions.evictor(True)
+    evict = recording_instructions.evictor(True, cg)
     bench = recording_instructions.load_upstream_overhead()
     h = bench._load_harness()
     num_layers = 8

@@ -20,14 +20,15 @@ Printed per mode: instructions per call, and the added instructions (traced - un
 ``--ablate`` (compiled probes only) additionally compiles ``_handle_request`` with one group of stamps
 emptied at a time (template replaced by ``pass``; the proof still runs) and prints what each group costs.
 
-``--cold`` counts, instead of the instructions alone, the cache lines each call touches *cold*: callgrind's
-cache simulation (``_callgrind.CACHE``: 32 KB L1s, 2 MB last level) with ``COLD_MB`` of writes before every
-counted call (not counted), so each call starts with empty caches, as a recv thread woken after the forward's
-Python work, or a forward after the recv thread's, does on a busy host. Its last-level misses (instruction
-reads + data reads + data writes) are the lines it needed from memory: its footprint. On this VM a cold
-line costs ~15-30 ns against ~0.15 ns per instruction (``bench/upstream_overhead.py --cold-mb``: the same
-calls timed cold), so what the recording adds in situ follows its added lines more than its instructions
-(docs/export.md, "The cold footprint").
+``--cold`` counts, besides the instructions, the cache lines each call touches *cold*: callgrind's cache
+simulation (``_callgrind.CACHE``: 32 KB L1s, 2 MB last level) with ``COLD_MB`` of writes and 64 KB of run
+code before every counted call (not counted), so each call starts with empty caches, as a recv thread woken
+after the forward's Python work, or a forward after the recv thread's, does on a busy host. Its last-level
+misses (instruction reads + data reads + data writes) are the lines it needed from memory: its footprint
+(the ``ctypes`` calls that switch the counting on and off are in it too, alike in every mode). On this VM
+a cold line costs ~18-37 ns against ~0.15 ns per instruction (``bench/upstream_overhead.py --cold-mb``:
+the same calls timed cold), so what the recording adds in situ follows its added lines more than its
+instructions (docs/export.md, "The cold footprint").
 
 Usage::
 
@@ -67,16 +68,19 @@ COLD_MB = 4
 """``--cold``: MB written (one byte per 64-byte line) before each counted call: twice the simulated last level."""
 
 
-def evictor(cold: bool) -> Any:
-    """A function that empties the (simulated) caches by writing ``COLD_MB``, or one that does nothing."""
+def evictor(cold: bool, cg: Any = None) -> Any:
+    """A function that empties the simulated caches: ``COLD_MB`` written (the data caches and the last level),
+    then the helper's ``kv_flush_code`` run (the 32 KB instruction cache); one that does nothing if not ``cold``."""
     if not cold:
         return lambda: None
     import numpy as np
 
     buf = np.zeros(COLD_MB << 20, dtype=np.uint8)
+    flush_code = cg.kv_flush_code
 
     def evict() -> None:
         buf[::64] += 1
+        flush_code()
 
     return evict
 
@@ -100,7 +104,7 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False
     import gc
 
     cg = ctypes.CDLL(lib)
-    evict = evictor(cold)
+    evict = evictor(cold, cg)
     bench = load_upstream_overhead()
     if ablate:
         from otel_kvtrace.instrument import rewrite
@@ -139,6 +143,7 @@ def count_calls(bench: Any, up: Any, env: Any, num_layers: int, blocks: int, cg:
 
     thread = env.thread
     request = up.request("r-bench", blocks)
+    on, off = cg.kv_on, cg.kv_off  # bound once: a ``CDLL`` attribute lookup inside the window would count
 
     def run(n: int, which: int, i0: int) -> None:
         for i in range(i0, i0 + n):
@@ -147,17 +152,17 @@ def count_calls(bench: Any, up: Any, env: Any, num_layers: int, blocks: int, cg:
             task, layer = bench._ready_task(up, env, request, i, num_layers)
             if which == 0:
                 evict()
-                cg.kv_on()
+                on()
                 thread.add_request(task)
-                cg.kv_off()
+                off()
                 thread._handle_request(thread.request_queue.get())
             else:
                 thread.add_request(task)
                 item = thread.request_queue.get()
                 evict()
-                cg.kv_on()
+                on()
                 thread._handle_request(item)
-                cg.kv_off()
+                off()
             env.load_done[layer].clear()
             env.save_done[layer - 1].clear()
 
@@ -351,6 +356,8 @@ def main() -> None:
                              "(simulated; slower: use --tasks 100)")
     args = parser.parse_args()
     modes = args.modes.split(",")
+    if args.opcodes and args.cold:
+        parser.error("--opcodes counts bytecodes without valgrind: --cold does not apply")
     if args.opcodes:
         base = opcodes("untraced", args.tasks)
         for mode in modes[1:]:
@@ -415,7 +422,7 @@ def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, 
                 top: int) -> None:
     """``--cold``: cache lines touched cold per call (last-level misses, caches emptied before each call)."""
     print(f"cache lines touched cold per call (simulated {'/'.join(_callgrind.CACHE[1:])}, {COLD_MB} MB written "
-          "before each counted call; instruction + data-read + data-write last-level misses)")
+          "and 64 KB of code run before each counted call; instruction + data-read + data-write last-level misses)")
     _print_table(trees, modes, res, "cold_lines", ".1f")
     for name, _tree in trees:
         base = res[f"{name}/untraced"]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import statistics
 import sys
 import tempfile
@@ -190,7 +191,8 @@ def _cpu_per_call(up: Any, env: Any, count: int, num_layers: int, blocks: int,
                   evict: Any = None) -> tuple[float, float]:
     """The same tasks driven synchronously on this thread (no thread hand-offs, GC off): CPU ns per
     ``add_request`` (the forward's side) and per ``_handle_request`` (the recv thread's side); ``evict``
-    (:func:`evictor`) runs before each timed call, untimed."""
+    (:func:`evictor`) runs before each timed call, untimed (it writes data only: on real hardware the
+    instruction cache keeps what the writing loop did not displace)."""
     import gc
 
     request = up.request("r-bench", blocks)
@@ -427,9 +429,10 @@ def cold_table(args: Any) -> None:
     print(f"load average {os.getloadavg()[0]:.2f} at start, {time.strftime('%H:%M:%S', time.gmtime())} UTC",
           flush=True)
     cpu: dict[float, dict[str, list[tuple[float, float]]]] = {mb: {m: [] for m in modes} for mb in args.cold_mb}
-    for rnd in range(rounds):
+    for rnd in range(rounds):  # sizes and modes each in reversed order every other round
+        order = modes if rnd % 2 == 0 else modes[::-1]
         for mb in (args.cold_mb if rnd % 2 == 0 else args.cold_mb[::-1]):
-            got = measure_cpu(args.tasks, 1, args.layers, args.blocks, modes, (args.settle,), args.gap_ms / 1000, mb)
+            got = measure_cpu(args.tasks, 1, args.layers, args.blocks, order, (args.settle,), args.gap_ms / 1000, mb)
             for m in modes:
                 cpu[mb][m] += got[m]
     print(f"\nCPU per call on the calling thread (synchronous, GC off, chunks of {CHUNK}), caches emptied before "
@@ -470,6 +473,8 @@ def main() -> None:
     parser.add_argument("--breakdown", action="store_true",
                         help="print the recv thread's added CPU per component instead (bench/recv_breakdown.py)")
     args = parser.parse_args()
+    if args.breakdown and args.cold_mb is not None:
+        parser.error("--cold-mb is a table of its own: not with --breakdown")
     if args.breakdown:
         import recv_breakdown
 
@@ -480,16 +485,18 @@ def main() -> None:
             parser.error(f"--{name} must be >= 1")
     if args.layers < 2:
         parser.error("--layers must be >= 2 (layer l waits for the save of layer l-1)")
+    if args.cold_mb is not None:
+        if args.commit_modes or args.settle_ab:
+            parser.error("--cold-mb is a table of its own: not with --commit-modes or --settle-ab")
+        if not all(math.isfinite(mb) and mb >= 0 for mb in args.cold_mb):
+            parser.error("--cold-mb takes finite sizes >= 0")
+        cold_table(args)
+        return
     if args.commit_modes:
         commit_modes(args)
         return
     if args.settle_ab:
         settle_ab(args)
-        return
-    if args.cold_mb is not None:
-        if any(mb < 0 for mb in args.cold_mb):
-            parser.error("--cold-mb takes sizes >= 0")
-        cold_table(args)
         return
     results = measure(args.tasks, args.rounds, args.layers, args.blocks)
     # The machine is shared: compare modes within each round (they ran back to back), then take the

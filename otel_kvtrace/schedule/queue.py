@@ -293,7 +293,10 @@ class SchedulingQueue(queue.Queue):
         finally:
             mutex.acquire()
         if failed is not None:  # a scheduler failure turns the scheduler off, never the thread
-            self._fallback(f"scheduler error: {type(failed).__name__}: {failed}")
+            if self.policy == "ready_queue":  # not a policy switched to meanwhile
+                self._fallback(f"scheduler error: {type(failed).__name__}: {failed}")
+            if not self.queue or self.queue[0] is not head:
+                return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again (now as fifo)
             return 0, None, seen
         if not self.queue or self.queue[0] is not head:
             return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again

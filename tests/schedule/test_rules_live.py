@@ -299,20 +299,71 @@ class _Broken(FakeNpuEvent):
         raise RuntimeError("driver says no")
 
 
-@pytest.mark.parametrize("broken", [1, 2], ids=["head's probe", "candidate's probe"])
+@pytest.mark.parametrize("broken", [1, 2, 3], ids=["head's probe", "candidate's probe", "head's, nothing may pass"])
 def test_a_failing_probe_turns_the_scheduler_off_not_the_thread(
         broken: int, caplog: pytest.LogCaptureFixture) -> None:
     """A probe that raises: one warning, the scheduler falls back to fifo, the head is handed out and every
     later get() is FIFO; the exception never reaches the recv thread. Head 3 waits on save 1 (set, its NPU
-    event maybe broken); 5 waits on save 2 (set, its NPU event maybe broken)."""
+    event maybe broken); then 5 waiting on save 2 (set, its NPU event maybe broken) and 6, or (3: nothing
+    may pass the head) only the final layer 7: the failure is reported even then."""
     q, th = make()
     th.layer_save_finished_events[1].set()
     th.layer_save_finished_events[2].set()
-    th.sync_save_events[1] = _Broken() if broken == 1 else FakeNpuEvent(done=False)  # type: ignore[assignment]
+    th.sync_save_events[1] = _Broken() if broken in (1, 3) else FakeNpuEvent(done=False)  # type: ignore[assignment]
     th.sync_save_events[2] = _Broken() if broken == 2 else FakeNpuEvent()  # type: ignore[assignment]
-    q.put(Task(3, wait_for_save_layer=1))
-    q.put(Task(5, wait_for_save_layer=2))
-    q.put(Task(6))
-    assert [pick(q), pick(q), pick(q)] == [3, 5, 6] and q.policy == "fifo" and q.bypassed == 0
+    behind = [Task(7)] if broken == 3 else [Task(5, wait_for_save_layer=2), Task(6)]
+    for task in [Task(3, wait_for_save_layer=1), *behind]:
+        q.put(task)
+    assert [pick(q) for _ in range(1 + len(behind))] == [3, *(t.layer_id for t in behind)]
+    assert q.policy == "fifo" and q.bypassed == 0
     said = [r.getMessage() for r in caplog.records if "scheduler error" in r.getMessage()]
     assert len(said) == 1 and "RuntimeError: driver says no" in said[0]
+
+
+class _EmptiesTheQueue(FakeNpuEvent):
+    """A failing driver call during which another consumer takes every queued task."""
+
+    def __init__(self, q: SchedulingQueue) -> None:
+        super().__init__(done=False)
+        self.q = q
+
+    def query(self) -> bool:
+        while self.q.queue:
+            self.q._take(0)
+        raise RuntimeError("driver says no")
+
+
+def test_a_failing_probe_on_a_queue_emptied_meanwhile_says_empty() -> None:
+    """Non-blocking ``get()`` keeps ``queue.Queue``'s contract (``Empty``, not an ``IndexError``) when the
+    probe that failed ran while another consumer emptied the queue."""
+    q, th = make()
+    th.layer_save_finished_events[1].set()
+    th.sync_save_events[1] = _EmptiesTheQueue(q)  # type: ignore[assignment]
+    q.put(Task(3, wait_for_save_layer=1))
+    q.put(Task(4))
+    with pytest.raises(queue.Empty):
+        q.get(block=False)
+    assert q.policy == "fifo"
+
+
+def test_the_first_task_of_a_later_step_is_not_held_by_the_heads_layer() -> None:
+    """Head: step 1's layer 3, waiting. Step 2 (another request) starts with layer 1, whose save source 5
+    is done: as the first queued task of its step no load of its step is unfinished before it, so the
+    buffer chain does not hold it (judged against the head's layer 3, it would be)."""
+    q, th = make()
+    q.put(Task(3, wait_for_save_layer=1, transfer_tasks=[_request("a")]))
+    q.put(Task(1, wait_for_save_layer=5, transfer_tasks=[_request("b")]))  # layer ids restart: step 2
+    th.layer_save_finished_events[5].set()
+    assert pick(q) == 1 and q.bypassed == 1
+
+
+def test_the_wait_is_until_the_heads_known_release_time() -> None:
+    """Head 3 waits for its slot release at a known time, 4 for a save signal: nothing may go, and the
+    thread sleeps until the head's time (not until a signal that may never come)."""
+    release = time.perf_counter_ns() + 50_000_000
+    q, th = make(FakeThread(slot_times={3: release}))
+    q.put(Task(3))
+    q.put(Task(4, wait_for_save_layer=2))
+    with q.mutex:
+        got, wait_s, _ = q._decide()
+    assert got == -1 and wait_s is not None and 0 < wait_s <= 0.05
