@@ -834,6 +834,12 @@ _ENQUEUE_PRELUDE_CAPTURE, _ENQUEUE_RAISE_CAPTURE = _enqueue_templates(True, _NAT
 # the record take's text inlined (no native take): what a process without the extension compiles
 _ENQUEUE_PRELUDE_INLINE, _ENQUEUE_RAISE_INLINE = _enqueue_templates(False, False)
 
+_TEMPLATES = tuple(name for name, value in globals().items()
+                   if name.startswith("_") and name.isupper() and isinstance(value, str) and PREFIX in value)
+"""The names of every stamp template (the module's strings that carry our prefix), read by the rewrite when it
+runs: their current texts key the compile cache (:func:`_factory_code`), so a template replaced at run time
+(a test's inlined rule, a bench's ablation) is never served another text's code."""
+
 
 def _rebinds(fn: ast.FunctionDef, name: str) -> bool:
     """Whether ``fn``'s body may rebind (or delete) the local ``name``: any store or ``del`` of it, a
@@ -888,18 +894,19 @@ def _closure(original: Callable, rt: Runtime | None) -> dict[str, Any]:
     }
 
 
-_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], tuple[bool, ...]], Any]] = \
+_COMPILED: weakref.WeakKeyDictionary[Callable, dict[tuple[Callable, tuple[str, ...], tuple[str, ...]], Any]] = \
     weakref.WeakKeyDictionary()
-"""Per upstream function, per (rewrite, closure names): the proved and compiled factory code; a session start
-re-runs only the exec."""
+"""Per upstream function, per (rewrite, closure names, template texts): the proved and compiled factory code; a
+session start re-runs only the exec."""
 
 
 def _factory_code(original: Callable, names: tuple[str, ...], tree: Callable = rewrite_tree) -> Any:
     per_fn = _COMPILED.get(original)
     if per_fn is None:
         per_fn = _COMPILED[original] = {}
-    # the enqueue's text depends on the native take, the gate and save stamps' on the native rules
-    key = (tree, names, (wrappers.NATIVE_TAKE is not None, wrappers.NATIVE_GATE is not None, NATIVE_SAVE is not None))
+    # the text compiled is the templates' (the natives are in use or not through them): key on the texts
+    templates = globals()
+    key = (tree, names, tuple(templates[name] for name in _TEMPLATES))
     code = per_fn.get(key)
     if code is None:
         code = per_fn[key] = _compile_factory(original, names, tree)

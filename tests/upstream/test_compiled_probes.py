@@ -530,3 +530,25 @@ def test_the_proof_rejects_a_rewrite_that_changes_an_upstream_statement(upstream
     monkeypatch.setattr(rewrite._Rewriter, "stamp", tampering)
     with pytest.raises(rewrite.NotRewritable, match="proof failed"):
         rewrite.rewrite_tree(fn)
+
+
+def test_a_template_replaced_at_run_time_is_compiled_not_served_from_the_cache(upstream: Upstream,
+                                                                               monkeypatch: Any) -> None:
+    """The compile cache is keyed on the templates' texts: a template replaced without touching the native flags
+    (here the build stamp emptied, as ``bench/recording_instructions.py --ablate`` does) is compiled anew and
+    proved; a cache keyed on the flags served the previous text's code."""
+    from otel_kvtrace.instrument import rewrite
+
+    def handle_code(factory: Any) -> Any:
+        outer = next(c for c in factory.co_consts if getattr(c, "co_name", "") == rewrite.PREFIX + "factory")
+        return next(c for c in outer.co_consts if getattr(c, "co_name", "") == "_handle_request")
+
+    fn = upstream.binding.classes["recv_gva"]._handle_request
+    names = tuple(rewrite._closure(fn, None))
+    first = rewrite._factory_code(fn, names)
+    assert rewrite._factory_code(fn, names) is first  # the same texts: the cached code
+    monkeypatch.setattr(rewrite, "_BUILD_AFTER", "pass")
+    emptied = rewrite._factory_code(fn, names)
+    assert emptied is not first and handle_code(emptied).co_code != handle_code(first).co_code
+    monkeypatch.undo()
+    assert rewrite._factory_code(fn, names) is first  # the original texts again: their cached code
