@@ -40,6 +40,12 @@ def test_sleep_split_by_thread_and_layer(tmp_path: Path) -> None:
 
 
 def test_gil_held_elsewhere_lands_in_the_retake(tmp_path: Path) -> None:
+    """The sleeper's OS wake-up comes soon after its 20 ms sleep; the GIL comes back only when the spinning
+    thread lets it go, one switch interval (50 ms here) after the sleeper asked for it. The sleep is long
+    enough for the spinning thread to be running by then, and the interval longer than an OS wake-up delayed
+    by a busy 2-core host (with a 1 ms sleep and the default 5 ms interval both happened, once each)."""
+    import sys
+
     helper = send_wakeups.build_helper(tmp_path)
     samples: send_wakeups.Samples = defaultdict(list)
     spend = send_wakeups.timed_meta_build(helper, samples)
@@ -47,14 +53,19 @@ def test_gil_held_elsewhere_lands_in_the_retake(tmp_path: Path) -> None:
 
     def sleeper() -> None:
         started.set()
-        spend(_db(1_000_000), 0, 1)  # 1 ms asleep without the GIL
+        spend(_db(20_000_000), 0, 1)  # 20 ms asleep without the GIL
 
-    t = threading.Thread(target=sleeper, name="KVCacheStoreLayerSendingThread")
-    t.start()
-    started.wait()
-    end = time.perf_counter_ns() + 30_000_000
-    while time.perf_counter_ns() < end:  # pure Python: the GIL is let go only at the switch interval
-        pass
-    t.join()
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(0.05)
+    try:
+        t = threading.Thread(target=sleeper, name="KVCacheStoreLayerSendingThread")
+        t.start()
+        started.wait()
+        end = time.perf_counter_ns() + 150_000_000
+        while time.perf_counter_ns() < end:  # pure Python: the GIL is let go only at the switch interval
+            pass
+        t.join()
+    finally:
+        sys.setswitchinterval(interval)
     ((os_ns, gil_ns),) = samples[("send", 1)]
-    assert gil_ns > os_ns  # the sleeper woke long before it could run Python again
+    assert gil_ns > os_ns and gil_ns > 20_000_000  # the sleeper woke long before it could run Python again
