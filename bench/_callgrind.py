@@ -74,42 +74,37 @@ def total(code: str, cwd: Path, env: dict[str, str] | None = None) -> int:
     return int(m.group(1))
 
 
-def functions(path: Path) -> tuple[int, dict[str, int]]:
-    """(total, self instructions per C function) of one callgrind dump."""
-    done = subprocess.run(["callgrind_annotate", "--threshold=100", "--show=Ir", str(path)], capture_output=True,
-                          text=True, check=True)
+def _annotate(path: Path, shown: tuple[str, ...]) -> tuple[int, dict[str, int]]:
+    """(program total, self count per C function) of one dump, each the sum of the events ``shown``, as
+    ``callgrind_annotate`` prints them (``.`` for zero; the inlined interpreter body named as the eval loop)."""
+    done = subprocess.run(["callgrind_annotate", "--threshold=100", "--show=" + ",".join(shown), str(path)],
+                          capture_output=True, text=True, check=True)
+    number = r"\s*([\d,]+|\.)(?: \(\s*[\d.]+%\))?"
+    columns = number * len(shown)
     tot = 0
     per: dict[str, int] = {}
     for line in done.stdout.splitlines():
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+PROGRAM TOTALS", line)
+        m = re.match(columns + r"\s+PROGRAM TOTALS", line)
         if m:
-            tot = int(m.group(1).replace(",", ""))
+            tot = sum(int(v.replace(",", "")) for v in m.groups() if v != ".")
             continue
-        m = re.match(r"\s*([\d,]+) \(\s*[\d.]+%\)\s+(\S+):(\S+)", line)
+        m = re.match(columns + r"\s+(\S+):(\S+)", line)
         if m:
-            name = m.group(3).split(" ")[0]
-            if name == "_PyObject_MakeTpCall" and m.group(2).endswith("ceval.c"):
+            name = m.group(len(shown) + 2).split(" ")[0]
+            if name == "_PyObject_MakeTpCall" and m.group(len(shown) + 1).endswith("ceval.c"):
                 name = "eval loop (ceval.c, bytecodes)"  # the inlined interpreter body carries this name
-            per[name] = per.get(name, 0) + int(m.group(1).replace(",", ""))
+            per[name] = per.get(name, 0) + sum(int(v.replace(",", "")) for v in m.groups()[:len(shown)] if v != ".")
     return tot, per
+
+
+def functions(path: Path) -> tuple[int, dict[str, int]]:
+    """(total, self instructions per C function) of one callgrind dump."""
+    return _annotate(path, ("Ir",))
 
 
 def cold_by_function(path: Path) -> dict[str, int]:
     """Last-level misses (``COLD_EVENTS`` summed) per C function of one dump made with ``cache=True``."""
-    done = subprocess.run(["callgrind_annotate", "--threshold=100", "--show=" + ",".join(COLD_EVENTS), str(path)],
-                          capture_output=True, text=True, check=True)
-    per: dict[str, int] = {}
-    number = r"\s*([\d,]+|\.)(?: \(\s*[\d.]+%\))?"
-    for line in done.stdout.splitlines():
-        m = re.match(number * len(COLD_EVENTS) + r"\s+(\S+):(\S+)", line)
-        if m is None or "PROGRAM TOTALS" in line:
-            continue
-        name = m.group(len(COLD_EVENTS) + 2).split(" ")[0]
-        if name == "_PyObject_MakeTpCall" and m.group(len(COLD_EVENTS) + 1).endswith("ceval.c"):
-            name = "eval loop (ceval.c, bytecodes)"
-        count = sum(int(v.replace(",", "")) for v in m.groups()[:len(COLD_EVENTS)] if v != ".")
-        per[name] = per.get(name, 0) + count
-    return per
+    return _annotate(path, COLD_EVENTS)[1]
 
 
 def events(path: Path) -> dict[str, int]:

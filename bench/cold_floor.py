@@ -120,8 +120,8 @@ def child(variant: str, tasks: int, lib: str, tape_dir: str, stamps: int) -> Non
     import recording_instructions
 
     cg = ctypes.CDLL(lib)
-    evict = recording_instructions.evictor(True, cg)
     bench = recording_instructions.load_upstream_overhead()
+    evict = recording_instructions.evictor(bench, cg, True)
     h = bench._load_harness()
     num_layers = 8
     with h.upstream_session(h.upstream_source_dir()) as up:

@@ -68,18 +68,16 @@ COLD_MB = 4
 """``--cold``: MB written (one byte per 64-byte line) before each counted call: twice the simulated last level."""
 
 
-def evictor(cold: bool, cg: Any = None) -> Any:
-    """A function that empties the simulated caches: ``COLD_MB`` written (the data caches and the last level),
-    then the helper's ``kv_flush_code`` run (the 32 KB instruction cache); one that does nothing if not ``cold``."""
+def evictor(bench: Any, cg: Any, cold: bool) -> Any:
+    """A function that empties the simulated caches: ``COLD_MB`` written by ``bench.evictor`` (upstream_overhead's,
+    the data caches and the last level), then the helper's ``kv_flush_code`` run (the 32 KB instruction cache);
+    one that does nothing if not ``cold``."""
     if not cold:
         return lambda: None
-    import numpy as np
-
-    buf = np.zeros(COLD_MB << 20, dtype=np.uint8)
-    flush_code = cg.kv_flush_code
+    write, flush_code = bench.evictor(COLD_MB), cg.kv_flush_code
 
     def evict() -> None:
-        buf[::64] += 1
+        write()
         flush_code()
 
     return evict
@@ -104,8 +102,8 @@ def child(mode: str, tasks: int, lib: str, ablate: list[str], cold: bool = False
     import gc
 
     cg = ctypes.CDLL(lib)
-    evict = evictor(cold, cg)
     bench = load_upstream_overhead()
+    evict = evictor(bench, cg, cold)
     if ablate:
         from otel_kvtrace.instrument import rewrite
 
@@ -385,13 +383,8 @@ def main() -> None:
     print(f"instructions per call (callgrind, {args.tasks} calls per side, PYTHONHASHSEED=0, GC off, exporter=None "
           "but for +agent modes; wait_for_layer_load: the forward's per-layer release on a real KVPoolWorker)")
     _print_table(trees, modes, res, "per_call", ".0f")
-    for name, _tree in trees:
-        base = res[f"{name}/untraced"]
-        for mode in modes[1:]:
-            for side in SIDES:
-                print(f"-- {name}/{mode} {side}: added instructions per call by C function (self cost)")
-                for fn, d in _delta(res[f"{name}/{mode}"][side]["functions"], base[side]["functions"], args.top):
-                    print(f"   {d:+9.0f}  {fn}")
+    _print_by_function(trees, modes, res, "functions", "instructions per call by C function (self cost)", ".0f",
+                       args.top)
     if args.cold:
         _print_cold(trees, modes, res, abl, args.top)
     if abl:
@@ -418,19 +411,26 @@ def _print_table(trees: list[tuple[str, Path]], modes: list[str], res: dict[str,
                 for side, width in (("forward", 12), ("recv", 16), ("release", 20))))
 
 
+def _print_by_function(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], key: str, what: str,
+                       fmt: str, top: int) -> None:
+    """Per tree, traced mode and side: the ``top`` C functions by ``key`` (per-function counts) added over untraced."""
+    for name, _tree in trees:
+        base = res[f"{name}/untraced"]
+        for mode in modes[1:]:
+            for side in SIDES:
+                print(f"-- {name}/{mode} {side}: added {what}")
+                for fn, d in _delta(res[f"{name}/{mode}"][side][key], base[side][key], top):
+                    print(f"   {d:+9{fmt}}  {fn}")
+
+
 def _print_cold(trees: list[tuple[str, Path]], modes: list[str], res: dict[str, Any], abl: dict[str, Any],
                 top: int) -> None:
     """``--cold``: cache lines touched cold per call (last-level misses, caches emptied before each call)."""
     print(f"cache lines touched cold per call (simulated {'/'.join(_callgrind.CACHE[1:])}, {COLD_MB} MB written "
           "and 64 KB of code run before each counted call; instruction + data-read + data-write last-level misses)")
     _print_table(trees, modes, res, "cold_lines", ".1f")
-    for name, _tree in trees:
-        base = res[f"{name}/untraced"]
-        for mode in modes[1:]:
-            for side in SIDES:
-                print(f"-- {name}/{mode} {side}: added cache lines touched cold per call by C function")
-                for fn, d in _delta(res[f"{name}/{mode}"][side]["cold_functions"], base[side]["cold_functions"], top):
-                    print(f"   {d:+9.1f}  {fn}")
+    _print_by_function(trees, modes, res, "cold_functions", "cache lines touched cold per call by C function", ".1f",
+                       top)
     if abl:
         full = res["this/traced"]["recv"]["cold_lines"]
         print("-- compiled _handle_request, cache lines touched cold per call by each stamp group")

@@ -292,12 +292,8 @@ class SchedulingQueue(queue.Queue):
             state, wake, failed = -1, 0, exc
         finally:
             mutex.acquire()
-        if failed is not None:  # a scheduler failure turns the scheduler off, never the thread
-            if self.policy == "ready_queue":  # not a policy switched to meanwhile
-                self._fallback(f"scheduler error: {type(failed).__name__}: {failed}")
-            if not self.queue or self.queue[0] is not head:
-                return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again (now as fifo)
-            return 0, None, seen
+        if failed is not None and self.policy == "ready_queue":  # not a policy switched to meanwhile
+            self._fallback(f"scheduler error: {type(failed).__name__}: {failed}")  # off, never the thread
         if not self.queue or self.queue[0] is not head:
             return -1, 0.0, seen - 1  # taken or changed meanwhile: decide again
         if state in (READY, UNKNOWN) or self.policy != "ready_queue":

@@ -105,9 +105,7 @@ def test_sentinel_is_a_barrier() -> None:
 
 def test_earlier_step_sharing_a_request_is_never_passed() -> None:
     q, th = make()
-    req = type("R", (), {"req_id": "r1"})()
-    rng = type("Rng", (), {"request": req})()
-    tt = type("TT", (), {"block_ranges": [rng], "shared_block_data": None})()
+    tt = _request("r1")
     q.put(Task(6, wait_for_save_layer=1, transfer_tasks=[tt]))
     q.put(Task(0, transfer_tasks=[tt]))  # a new step (layer ids restart), same request
     assert pick(q) == 6 and q.bypassed == 0
