@@ -60,7 +60,9 @@ ring + exporter agent process; the headline), ``disabled`` (reference: installed
 agent running, ``recorder.enabled`` False, as after an internal error), ``thread`` (the in-process
 exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
 ``aa`` (the A/A control: the second thread from the subclasses, no session: any reading but ~0 is a
-bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1).
+bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1),
+``floor`` (no session: the raw-stamp design's floor, ``FLOOR_STAMPS`` C-tape stamps per recv task and a copy,
+one per enqueue, two around the forward's load wait; what that design could reach in situ).
 ``--compete`` adds a run under one competing CPU-bound process.
 
 Usage::
@@ -95,14 +97,20 @@ from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader o
 
 INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
 MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-nice", "agent-live", "agent-live-nice",
-         "aa-burn")
+         "aa-burn", "floor")
 BURN_RECV_US = 15
 """``aa-burn``: the A/A control whose second recv thread burns this much plain CPU per task before upstream's
 ``_handle_request`` (no tracing): does any added recv CPU change how the threads are placed?"""
 DEFAULT_MODES = MODES[:4]
 _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
                  "wrappers": "wrappers+agent", "agent-stop": "traced+agent", "agent-live": "traced+agent",
-                 "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced"}
+                 "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced",
+                 "floor": "untraced"}
+FLOOR_STAMPS = 24
+"""``floor``: no session; the second recv thread's class wraps ``_handle_request`` with this many raw stamps of
+``bench/cold_floor.py``'s C tape (half before upstream's call, half after) and one copy of them (a ring slot's
+stand-in), ``add_request`` with one stamp, and the forward stamps its load wait's start and end: what the
+raw-stamp design of docs/export.md ("The cold footprint") costs in situ at its floor (no rules, no agent)."""
 _STOPPED = ("agent-stop",)
 """Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
 flush before the next off block): the serving process's cost with no agent CPU in the block."""
@@ -130,6 +138,7 @@ def _block(up: Any, env: Any, steps: int, work_us: int) -> list[int]:
     gate_class = env.gate_class
     add = env.thread.add_request
     load_done, save_done = env.load_done, env.save_done
+    stamp = getattr(env, "floor_tape", None)  # ``floor``: the forward's two stamps around its load wait
     out = []
     for _ in range(steps):
         t0 = time.perf_counter_ns()
@@ -146,13 +155,31 @@ def _block(up: Any, env: Any, steps: int, work_us: int) -> list[int]:
                 continue
             _burn(work_us)
             done = load_done[layer - 1]
+            if stamp is not None:
+                stamp(300)
             if not done.wait(10):
                 raise RuntimeError(f"layer {layer - 1} never loaded")
+            if stamp is not None:
+                stamp(301)
             done.clear()
         out.append(time.perf_counter_ns() - t0)
         for ev in save_done:
             ev.clear()
     return out
+
+
+def _floor_class(recv_class: type, tmp: str) -> tuple[type, Any]:
+    """``floor``: a subclass of ``recv_class`` whose ``_handle_request`` and ``add_request`` are ``cold_floor``'s
+    raw-stamp wrappers over one C tape (built with ``gcc`` into ``tmp``), and that tape."""
+    import cold_floor
+
+    if "kvtape" not in sys.modules:  # built once per process
+        sys.path.insert(0, str(cold_floor.build_tape(Path(tmp))))
+    import kvtape  # type: ignore[import-not-found]
+
+    tape = kvtape.Tape()
+    handle, add = cold_floor._wrappers("tape", FLOOR_STAMPS, recv_class._handle_request, recv_class.add_request, tape)
+    return type(recv_class.__name__, (recv_class,), {"_handle_request": handle, "add_request": add}), tape
 
 
 def _traced_copy(up: Any) -> tuple[Any, dict[str, type]]:
@@ -429,7 +456,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
         _check_untouched(up, off)
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
-        if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn") else "compiled"):
+        if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn", "floor") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
@@ -440,7 +467,11 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
                 return _base(self, data)
 
             recv_class = type(recv_class.__name__, (recv_class,), {"_handle_request": handle})
+        tape = None
+        if mode == "floor":
+            recv_class, tape = _floor_class(recv_class, tmp)
         traced = _env(h, up, off.num_layers, recv_class, sub["gate"])
+        traced.floor_tape = tape
         _block(up, traced, 2, work_us)  # warm-up: attach, pools, the ring's first definitions
         _block(up, off, 1, work_us)
         session.flush(30.0)
@@ -588,6 +619,7 @@ def _diag_row(mode: str, label: str, wall_ns: int, tasks: int, row: str, counts:
 
 
 def main() -> None:
+    global FLOOR_STAMPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-us", type=int, nargs="+", default=[1000, 150], help="per-layer work (default 1000 150)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
@@ -597,6 +629,8 @@ def main() -> None:
     parser.add_argument("--block-ms", type=float, default=40.0,
                         help="target length of one block, at least 2 steps (default 40 ms)")
     parser.add_argument("--layers", type=int, default=32, help="layers per step (default 32)")
+    parser.add_argument("--floor-stamps", type=int, default=FLOOR_STAMPS,
+                        help=f"--modes floor: raw stamps per recv task (default {FLOOR_STAMPS}; the tape holds 120)")
     parser.add_argument("--compete", action="store_true", help="also run under a competing CPU-bound process")
     parser.add_argument("--diagnose", action="store_true",
                         help="per mode and block kind: each thread's CPU, run-queue wait, timeslices and context "
@@ -613,6 +647,10 @@ def main() -> None:
         parser.error("--pin needs two allowed CPUs")
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
+    if not 0 <= args.floor_stamps <= 120:
+        parser.error("--floor-stamps must be within 0..120 (the tape holds 127 stamps, one more per enqueue and two "
+                     "per load wait)")
+    FLOOR_STAMPS = args.floor_stamps
     modes = tuple(dict.fromkeys(args.modes))
     gap = gap_s(args.settle, args.gap_ms)
     loads = ["idle", "compete"] if args.compete else ["idle"]
