@@ -94,7 +94,7 @@ def build_tape(tmp: Path) -> Path:
     return tmp
 
 
-def _wrappers(variant: str, stamps: int, original_handle: Any, original_add: Any, tape: Any) -> tuple[Any, Any]:
+def wrappers(variant: str, stamps: int, original_handle: Any, original_add: Any, tape: Any) -> tuple[Any, Any]:
     """``(_handle_request, add_request)`` of ``variant``, generated (no loop: each stamp is its own call)."""
     body = "".join(f"        tape({i})\n" for i in range(stamps // 2))
     after = "".join(f"        tape({i})\n" for i in range(stamps // 2, stamps))
@@ -132,7 +132,7 @@ def child(variant: str, tasks: int, lib: str, tape_dir: str, stamps: int) -> Non
             import kvtape  # type: ignore[import-not-found]
 
             cls = type(thread)
-            cls._handle_request, cls.add_request = _wrappers(variant, stamps, cls._handle_request, cls.add_request,
+            cls._handle_request, cls.add_request = wrappers(variant, stamps, cls._handle_request, cls.add_request,
                                                              kvtape.Tape())
         gc.collect()
         gc.disable()

@@ -61,8 +61,9 @@ agent running, ``recorder.enabled`` False, as after an internal error), ``thread
 exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
 ``aa`` (the A/A control: the second thread from the subclasses, no session: any reading but ~0 is a
 bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1),
-``floor`` (no session: the raw-stamp design's floor, ``FLOOR_STAMPS`` C-tape stamps per recv task and a copy,
-one per enqueue, two around the forward's load wait; what that design could reach in situ).
+``floor`` (no session: the raw-stamp design's floor, ``--floor-stamps`` C-tape stamps per recv task and a copy,
+one per enqueue and two around the forward's load wait on the forward's own tape, copied once per step;
+what that design could reach in situ).
 ``--compete`` adds a run under one competing CPU-bound process.
 
 Usage::
@@ -107,10 +108,13 @@ _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+
                  "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced",
                  "floor": "untraced"}
 FLOOR_STAMPS = 24
-"""``floor``: no session; the second recv thread's class wraps ``_handle_request`` with this many raw stamps of
-``bench/cold_floor.py``'s C tape (half before upstream's call, half after) and one copy of them (a ring slot's
-stand-in), ``add_request`` with one stamp, and the forward stamps its load wait's start and end: what the
-raw-stamp design of docs/export.md ("The cold footprint") costs in situ at its floor (no rules, no agent)."""
+"""``floor`` (``--floor-stamps``' default): no session; the second recv thread's class wraps ``_handle_request`` with
+this many raw stamps of ``bench/cold_floor.py``'s C tape (half before upstream's call, half after) and one copy of
+them (a ring slot's stand-in); the forward has a tape of its own (one per thread, as the design): one stamp in
+``add_request``, two around its load wait, one copy per step. What the raw-stamp design of docs/export.md ("The
+cold footprint") costs in situ at its floor (no rules, no record, no agent)."""
+FLOOR_TAPE_STAMPS = 127
+"""What one ``cold_floor`` tape holds between two copies (``(id, clock)`` pairs); a recv task adds its stamps."""
 _STOPPED = ("agent-stop",)
 """Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
 flush before the next off block): the serving process's cost with no agent CPU in the block."""
@@ -138,7 +142,7 @@ def _block(up: Any, env: Any, steps: int, work_us: int) -> list[int]:
     gate_class = env.gate_class
     add = env.thread.add_request
     load_done, save_done = env.load_done, env.save_done
-    stamp = getattr(env, "floor_tape", None)  # ``floor``: the forward's two stamps around its load wait
+    stamp = getattr(env, "floor_tape", None)  # ``floor``: the forward's tape (its load wait's stamps, a copy per step)
     out = []
     for _ in range(steps):
         t0 = time.perf_counter_ns()
@@ -162,24 +166,28 @@ def _block(up: Any, env: Any, steps: int, work_us: int) -> list[int]:
             if stamp is not None:
                 stamp(301)
             done.clear()
+        if stamp is not None:
+            stamp.ship()
         out.append(time.perf_counter_ns() - t0)
         for ev in save_done:
             ev.clear()
     return out
 
 
-def _floor_class(recv_class: type, tmp: str) -> tuple[type, Any]:
-    """``floor``: a subclass of ``recv_class`` whose ``_handle_request`` and ``add_request`` are ``cold_floor``'s
-    raw-stamp wrappers over one C tape (built with ``gcc`` into ``tmp``), and that tape."""
+def _floor_class(recv_class: type, tmp: str, stamps: int) -> tuple[type, Any]:
+    """``floor``: a subclass of ``recv_class`` whose ``_handle_request`` (``stamps`` stamps and a copy, on the recv
+    thread's tape) and ``add_request`` (one stamp, on the forward's tape) are ``cold_floor``'s raw-stamp wrappers
+    (the C tape built with ``gcc`` into ``tmp``, once per process), and the forward's tape."""
     import cold_floor
 
-    if "kvtape" not in sys.modules:  # built once per process
+    if "kvtape" not in sys.modules:
         sys.path.insert(0, str(cold_floor.build_tape(Path(tmp))))
     import kvtape  # type: ignore[import-not-found]
 
-    tape = kvtape.Tape()
-    handle, add = cold_floor._wrappers("tape", FLOOR_STAMPS, recv_class._handle_request, recv_class.add_request, tape)
-    return type(recv_class.__name__, (recv_class,), {"_handle_request": handle, "add_request": add}), tape
+    recv_tape, forward_tape = kvtape.Tape(), kvtape.Tape()
+    handle, _ = cold_floor.wrappers("tape", stamps, recv_class._handle_request, recv_class.add_request, recv_tape)
+    _, add = cold_floor.wrappers("tape", stamps, recv_class._handle_request, recv_class.add_request, forward_tape)
+    return type(recv_class.__name__, (recv_class,), {"_handle_request": handle, "add_request": add}), forward_tape
 
 
 def _traced_copy(up: Any) -> tuple[Any, dict[str, type]]:
@@ -430,7 +438,7 @@ class ModeResult:
 
 def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps: int, pairs: int,
              result: ModeResult, diagnose: bool = False, pin: str | None = None, settle: str = "same",
-             gap: float | None = None) -> None:
+             gap: float | None = None, floor_stamps: int = FLOOR_STAMPS) -> None:
     """One session of ``mode``; ``pairs`` pairs of blocks, ABBA, against the ``off`` thread."""
     from otel_kvtrace.record import ring
 
@@ -469,7 +477,7 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
             recv_class = type(recv_class.__name__, (recv_class,), {"_handle_request": handle})
         tape = None
         if mode == "floor":
-            recv_class, tape = _floor_class(recv_class, tmp)
+            recv_class, tape = _floor_class(recv_class, tmp, floor_stamps)
         traced = _env(h, up, off.num_layers, recv_class, sub["gate"])
         traced.floor_tape = tape
         _block(up, traced, 2, work_us)  # warm-up: attach, pools, the ring's first definitions
@@ -557,7 +565,8 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
 
 def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers: int,
         block_ms: float, diagnose: bool = False, pin: str | None = None,
-        settle: str = "same", gap: float | None = None) -> tuple[float, int, dict[str, ModeResult]]:
+        settle: str = "same", gap: float | None = None,
+        floor_stamps: int = FLOOR_STAMPS) -> tuple[float, int, dict[str, ModeResult]]:
     """Off step time (ms, median of warm-up steps), steps per block, and the results of each mode."""
     h = _load_harness()
     results = {m: ModeResult() for m in modes}
@@ -568,7 +577,8 @@ def run(work_us: int, modes: tuple[str, ...], segments: int, pairs: int, layers:
         steps = max(2, round(block_ms * 1e6 / step_ns))
         for _ in range(segments):
             for mode in modes:
-                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin, settle, gap)
+                _segment(h, up, mode, off, tmp, work_us, steps, pairs, results[mode], diagnose, pin, settle, gap,
+                         floor_stamps)
     return step_ns / 1e6, steps, results
 
 
@@ -619,18 +629,18 @@ def _diag_row(mode: str, label: str, wall_ns: int, tasks: int, row: str, counts:
 
 
 def main() -> None:
-    global FLOOR_STAMPS
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work-us", type=int, nargs="+", default=[1000, 150], help="per-layer work (default 1000 150)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(DEFAULT_MODES),
-                        help="traced modes (default all but aa: the A/A control, both threads untraced)")
+                        help=f"modes, each against off (default {' '.join(DEFAULT_MODES)}; aa: the A/A control, both "
+                             "threads untraced; floor: the raw-stamp design's floor, no session)")
     parser.add_argument("--segments", type=int, default=3, help="sessions per mode, in rotation (default 3)")
     parser.add_argument("--pairs", type=int, default=40, help="pairs of blocks per segment (default 40)")
     parser.add_argument("--block-ms", type=float, default=40.0,
                         help="target length of one block, at least 2 steps (default 40 ms)")
     parser.add_argument("--layers", type=int, default=32, help="layers per step (default 32)")
     parser.add_argument("--floor-stamps", type=int, default=FLOOR_STAMPS,
-                        help=f"--modes floor: raw stamps per recv task (default {FLOOR_STAMPS}; the tape holds 120)")
+                        help=f"--modes floor: raw stamps per recv task, 0..{FLOOR_TAPE_STAMPS} (default {FLOOR_STAMPS})")
     parser.add_argument("--compete", action="store_true", help="also run under a competing CPU-bound process")
     parser.add_argument("--diagnose", action="store_true",
                         help="per mode and block kind: each thread's CPU, run-queue wait, timeslices and context "
@@ -647,10 +657,8 @@ def main() -> None:
         parser.error("--pin needs two allowed CPUs")
     if min(args.work_us) < 1 or args.segments < 1 or args.pairs < 2 or args.layers < 2 or args.block_ms <= 0:
         parser.error("--work-us, --segments must be >= 1, --pairs and --layers >= 2, --block-ms > 0")
-    if not 0 <= args.floor_stamps <= 120:
-        parser.error("--floor-stamps must be within 0..120 (the tape holds 127 stamps, one more per enqueue and two "
-                     "per load wait)")
-    FLOOR_STAMPS = args.floor_stamps
+    if not 0 <= args.floor_stamps <= FLOOR_TAPE_STAMPS:
+        parser.error(f"--floor-stamps must be within 0..{FLOOR_TAPE_STAMPS} (what one C tape holds between copies)")
     modes = tuple(dict.fromkeys(args.modes))
     gap = gap_s(args.settle, args.gap_ms)
     loads = ["idle", "compete"] if args.compete else ["idle"]
@@ -667,13 +675,14 @@ def main() -> None:
         try:
             for work in args.work_us:
                 step_ms, steps, res = run(work, modes, args.segments, args.pairs, args.layers, args.block_ms,
-                                          args.diagnose, args.pin, args.settle, gap)
+                                          args.diagnose, args.pin, args.settle, gap, args.floor_stamps)
                 late += sum(r.late_drains for r in res.values())
                 for mode in modes:
                     r = res[mode]
                     med, lo, hi = (100 * v for v in median_ci(r.ratios))
                     agent_cpu = f"{r.agent_cpu_ns / r.steps / 1e3:.0f}" if r.agent_cpu_ns else "-"
-                    print(f"{load:8} {work:>8}us {step_ms:11.2f} {steps:9d} {mode:9} {med:10.2f} "
+                    label = f"floor{args.floor_stamps}" if mode == "floor" else mode  # the stamps are in the output
+                    print(f"{load:8} {work:>8}us {step_ms:11.2f} {steps:9d} {label:9} {med:10.2f} "
                           f"{lo:7.2f}..{hi:<6.2f} {len(r.ratios):4d} "
                           f"{100 * min(r.segments):7.2f}..{100 * max(r.segments):<6.2f} "
                           f"{statistics.median(r.gc_per_step):8.1f} "
