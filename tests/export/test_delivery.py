@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from otel_kvtrace.export import create_exporter
 from otel_kvtrace.export.delivery import DeliveringSink
 from otel_kvtrace.export.worker import BackgroundExporter
 from otel_kvtrace.record.recorder import Recorder
+from tests.polling import wait_until
 
 TASKS = 2400
 SPANS_PER_TASK = 12
@@ -90,26 +90,17 @@ def test_http_503_with_retry_after_is_retried() -> None:
     _assert_all_arrived(exporter, receiver.acked)
 
 
-def _wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.01)
-    return True
-
-
 def test_grpc_receiver_killed_mid_run_and_revived() -> None:
     """Gated on what happened, not on sleeps: killed once the first tasks are acknowledged, revived once
     the sender has failed against the dead port."""
     receiver = GrpcReceiver()
-    revive = threading.Thread(target=lambda: (_wait_until(lambda: sink.stats().retries >= 1), receiver.start()))
+    revive = threading.Thread(target=lambda: (wait_until(lambda: sink.stats().retries >= 1), receiver.start()))
     sink: DeliveringSink
 
     def kill_and_revive_later(exporter: BackgroundExporter) -> None:
         nonlocal sink
         sink = exporter.sink  # type: ignore[assignment]
-        assert _wait_until(lambda: len(receiver.acked.roots) >= 64)  # the first batches are delivered
+        assert wait_until(lambda: len(receiver.acked.roots) >= 64)  # the first batches are delivered
         receiver.stop()  # the rest is recorded and spooled while it is down
         revive.start()
 
