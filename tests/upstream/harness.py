@@ -381,16 +381,6 @@ def upstream_session(root: Path) -> Iterator[Upstream]:
             FakeNpuEvent.device_lag_s = 0.0
 
 
-def wait_until(predicate: Any, timeout: float = 5.0, interval: float = 0.001) -> bool:
-    """Poll ``predicate`` until true or ``timeout``; returns the last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())
-
-
 # ---- reading the trace back ------------------------------------------------------------------------
 
 

@@ -15,7 +15,8 @@ import pytest
 from otel_kvtrace.instrument import plugin
 from otel_kvtrace.instrument.instrumentor import KVTraceInstrumentor
 
-from .harness import FakeBackend, Upstream, exported_spans, task_traces, wait_until
+from tests.polling import wait_until
+from .harness import FakeBackend, Upstream, exported_spans, task_traces
 
 pytestmark = [pytest.mark.upstream, pytest.mark.usefixtures("no_plugin_session_leak")]
 

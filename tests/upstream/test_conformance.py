@@ -20,6 +20,7 @@ import pytest
 
 from otel_kvtrace.api import start_tracing
 
+from tests.polling import wait_until
 from .harness import (
     FakeBackend,
     FakeNpuEvent,
@@ -28,7 +29,6 @@ from .harness import (
     exported_spans,
     records_to_spans,
     task_traces,
-    wait_until,
 )
 
 pytestmark = pytest.mark.upstream

@@ -30,7 +30,8 @@ from otel_kvtrace.load.loader import load_traces
 from otel_kvtrace.load.tasks_sql import DEPS, RECV_THREAD_STAGES, STAGES
 from otel_kvtrace.record.model import NO_TIME, OUTCOME_NAMES, STAGE_SPAN_NAMES
 
-from .harness import FakeBackend, Upstream, wait_until
+from tests.polling import wait_until
+from .harness import FakeBackend, Upstream
 
 pytestmark = pytest.mark.upstream
 
@@ -74,7 +75,7 @@ def _drive(up: Upstream, env: Any) -> list[str]:
                                wait_for_save_layer=layer - 1 if layer else None)
             thread.add_request(task)
             if kind in ("late_save", "late_gate"):  # released only once the recv thread blocks in the wait
-                assert wait_until(lambda: _in_wait(thread), timeout=10), f"{kind}: the recv thread never waited"
+                assert wait_until(lambda: _in_wait(thread), timeout_s=10), f"{kind}: the recv thread never waited"
                 if kind == "late_save":
                     env.save_done[layer - 1].set()
                 else:
@@ -98,7 +99,7 @@ def _run(up: Upstream, exporter: str | None, out: Path) -> tuple[list[Any], Any,
         env = up.gva_thread(N_LAYERS, FakeBackend())
         kinds = _drive(up, env)
         if exporter is None:
-            assert wait_until(lambda: session.recorder.pending >= len(kinds), timeout=10)
+            assert wait_until(lambda: session.recorder.pending >= len(kinds), timeout_s=10)
             records = session.recorder.drain(1 << 16)
             # the reference through the exporter's own span builder and file sink: the same loader reads both
             builder = SpanBuilder(session.recorder.anchor)

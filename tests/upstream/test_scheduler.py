@@ -17,7 +17,8 @@ import pytest
 from otel_kvtrace.api import start_tracing
 from otel_kvtrace.schedule import SchedulingQueue, install_scheduler
 
-from .harness import FakeBackend, Upstream, records_to_spans, task_traces, wait_until
+from tests.polling import wait_until
+from .harness import FakeBackend, Upstream, records_to_spans, task_traces
 
 pytestmark = pytest.mark.upstream
 

@@ -18,7 +18,8 @@ import pytest
 
 from otel_kvtrace.api import start_tracing
 
-from .harness import FakeBackend, Upstream, wait_until
+from tests.polling import wait_until
+from .harness import FakeBackend, Upstream
 
 pytestmark = pytest.mark.upstream
 
@@ -55,7 +56,7 @@ class _RunLoopErrors(logging.Handler):
 
 
 def _settle(thread: Any) -> None:
-    wait_until(lambda: thread.request_queue.qsize() == 0 or not thread.is_alive(), timeout=3)
+    wait_until(lambda: thread.request_queue.qsize() == 0 or not thread.is_alive(), timeout_s=3)
     time.sleep(0.05)  # the last item taken has no waits in these scenarios: it is done by now
 
 
