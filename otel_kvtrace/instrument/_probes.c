@@ -995,6 +995,269 @@ static PyTypeObject SaveAfter_Type = {
     .tp_vectorcall_offset = offsetof(Rule, vectorcall),
 };
 
+
+/* ---- the gate's record wrapper (wrappers.gate_record_rule is the reference; same statements, same order) -------
+ *
+ * GateRecord(original, rt, clock, fallback, stamp_attr, log_type, position_type, max_events, far_future), bound
+ * like a function (a method of the gate class), called as gate.record(*args, **kwargs):
+ *
+ *     if getattr(self, "_event", None) is None and rt.recorder.enabled and \
+ *             stamp_attr not in getattr(self, "__dict__", _NO_DICT):
+ *         if rt.npu_timing_wanted: return fallback(self, *args, **kwargs)   (the rule with its device mark)
+ *         try:
+ *             recorded = clock()
+ *             log = rt.stream_log
+ *             done_by = log.done_by
+ *             if len(done_by) >= max_events: log = rt.stream_log = log_type(); done_by = log.done_by
+ *             done_by.append(far_future)
+ *             position = StreamPosition(log, len(done_by) - 1)
+ *             setattr(self, stamp_attr, (recorded, position, None))
+ *         except Exception as exc: rt.fail(exc)
+ *     return original(self, *args, **kwargs)
+ *
+ * The forward thread runs this once per layer: in C it runs no Python frame (the wrapper's and the frozen
+ * dataclass's __init__ were two). The position is made as StreamPosition's __init__ makes it (its two slots
+ * set; a StreamPosition type without those plain slots is called instead). Upstream's gate is only read
+ * (``_event``, ``__dict__``) and given our stamp attribute, as by the rule. A gate whose ``_event`` or
+ * ``__dict__`` read raises something other than AttributeError raises it to the caller, as the rule does.
+ * tests/instrument/test_gate_record.py compares it with the rule. */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *original, *rt, *clock, *fallback, *stamp_attr, *log_type, *position_type, *far_future;
+    Py_ssize_t max_events;
+    Py_ssize_t log_offset, position_offset; /* StreamPosition's slots (-1: call the type) */
+    PyObject *dict;                         /* functools.update_wrapper's attributes, __kvtrace_wrapped__ */
+    int ready;
+    vectorcallfunc vectorcall;
+} GateRecord;
+
+#if PY_VERSION_HEX >= 0x030D0000
+#define _PyObject_LookupAttr PyObject_GetOptionalAttr
+#endif
+
+static PyObject *str_event, *str_recorder, *str_enabled, *str_npu_timing_wanted, *str_stream_log, *str_done_by,
+    *str_fail, *str_log, *str_position;
+
+/* The stamp (the rule's try body); -1 with the exception set. */
+static int record_stamp(GateRecord *g, PyObject *self) {
+    PyObject *recorded, *log = NULL, *done_by = NULL, *position = NULL, *idx = NULL, *stamp;
+    Py_ssize_t n;
+    int r = -1;
+    if ((recorded = PyObject_CallNoArgs(g->clock)) == NULL) return -1;
+    if ((log = PyObject_GetAttr(g->rt, str_stream_log)) == NULL) goto done;
+    if ((done_by = PyObject_GetAttr(log, str_done_by)) == NULL) goto done;
+    if ((n = PyObject_Length(done_by)) < 0) goto done;
+    if (n >= g->max_events) {
+        Py_SETREF(log, PyObject_CallNoArgs(g->log_type));
+        if (log == NULL || PyObject_SetAttr(g->rt, str_stream_log, log) < 0) goto done;
+        Py_SETREF(done_by, PyObject_GetAttr(log, str_done_by));
+        if (done_by == NULL) goto done;
+    }
+    if (PyList_CheckExact(done_by)) {
+        if (PyList_Append(done_by, g->far_future) < 0) goto done;
+    } else {
+        PyObject *v = PyObject_CallMethodOneArg(done_by, str_append, g->far_future);
+        if (v == NULL) goto done;
+        Py_DECREF(v);
+    }
+    if ((n = PyObject_Length(done_by)) < 0 || (idx = PyLong_FromSsize_t(n - 1)) == NULL) goto done;
+    if (g->log_offset > 0 && g->position_offset > 0) {
+        PyTypeObject *pt = (PyTypeObject *)g->position_type;
+        if ((position = pt->tp_alloc(pt, 0)) == NULL) goto done;
+        Py_INCREF(log);
+        *(PyObject **)((char *)position + g->log_offset) = log;
+        Py_INCREF(idx);
+        *(PyObject **)((char *)position + g->position_offset) = idx;
+    } else {
+        PyObject *pargs[2] = {log, idx};
+        if ((position = PyObject_Vectorcall(g->position_type, pargs, 2, NULL)) == NULL) goto done;
+    }
+    if ((stamp = PyTuple_Pack(3, recorded, position, Py_None)) == NULL) goto done;
+    r = PyObject_SetAttr(self, g->stamp_attr, stamp);
+    Py_DECREF(stamp);
+done:
+    Py_DECREF(recorded);
+    Py_XDECREF(log);
+    Py_XDECREF(done_by);
+    Py_XDECREF(position);
+    Py_XDECREF(idx);
+    return r;
+}
+
+/* 1: stamp this call, 0: not, -1: raise (the rule's condition, evaluated as it is: left to right, short-circuit). */
+static int gate_wants_stamp(GateRecord *g, PyObject *self) {
+    PyObject *v, *recorder;
+    int r;
+    if (_PyObject_LookupAttr(self, str_event, &v) < 0) return -1;
+    if (v != NULL && v != Py_None) {
+        Py_DECREF(v);
+        return 0;
+    }
+    Py_XDECREF(v);
+    if ((recorder = PyObject_GetAttr(g->rt, str_recorder)) == NULL) return -1;
+    v = PyObject_GetAttr(recorder, str_enabled);
+    Py_DECREF(recorder);
+    if (v == NULL) return -1;
+    r = PyObject_IsTrue(v);
+    Py_DECREF(v);
+    if (r <= 0) return r;
+    if (_PyObject_LookupAttr(self, str_dict, &v) < 0) return -1;
+    if (v == NULL) return 0; /* no __dict__: _NO_DICT, which holds the stamp */
+    r = PySequence_Contains(v, g->stamp_attr);
+    Py_DECREF(v);
+    return r < 0 ? -1 : !r;
+}
+
+/* rt.fail(exc) for an Exception that the stamp raised (the rule's handler); 0, or -1 with the exception set (a
+ * BaseException, which the rule's ``except Exception`` does not catch, or one raised by fail itself). */
+static int gate_failed(GateRecord *g) {
+    PyObject *type, *value, *tb, *res;
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL) PyException_SetTraceback(value, tb);
+    res = PyObject_CallMethodOneArg(g->rt, str_fail, value);
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+    if (res == NULL) return -1;
+    Py_DECREF(res);
+    return 0;
+}
+
+static PyObject *GateRecord_call(PyObject *callable, PyObject *const *args, size_t nargsf, PyObject *kwnames) {
+    GateRecord *g = (GateRecord *)callable;
+    PyObject *v;
+    int r;
+    if (!g->ready) {
+        PyErr_SetString(PyExc_TypeError, "GateRecord not initialised");
+        return NULL;
+    }
+    if (PyVectorcall_NARGS(nargsf) < 1) /* no self: the original's own TypeError */
+        return PyObject_Vectorcall(g->original, args, nargsf, kwnames);
+    if ((r = gate_wants_stamp(g, args[0])) < 0) return NULL;
+    if (r) {
+        if ((v = PyObject_GetAttr(g->rt, str_npu_timing_wanted)) == NULL) return NULL;
+        r = PyObject_IsTrue(v);
+        Py_DECREF(v);
+        if (r < 0) return NULL;
+        if (r) return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
+        if (record_stamp(g, args[0]) < 0 && gate_failed(g) < 0) return NULL;
+    }
+    return PyObject_Vectorcall(g->original, args, nargsf, kwnames);
+}
+
+/* Bound as a function is: ``gate.record`` is a method of the gate (LOAD_METHOD calls it unbound, with the gate). */
+static PyObject *GateRecord_get(PyObject *self, PyObject *obj, PyObject *Py_UNUSED(type)) {
+    if (obj == NULL || obj == Py_None) return Py_NewRef(self);
+    return PyMethod_New(self, obj);
+}
+
+static Py_ssize_t plain_slot(PyTypeObject *type, PyObject *name) {
+    Py_ssize_t off = member_offset(type, name);
+    if (off == -2) PyErr_Clear();
+    return off;
+}
+
+static int GateRecord_init(GateRecord *self, PyObject *args, PyObject *kwds) {
+    PyObject *o[8];
+    Py_ssize_t max_events;
+    if (kwds != NULL && PyDict_GET_SIZE(kwds)) {
+        PyErr_SetString(PyExc_TypeError, "GateRecord() takes no keyword arguments");
+        return -1;
+    }
+    if (self->ready) {
+        PyErr_SetString(PyExc_TypeError, "GateRecord() is initialised once");
+        return -1;
+    }
+    if (!PyArg_ParseTuple(args, "OOOOUO!O!nO", &o[0], &o[1], &o[2], &o[3], &o[4], &PyType_Type, &o[5],
+                          &PyType_Type, &o[6], &max_events, &o[7]))
+        return -1;
+    Py_XSETREF(self->original, Py_NewRef(o[0]));
+    Py_XSETREF(self->rt, Py_NewRef(o[1]));
+    Py_XSETREF(self->clock, Py_NewRef(o[2]));
+    Py_XSETREF(self->fallback, Py_NewRef(o[3]));
+    Py_XSETREF(self->stamp_attr, Py_NewRef(o[4]));
+    PyUnicode_InternInPlace(&self->stamp_attr);
+    Py_XSETREF(self->log_type, Py_NewRef(o[5]));
+    Py_XSETREF(self->position_type, Py_NewRef(o[6]));
+    Py_XSETREF(self->far_future, Py_NewRef(o[7]));
+    self->max_events = max_events;
+    /* made without its __init__ only when that is all __init__ does: two plain slots, nothing else to run */
+    self->log_offset = self->position_offset = -1;
+    if (((PyTypeObject *)o[6])->tp_basicsize == (Py_ssize_t)(sizeof(PyObject) + 2 * sizeof(PyObject *)) &&
+        PyObject_HasAttrString(o[6], "__dataclass_fields__") &&
+        !PyObject_HasAttrString(o[6], "__post_init__")) {
+        self->log_offset = plain_slot((PyTypeObject *)o[6], str_log);
+        self->position_offset = plain_slot((PyTypeObject *)o[6], str_position);
+        if (PyErr_Occurred()) return -1;
+    }
+    self->ready = 1;
+    return 0;
+}
+
+static int GateRecord_traverse(GateRecord *self, visitproc visit, void *arg) {
+    Py_VISIT(self->original);
+    Py_VISIT(self->rt);
+    Py_VISIT(self->clock);
+    Py_VISIT(self->fallback);
+    Py_VISIT(self->log_type);
+    Py_VISIT(self->position_type);
+    Py_VISIT(self->far_future);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int GateRecord_clear(GateRecord *self) {
+    self->ready = 0;
+    Py_CLEAR(self->original);
+    Py_CLEAR(self->rt);
+    Py_CLEAR(self->clock);
+    Py_CLEAR(self->fallback);
+    Py_CLEAR(self->stamp_attr);
+    Py_CLEAR(self->log_type);
+    Py_CLEAR(self->position_type);
+    Py_CLEAR(self->far_future);
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void GateRecord_dealloc(GateRecord *self) {
+    PyObject_GC_UnTrack(self);
+    GateRecord_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *GateRecord_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    GateRecord *self = (GateRecord *)type->tp_alloc(type, 0);
+    if (self != NULL) self->vectorcall = GateRecord_call;
+    return (PyObject *)self;
+}
+
+static PyGetSetDef GateRecord_getset[] = {
+    {"__dict__", PyObject_GenericGetDict, PyObject_GenericSetDict, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL}};
+
+static PyTypeObject GateRecord_Type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "otel_kvtrace.instrument._probes.GateRecord",
+    .tp_basicsize = sizeof(GateRecord),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL | Py_TPFLAGS_METHOD_DESCRIPTOR,
+    .tp_doc = "GateRecord(original, rt, clock, fallback, stamp_attr, log_type, position_type, max_events, "
+              "far_future): the gate's record wrapper (wrappers.gate_record_rule) in C, a method of the gate class",
+    .tp_new = GateRecord_new,
+    .tp_init = (initproc)GateRecord_init,
+    .tp_dealloc = (destructor)GateRecord_dealloc,
+    .tp_traverse = (traverseproc)GateRecord_traverse,
+    .tp_clear = (inquiry)GateRecord_clear,
+    .tp_call = PyVectorcall_Call,
+    .tp_vectorcall_offset = offsetof(GateRecord, vectorcall),
+    .tp_descr_get = GateRecord_get,
+    .tp_getset = GateRecord_getset,
+    .tp_dictoffset = offsetof(GateRecord, dict),
+};
+
 static PyMethodDef probes_methods[] = {
     {"total_bytes", (PyCFunction)total_bytes, METH_O,
      "total_bytes(sizes): exact sum of a 1-D integer ndarray, else the Python rule's answer"},
@@ -1012,9 +1275,19 @@ PyMODINIT_FUNC PyInit__probes(void) {
         (long_minus_one = PyLong_FromLong(-1)) == NULL ||
         (str_dict = PyUnicode_InternFromString("__dict__")) == NULL ||
         (str_get = PyUnicode_InternFromString("get")) == NULL ||
-        (str_append = PyUnicode_InternFromString("append")) == NULL)
+        (str_append = PyUnicode_InternFromString("append")) == NULL ||
+        (str_event = PyUnicode_InternFromString("_event")) == NULL ||
+        (str_recorder = PyUnicode_InternFromString("recorder")) == NULL ||
+        (str_enabled = PyUnicode_InternFromString("enabled")) == NULL ||
+        (str_npu_timing_wanted = PyUnicode_InternFromString("npu_timing_wanted")) == NULL ||
+        (str_stream_log = PyUnicode_InternFromString("stream_log")) == NULL ||
+        (str_done_by = PyUnicode_InternFromString("done_by")) == NULL ||
+        (str_fail = PyUnicode_InternFromString("fail")) == NULL ||
+        (str_log = PyUnicode_InternFromString("log")) == NULL ||
+        (str_position = PyUnicode_InternFromString("position")) == NULL)
         return NULL;
-    if (PyType_Ready(&Take_Type) < 0 || PyType_Ready(&GateAfter_Type) < 0 || PyType_Ready(&SaveAfter_Type) < 0)
+    if (PyType_Ready(&Take_Type) < 0 || PyType_Ready(&GateAfter_Type) < 0 || PyType_Ready(&SaveAfter_Type) < 0 ||
+        PyType_Ready(&GateRecord_Type) < 0)
         return NULL;
     if ((m = PyModule_Create(&probes_module)) == NULL) return NULL;
     Py_INCREF(&Take_Type);
@@ -1032,6 +1305,12 @@ PyMODINIT_FUNC PyInit__probes(void) {
     Py_INCREF(&SaveAfter_Type);
     if (PyModule_AddObject(m, "SaveAfter", (PyObject *)&SaveAfter_Type) < 0) {
         Py_DECREF(&SaveAfter_Type);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&GateRecord_Type);
+    if (PyModule_AddObject(m, "GateRecord", (PyObject *)&GateRecord_Type) < 0) {
+        Py_DECREF(&GateRecord_Type);
         Py_DECREF(m);
         return NULL;
     }

@@ -445,13 +445,16 @@ GATE_STAMP_ATTR = "_kvtrace_gate"  # on a gate: (first record ns, StreamPosition
 _NO_DICT = {GATE_STAMP_ATTR: None}  # what a gate without ``__dict__`` reads as: already stamped, so never stamped
 
 
-def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
+def gate_record_rule(original: Callable, rt: Runtime) -> Callable:
+    """THE gate's record wrapper: stamp the first record of a gate (time, stream position, device mark) before
+    the original notifies (a waiter woken by it must see the stamp). The reference of ``_probes.GateRecord``
+    (:data:`NATIVE_GATE_RECORD`), which runs it in C on the forward thread and hands it the calls that want a
+    device-timing mark (``rt.npu_timing_wanted``); ``tests/instrument/test_gate_record.py`` holds the two equal.
+    A gate without ``__dict__`` (slots) gets no stamp: its waiters record it as opened before tracing
+    (``gate_stamp`` returns None), never an error in the caller."""
     clock = rt.recorder.clock
 
     def record(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Stamp (and mark) before the original notifies: a waiter woken by it must see the stamp.
-        # A gate without ``__dict__`` (slots) gets no stamp: its waiters record it as opened before tracing
-        # (``gate_stamp`` returns None), never an error in the caller.
         if getattr(self, "_event", None) is None and rt.recorder.enabled and \
                 GATE_STAMP_ATTR not in getattr(self, "__dict__", _NO_DICT):
             try:
@@ -475,6 +478,19 @@ def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
                 rt.fail(exc)
         return original(self, *args, **kwargs)
 
+    return record
+
+
+NATIVE_GATE_RECORD: Any = native_probe("GateRecord")
+"""The native gate record wrapper (``None``: :func:`gate_record_rule`'s Python function is installed)."""
+
+
+def wrap_gate_record(original: Callable, rt: Runtime) -> Callable:
+    """P7: the gate's ``record``, :func:`gate_record_rule` (in C when the extension is built)."""
+    record = gate_record_rule(original, rt)
+    if NATIVE_GATE_RECORD is not None:
+        record = NATIVE_GATE_RECORD(original, rt, rt.recorder.clock, record, GATE_STAMP_ATTR, StreamLog,
+                                    StreamPosition, MAX_EVENTS_PER_LOG, FAR_FUTURE)
     return _mark(record, original)
 
 
