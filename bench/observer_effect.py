@@ -61,7 +61,8 @@ agent running, ``recorder.enabled`` False, as after an internal error), ``thread
 exporter thread), ``wrappers`` (``agent`` with ``OTEL_KVTRACE_PROBES=wrappers``); not by default,
 ``aa`` (the A/A control: the second thread from the subclasses, no session: any reading but ~0 is a
 bias of the design on this machine, e.g. -5..-14 % seen for ``disabled`` at load 4.6-6, never at load < 1),
-``floor`` (no session: the raw-stamp design's floor, ``--floor-stamps`` C-tape stamps per recv task and a copy,
+``agent-pygate`` (``agent`` with the gate's record wrapper as its Python rule: the code before the native
+``_probes.GateRecord``), ``floor`` (no session: the raw-stamp design's floor, ``--floor-stamps`` C-tape stamps per recv task and a copy,
 one per enqueue and two around the forward's load wait on the forward's own tape, copied once per step;
 what that design could reach in situ).
 ``--compete`` adds a run under one competing CPU-bound process.
@@ -98,7 +99,7 @@ from upstream_overhead import _load_harness, _start  # noqa: E402  (one loader o
 
 INTERVAL_ENV = "OTEL_KVTRACE_EXPORT_INTERVAL_MS"
 MODES = ("agent", "disabled", "thread", "wrappers", "aa", "agent-stop", "agent-nice", "agent-live", "agent-live-nice",
-         "aa-burn", "floor")
+         "aa-burn", "floor", "agent-pygate")
 BURN_RECV_US = 15
 """``aa-burn``: the A/A control whose second recv thread burns this much plain CPU per task before upstream's
 ``_handle_request`` (no tracing): does any added recv CPU change how the threads are placed?"""
@@ -106,7 +107,7 @@ DEFAULT_MODES = MODES[:4]
 _SESSION_MODE = {"aa": "untraced", "agent": "traced+agent", "disabled": "traced+agent", "thread": "traced+thread",
                  "wrappers": "wrappers+agent", "agent-stop": "traced+agent", "agent-live": "traced+agent",
                  "agent-live-nice": "traced+agent", "agent-nice": "traced+agent", "aa-burn": "untraced",
-                 "floor": "untraced"}
+                 "floor": "untraced", "agent-pygate": "traced+agent"}
 FLOOR_STAMPS = 24
 """``floor`` (``--floor-stamps``' default): no session; the second recv thread's class wraps ``_handle_request`` with
 this many raw stamps of ``bench/cold_floor.py``'s C tape (half before upstream's call, half after) and one copy of
@@ -115,6 +116,9 @@ them (a ring slot's stand-in); the forward has a tape of its own (one per thread
 cold footprint") costs in situ at its floor (no rules, no record, no agent)."""
 FLOOR_TAPE_STAMPS = 127
 """What one ``cold_floor`` tape holds between two copies (``(id, clock)`` pairs); a recv task adds its stamps."""
+_PY_GATE = ("agent-pygate",)
+"""Modes whose session installs the gate's record wrapper as its Python rule (``wrappers.gate_record_rule``,
+the code before ``_probes.GateRecord``): the native's gain, side by side with ``agent``."""
 _STOPPED = ("agent-stop",)
 """Modes whose agent is SIGSTOPped during each traced block (SIGCONT after it, untimed; it drains in the
 flush before the next off block): the serving process's cost with no agent CPU in the block."""
@@ -450,9 +454,15 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         env[INTERVAL_ENV] = "3600000"
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    from otel_kvtrace.instrument import wrappers
+
+    native_gate = wrappers.NATIVE_GATE_RECORD
+    if mode in _PY_GATE:
+        wrappers.NATIVE_GATE_RECORD = None  # read when the session wraps the gate class
     try:
         session = _start(targets, _SESSION_MODE[mode], tmp, "oe") or _NoSession()
     finally:
+        wrappers.NATIVE_GATE_RECORD = native_gate
         for key, value in saved.items():
             if value is None:
                 os.environ.pop(key, None)
@@ -466,6 +476,9 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
         if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn", "floor") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
+        native_record = type(vars(sub["gate"]).get("record")) is getattr(wrappers, "NATIVE_GATE_RECORD", None)
+        if mode in _PY_GATE and native_record or mode == "agent" and native_gate is not None and not native_record:
+            raise RuntimeError(f"{mode}: the gate's record wrapper is not the one this mode measures")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording
         recv_class = sub["recv_gva"]
