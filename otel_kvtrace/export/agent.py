@@ -56,6 +56,8 @@ class Decoder:
         self.closed = False
         self.undecodable = 0  # tasks lost here since the agent last took the count (into its ``lost``)
         self.malformed = 0  # committed slots whose body did not decode (all time; named in the agent's log)
+        self.bound_released = 0  # tasks exported without their consumer wait at MAX_AWAITING (all time)
+        self.orphan_waits = 0  # consumer waits whose task was not awaiting any more (all time)
 
     def feed(self, msg: R.Message, out: list[TaskRecord]) -> None:
         """Decode one message; append every record it finishes to ``out``. Never raises: a slot that does
@@ -82,14 +84,23 @@ class Decoder:
             if awaiting:
                 key = (self._qidx(rec), rec.seq)
                 self.awaiting[key] = rec
-                if len(self.awaiting) > MAX_AWAITING:  # bounded: export the oldest without its wait
-                    out.append(self.awaiting.popitem(last=False)[1])
+                if len(self.awaiting) > MAX_AWAITING:  # bounded: export the oldest without its wait, flagged
+                    oldest = self.awaiting.popitem(last=False)[1]
+                    oldest.consumer_release = R.REASON_AGENT_BOUND
+                    out.append(oldest)
+                    self.bound_released += 1
+                    if self.bound_released == 1:
+                        logger.warning("otel-kvtrace agent: %d tasks awaited their consumer wait; the oldest are "
+                                       "exported without it (kvtrace.consumer_wait_missing=agent_bound)",
+                                       MAX_AWAITING)
             else:
                 out.append(rec)
         elif kind == R.MSG_CWAIT:
             qidx, seq, reason, n = R.CWAIT_FIXED.unpack_from(body)
             rec = self.awaiting.pop((qidx, seq), None)
-            if rec is not None:
+            if rec is None:
+                self.orphan_waits += 1  # its task was released without it (agent_bound) or never decoded
+            else:
                 if n:  # the authoritative consumer wait: drop any partial copy shipped with the task
                     rec.stages[:] = _without_consumer_wait(rec.stages)
                 rec.stages.extend(R._INTS[n].unpack_from(body, R.CWAIT_FIXED.size))
@@ -304,6 +315,10 @@ class Agent:
             logger.warning("otel-kvtrace agent: %d task records lost (serving process died mid-write, sink failed, "
                            "or a definition they name was lost); %d malformed ring slots", self.lost,
                            self.decoder.malformed)
+        if self.decoder.bound_released or self.decoder.orphan_waits:
+            logger.warning("otel-kvtrace agent: %d tasks exported without their consumer wait at the awaiting bound "
+                           "(agent_bound); %d consumer waits came after their task had gone",
+                           self.decoder.bound_released, self.decoder.orphan_waits)
 
     def _reprioritize(self) -> None:
         if self.priority is not None:

@@ -138,7 +138,9 @@ REASON_WAITED = 0
 REASON_STEP_BOUNDARY = 1  # released at the next start_load_kv: the forward never waited for it
 REASON_SHUTDOWN = 2  # released when tracing shut down (or the process exited normally)
 REASON_PRODUCER_DIED = 3  # the serving process died before releasing it (agent side)
+REASON_AGENT_BOUND = 4  # the agent held MAX_AWAITING tasks awaiting their consumer wait: the oldest went without it
 assert CONSUMER_RELEASE_NAMES[REASON_PRODUCER_DIED] == "producer_died"
+assert CONSUMER_RELEASE_NAMES[REASON_AGENT_BOUND] == "agent_bound"
 
 _INTS = [struct.Struct(f"@{n}n") for n in range(MAX_STAGE_INTS + 1)]
 _U32S = [struct.Struct(f"<{n}I") for n in range(MAX_REQS + 1)]

@@ -132,3 +132,34 @@ def test_a_full_ring_counts_every_task_it_could_not_take(recorded) -> None:
     for msg in reader.poll(1000):
         decoder.feed(msg, out)
     assert len(out) == recorder.submitted and decoder.undecodable == 0
+
+
+def test_the_awaiting_bound_exports_the_oldest_flagged_and_counts_late_waits(recorded, monkeypatch) -> None:
+    """At ``MAX_AWAITING`` tasks awaiting their consumer wait the agent exports the oldest without it, flagged
+    ``agent_bound`` (never as if waited), and counts a consumer wait that comes after its task went."""
+    from otel_kvtrace.export import agent
+    from otel_kvtrace.record.model import CONSUMER_RELEASE_NAMES, Stage
+
+    monkeypatch.setattr(agent, "MAX_AWAITING", 3)
+    records, _runtime, _anchor = recorded
+    sent = [_copy(rec) for rec in records[:5]]
+    for rec in sent:  # as shipped before the forward waited: no consumer wait yet
+        rec.stages[:] = agent._without_consumer_wait(rec.stages)
+    fd, mem = R.create_memfd(4096)
+    os.close(fd)
+    writer, reader, decoder = R.RingWriter(mem), R.RingReader(mem), Decoder()
+    out: list[TaskRecord] = []
+    for rec in sent:
+        assert writer.write_task(rec, True)
+    wait = [int(Stage.CONSUMER_WAIT), 10, 20]
+    assert writer.write_cwait(sent[0], R.REASON_WAITED, wait)  # its task was exported at the bound: late
+    assert writer.write_cwait(sent[4], R.REASON_WAITED, wait)  # still awaiting: completed with it
+    for msg in reader.poll(100):
+        decoder.feed(msg, out)
+    assert [r.seq for r in out] == [sent[0].seq, sent[1].seq, sent[4].seq]
+    assert [CONSUMER_RELEASE_NAMES[r.consumer_release] for r in out] == ["agent_bound", "agent_bound", ""]
+    assert out[2].stages[-3:] == wait and wait[0] not in out[0].stages[::3]
+    assert decoder.bound_released == 2 and decoder.orphan_waits == 1 and len(decoder.awaiting) == 2
+    spans = SpanBuilder(_anchor).build(out[0])
+    attrs = {a["key"]: a["value"] for s in spans for a in s.get("attributes", ())}
+    assert attrs.get("kvtrace.consumer_wait_missing") == {"stringValue": "agent_bound"}
