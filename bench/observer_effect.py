@@ -476,8 +476,10 @@ def _segment(h: Any, up: Any, mode: str, off: Any, tmp: str, work_us: int, steps
         path = patches.probe_paths(targets)[sub["recv_gva"].__qualname__]
         if path != ("wrappers" if mode in ("wrappers", "aa", "aa-burn", "floor") else "compiled"):
             raise RuntimeError(f"{mode}: the traced recv class runs the {path} path")
-        native_record = type(vars(sub["gate"]).get("record")) is getattr(wrappers, "NATIVE_GATE_RECORD", None)
-        if mode in _PY_GATE and native_record or mode == "agent" and native_gate is not None and not native_record:
+        record = vars(sub["gate"]).get("record")
+        native_record = native_gate is not None and type(record) is native_gate
+        if mode in _PY_GATE and (native_record or not patches.is_wrapped(record)) or \
+                mode == "agent" and native_gate is not None and not native_record:
             raise RuntimeError(f"{mode}: the gate's record wrapper is not the one this mode measures")
         if mode == "disabled":
             session.recorder.enabled = False  # the state an internal error leaves: installed, not recording

@@ -1028,12 +1028,13 @@ typedef struct {
     Py_ssize_t max_events;
     Py_ssize_t log_offset, position_offset; /* StreamPosition's slots (-1: call the type) */
     PyObject *dict;                         /* functools.update_wrapper's attributes, __kvtrace_wrapped__ */
+    PyObject *weakrefs;                     /* weakly referenced as a function can be */
     int ready;
     vectorcallfunc vectorcall;
 } GateRecord;
 
-#if PY_VERSION_HEX >= 0x030D0000
-#define _PyObject_LookupAttr PyObject_GetOptionalAttr
+#if PY_VERSION_HEX < 0x030D0000 /* getattr(o, name, default)'s lookup: 1 found, 0 AttributeError, -1 other error */
+#define PyObject_GetOptionalAttr _PyObject_LookupAttr
 #endif
 
 static PyObject *str_event, *str_recorder, *str_enabled, *str_npu_timing_wanted, *str_stream_log, *str_done_by,
@@ -1089,7 +1090,7 @@ done:
 static int gate_wants_stamp(GateRecord *g, PyObject *self) {
     PyObject *v, *recorder;
     int r;
-    if (_PyObject_LookupAttr(self, str_event, &v) < 0) return -1;
+    if (PyObject_GetOptionalAttr(self, str_event, &v) < 0) return -1;
     if (v != NULL && v != Py_None) {
         Py_DECREF(v);
         return 0;
@@ -1102,7 +1103,7 @@ static int gate_wants_stamp(GateRecord *g, PyObject *self) {
     r = PyObject_IsTrue(v);
     Py_DECREF(v);
     if (r <= 0) return r;
-    if (_PyObject_LookupAttr(self, str_dict, &v) < 0) return -1;
+    if (PyObject_GetOptionalAttr(self, str_dict, &v) < 0) return -1;
     if (v == NULL) return 0; /* no __dict__: _NO_DICT, which holds the stamp */
     r = PySequence_Contains(v, g->stamp_attr);
     Py_DECREF(v);
@@ -1112,12 +1113,18 @@ static int gate_wants_stamp(GateRecord *g, PyObject *self) {
 /* rt.fail(exc) for an Exception that the stamp raised (the rule's handler); 0, or -1 with the exception set (a
  * BaseException, which the rule's ``except Exception`` does not catch, or one raised by fail itself). */
 static int gate_failed(GateRecord *g) {
-    PyObject *type, *value, *tb, *res;
+    PyObject *type, *value, *tb, *res, *saved[3];
     if (!PyErr_ExceptionMatches(PyExc_Exception)) return -1;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
     if (tb != NULL) PyException_SetTraceback(value, tb);
+    PyErr_GetExcInfo(&saved[0], &saved[1], &saved[2]);
+    Py_XINCREF(type);
+    Py_XINCREF(value);
+    Py_XINCREF(tb);
+    PyErr_SetExcInfo(type, value, tb); /* handled while fail runs, as in the rule's except block */
     res = PyObject_CallMethodOneArg(g->rt, str_fail, value);
+    PyErr_SetExcInfo(saved[0], saved[1], saved[2]);
     Py_XDECREF(type);
     Py_XDECREF(value);
     Py_XDECREF(tb);
@@ -1138,11 +1145,17 @@ static PyObject *GateRecord_call(PyObject *callable, PyObject *const *args, size
         return PyObject_Vectorcall(g->original, args, nargsf, kwnames);
     if ((r = gate_wants_stamp(g, args[0])) < 0) return NULL;
     if (r) {
-        if ((v = PyObject_GetAttr(g->rt, str_npu_timing_wanted)) == NULL) return NULL;
-        r = PyObject_IsTrue(v);
-        Py_DECREF(v);
-        if (r < 0) return NULL;
-        if (r) return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
+        /* read inside the rule's try: a failure there is the rule's to handle (rt.fail, then the original) */
+        r = -1;
+        if ((v = PyObject_GetAttr(g->rt, str_npu_timing_wanted)) != NULL) {
+            r = PyObject_IsTrue(v);
+            Py_DECREF(v);
+        }
+        if (r < 0 && !PyErr_ExceptionMatches(PyExc_Exception)) return NULL;
+        if (r) {
+            PyErr_Clear();
+            return PyObject_Vectorcall(g->fallback, args, nargsf, kwnames);
+        }
         if (record_stamp(g, args[0]) < 0 && gate_failed(g) < 0) return NULL;
     }
     return PyObject_Vectorcall(g->original, args, nargsf, kwnames);
@@ -1160,6 +1173,40 @@ static Py_ssize_t plain_slot(PyTypeObject *type, PyObject *name) {
     return off;
 }
 
+/* Sets log_offset/position_offset when a StreamPosition can be made as its __init__ makes it, without running it:
+ * an exact type (no metaclass, object's __new__), two plain slots and nothing else in the instance, and a call of
+ * the type that stores exactly its two arguments in them (checked once, here, on a sample). Otherwise both stay -1
+ * and every position is made by calling the type. -1 with the exception set on an error of the sample call. */
+static int position_shape(GateRecord *self) {
+    PyTypeObject *pt = (PyTypeObject *)self->position_type;
+    PyObject *log, *idx, *sample, *pargs[2];
+    Py_ssize_t lo, po;
+    int same;
+    if (Py_TYPE(pt) != &PyType_Type || pt->tp_new != PyBaseObject_Type.tp_new ||
+        pt->tp_basicsize != (Py_ssize_t)(sizeof(PyObject) + 2 * sizeof(PyObject *)) || pt->tp_dictoffset != 0)
+        return 0;
+    if ((lo = plain_slot(pt, str_log)) <= 0 || (po = plain_slot(pt, str_position)) <= 0) return PyErr_Occurred() ? -1 : 0;
+    if ((log = PyObject_CallNoArgs(self->log_type)) == NULL) return -1;
+    if ((idx = PyLong_FromLong(12345)) == NULL) {
+        Py_DECREF(log);
+        return -1;
+    }
+    pargs[0] = log;
+    pargs[1] = idx;
+    sample = PyObject_Vectorcall((PyObject *)pt, pargs, 2, NULL);
+    same = sample != NULL && Py_TYPE(sample) == pt && *(PyObject **)((char *)sample + lo) == log &&
+           *(PyObject **)((char *)sample + po) == idx;
+    Py_XDECREF(sample);
+    Py_DECREF(log);
+    Py_DECREF(idx);
+    if (sample == NULL) return -1;
+    if (same) {
+        self->log_offset = lo;
+        self->position_offset = po;
+    }
+    return 0;
+}
+
 static int GateRecord_init(GateRecord *self, PyObject *args, PyObject *kwds) {
     PyObject *o[8];
     Py_ssize_t max_events;
@@ -1171,9 +1218,13 @@ static int GateRecord_init(GateRecord *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "GateRecord() is initialised once");
         return -1;
     }
-    if (!PyArg_ParseTuple(args, "OOOOUO!O!nO", &o[0], &o[1], &o[2], &o[3], &o[4], &PyType_Type, &o[5],
-                          &PyType_Type, &o[6], &max_events, &o[7]))
+    if (!PyArg_ParseTuple(args, "OOOOO!O!O!nO", &o[0], &o[1], &o[2], &o[3], &PyUnicode_Type, &o[4], &PyType_Type,
+                          &o[5], &PyType_Type, &o[6], &max_events, &o[7]))
         return -1;
+    if (!PyUnicode_CheckExact(o[4])) {
+        PyErr_SetString(PyExc_TypeError, "GateRecord: stamp_attr must be a str");
+        return -1;
+    }
     Py_XSETREF(self->original, Py_NewRef(o[0]));
     Py_XSETREF(self->rt, Py_NewRef(o[1]));
     Py_XSETREF(self->clock, Py_NewRef(o[2]));
@@ -1184,15 +1235,8 @@ static int GateRecord_init(GateRecord *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->position_type, Py_NewRef(o[6]));
     Py_XSETREF(self->far_future, Py_NewRef(o[7]));
     self->max_events = max_events;
-    /* made without its __init__ only when that is all __init__ does: two plain slots, nothing else to run */
     self->log_offset = self->position_offset = -1;
-    if (((PyTypeObject *)o[6])->tp_basicsize == (Py_ssize_t)(sizeof(PyObject) + 2 * sizeof(PyObject *)) &&
-        PyObject_HasAttrString(o[6], "__dataclass_fields__") &&
-        !PyObject_HasAttrString(o[6], "__post_init__")) {
-        self->log_offset = plain_slot((PyTypeObject *)o[6], str_log);
-        self->position_offset = plain_slot((PyTypeObject *)o[6], str_position);
-        if (PyErr_Occurred()) return -1;
-    }
+    if (position_shape(self) < 0) return -1;
     self->ready = 1;
     return 0;
 }
@@ -1202,6 +1246,7 @@ static int GateRecord_traverse(GateRecord *self, visitproc visit, void *arg) {
     Py_VISIT(self->rt);
     Py_VISIT(self->clock);
     Py_VISIT(self->fallback);
+    Py_VISIT(self->stamp_attr);
     Py_VISIT(self->log_type);
     Py_VISIT(self->position_type);
     Py_VISIT(self->far_future);
@@ -1225,6 +1270,7 @@ static int GateRecord_clear(GateRecord *self) {
 
 static void GateRecord_dealloc(GateRecord *self) {
     PyObject_GC_UnTrack(self);
+    if (self->weakrefs != NULL) PyObject_ClearWeakRefs((PyObject *)self);
     GateRecord_clear(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
@@ -1256,6 +1302,7 @@ static PyTypeObject GateRecord_Type = {
     .tp_descr_get = GateRecord_get,
     .tp_getset = GateRecord_getset,
     .tp_dictoffset = offsetof(GateRecord, dict),
+    .tp_weaklistoffset = offsetof(GateRecord, weakrefs),
 };
 
 static PyMethodDef probes_methods[] = {

@@ -92,7 +92,7 @@ def _run(make_wrapper: Any, gate_class: type, rt: FakeRuntime, original_raises: 
         return "recorded"
 
     members = {"record": make_wrapper(record, rt)}
-    if not hasattr(gate_class, "__dict__") or "__slots__" in vars(gate_class):
+    if "__slots__" in vars(gate_class):
         members["__slots__"] = ()  # a slotted gate stays without __dict__
     gate = type("G", (gate_class,), members)()
     log = rt.stream_log
@@ -198,3 +198,123 @@ def test_bound_like_the_function_it_replaces() -> None:
     with pytest.raises(TypeError):
         cls.record()  # no gate: the original's own TypeError
     assert STAMP in g.__dict__
+
+
+class NoEventGate:
+    """A gate with ``__dict__`` and no ``_event`` at all: read as None (``getattr`` with a default)."""
+
+
+class DictErrorGate(Gate):
+    def __getattribute__(self, name: str) -> Any:
+        if name == "__dict__":
+            raise RuntimeError("dict read failed")
+        return object.__getattribute__(self, name)
+
+
+class RaisingFlagRuntime(FakeRuntime):
+    @property  # type: ignore[misc]
+    def npu_timing_wanted(self) -> bool:  # type: ignore[override]
+        raise ValueError("flag")
+
+    @npu_timing_wanted.setter
+    def npu_timing_wanted(self, value: bool) -> None:
+        pass
+
+
+class ListLike:
+    """A ``done_by`` that is not an exact list: its own ``append`` is what the rule calls."""
+
+    def __init__(self) -> None:
+        self.items: list[int] = []
+
+    def append(self, v: int) -> None:
+        self.items.append(v)
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __iter__(self) -> Any:
+        return iter(self.items)
+
+
+def test_more_gates_and_runtimes(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = _both(NoEventGate, FakeRuntime)
+    assert out["stamp"] == (1007, StreamPosition, True, True, 0, None)
+    out = _both(DictErrorGate, FakeRuntime)
+    assert out["raised"] == (RuntimeError, ("dict read failed",)) and out["calls"] == []
+    out = _both(Gate, RaisingFlagRuntime)  # read inside the rule's try: tracing off, the original still runs
+    assert out["failures"] == [(ValueError, ("flag",))] and out["result"] == "recorded"
+    monkeypatch.setattr(attach, "npu_timing_for", lambda rt: Timing())
+    out = _both(Gate, lambda: FakeRuntime(npu_timing_wanted=True), args=("s",), kwargs={"k": 2})
+    assert out["calls"] == [(("s",), {"k": 2}, True)] and out["stamp"][-1] is MARK
+
+
+def test_a_done_by_that_is_not_a_list_and_a_second_record() -> None:
+    def odd() -> FakeRuntime:
+        rt = FakeRuntime()
+        rt.stream_log = StreamLog(done_by=ListLike())  # type: ignore[arg-type]
+        return rt
+
+    for make in (wrappers.gate_record_rule, _native):
+        rt = odd()
+        cls = type("G", (Gate,), {"record": make(lambda self, *a: "r", rt)})
+        g = cls()
+        assert g.record() == "r" and g.record() == "r"  # the second finds its own stamp: nothing more
+        assert rt.stream_log.done_by.items == [FAR_FUTURE] and g.__dict__[STAMP][1].position == 0
+
+
+@dataclass(slots=True, frozen=True)
+class ShiftedPosition:
+    """A position type whose ``__init__`` does more than store its arguments: it must be called, not bypassed."""
+
+    log: Any
+    position: int
+
+    def __init__(self, log: Any, position: int) -> None:
+        object.__setattr__(self, "log", log)
+        object.__setattr__(self, "position", position + 1000)
+
+
+def test_a_position_type_of_another_shape_is_called() -> None:
+    rt = FakeRuntime()
+    native = wrappers.NATIVE_GATE_RECORD(lambda self: None, rt, rt.recorder.clock, lambda self: None, STAMP,
+                                         StreamLog, ShiftedPosition, MAX_EVENTS_PER_LOG, FAR_FUTURE)
+    g = type("G", (Gate,), {"record": native})()
+    g.record()
+    assert g.__dict__[STAMP][1].position == 1000
+
+
+def test_init_is_checked_and_happens_once() -> None:
+    rt = FakeRuntime()
+    ok = (len, rt, rt.recorder.clock, len, STAMP, StreamLog, StreamPosition, MAX_EVENTS_PER_LOG, FAR_FUTURE)
+    native = wrappers.NATIVE_GATE_RECORD(*ok)
+    with pytest.raises(TypeError):
+        native.__init__(*ok)
+    with pytest.raises(TypeError):
+        wrappers.NATIVE_GATE_RECORD(*ok[:4], 5, *ok[5:])  # stamp_attr not a str
+    blank = wrappers.NATIVE_GATE_RECORD.__new__(wrappers.NATIVE_GATE_RECORD)
+    with pytest.raises(TypeError, match="not initialised"):
+        blank(Gate())
+
+
+def test_no_reference_leaks_and_collectable() -> None:
+    import gc
+    import sys
+    import weakref
+
+    rt = FakeRuntime()
+    cls = type("G", (Gate,), {"record": _native(lambda self: None, rt)})
+    gates = [cls() for _ in range(200)]
+    gc.collect()
+    before = (sys.getrefcount(FAR_FUTURE), sys.getrefcount(rt.stream_log))
+    for g in gates:
+        g.record()
+    del gates, g
+    gc.collect()
+    after = (sys.getrefcount(FAR_FUTURE), sys.getrefcount(rt.stream_log))
+    assert after[0] - before[0] == 200 and after[1] == before[1]  # the log's entries hold FAR_FUTURE; nothing else
+    ref = weakref.ref(rt)
+    rt.gate_class = cls  # type: ignore[attr-defined]  # a cycle through the native: rt -> class -> native -> rt
+    del rt, cls
+    gc.collect()
+    assert ref() is None
