@@ -66,10 +66,15 @@ def _copy(rec: TaskRecord) -> TaskRecord:
                                holds=[], transfer_tasks=copy.copy(rec.transfer_tasks))
 
 
-def _ship(records: list[TaskRecord]) -> list[TaskRecord]:
+def _ring() -> tuple[R.RingWriter, R.RingReader, Decoder]:
+    """A fresh 4,096-slot ring: the serving process's writer, the agent's reader and decoder."""
     fd, mem = R.create_memfd(4096)
     os.close(fd)
-    writer, reader, decoder = R.RingWriter(mem), R.RingReader(mem), Decoder()
+    return R.RingWriter(mem), R.RingReader(mem), Decoder()
+
+
+def _ship(records: list[TaskRecord]) -> list[TaskRecord]:
+    writer, reader, decoder = _ring()
     out: list[TaskRecord] = []
     for rec in records:
         assert writer.write_task(rec, False)
@@ -145,9 +150,7 @@ def test_the_awaiting_bound_exports_the_oldest_flagged_and_counts_late_waits(rec
     sent = [_copy(rec) for rec in records[:5]]
     for rec in sent:  # as shipped before the forward waited: no consumer wait yet
         rec.stages[:] = agent._without_consumer_wait(rec.stages)
-    fd, mem = R.create_memfd(4096)
-    os.close(fd)
-    writer, reader, decoder = R.RingWriter(mem), R.RingReader(mem), Decoder()
+    writer, reader, decoder = _ring()
     out: list[TaskRecord] = []
     for rec in sent:
         assert writer.write_task(rec, True)
