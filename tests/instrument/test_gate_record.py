@@ -48,18 +48,20 @@ class EventGate(Gate):
         self._event = object()  # recorded already: a later record() is not the first
 
 
-class RaisingEventGate(Gate):
-    def __getattribute__(self, name: str) -> Any:
-        if name == "_event":
-            raise RuntimeError("no event here")
+def raising_gate(attr: str, exc: BaseException) -> type:
+    """A gate class whose read of ``attr`` raises ``exc`` (AttributeError: the rule's "none"; others: raised)."""
+
+    def __getattribute__(self: Any, name: str) -> Any:
+        if name == attr:
+            raise exc
         return object.__getattribute__(self, name)
 
+    return type(f"Raising_{attr.strip('_')}", (Gate,), {"__getattribute__": __getattribute__})
 
-class NoDictGate(Gate):
-    def __getattribute__(self, name: str) -> Any:
-        if name == "__dict__":
-            raise AttributeError("no dict here")
-        return object.__getattribute__(self, name)
+
+RaisingEventGate = raising_gate("_event", RuntimeError("no event here"))
+NoDictGate = raising_gate("__dict__", AttributeError("no dict here"))
+DictErrorGate = raising_gate("__dict__", RuntimeError("dict read failed"))
 
 
 class Mark:
@@ -202,13 +204,6 @@ def test_bound_like_the_function_it_replaces() -> None:
 
 class NoEventGate:
     """A gate with ``__dict__`` and no ``_event`` at all: read as None (``getattr`` with a default)."""
-
-
-class DictErrorGate(Gate):
-    def __getattribute__(self, name: str) -> Any:
-        if name == "__dict__":
-            raise RuntimeError("dict read failed")
-        return object.__getattribute__(self, name)
 
 
 class RaisingFlagRuntime(FakeRuntime):
