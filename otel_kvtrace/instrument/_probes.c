@@ -1,6 +1,6 @@
 /* Optional accelerators of the recv probes: the bytes sum of a copy's size array (proxies.total_bytes), the
- * enqueue's record take (wrappers.take_rule, below), the gate rule after a gate wait (wrappers.gate_rule) and
- * the save wait's after-stamp (rewrite.save_rule).
+ * enqueue's record take (wrappers.take_rule, below), the gate rule after a gate wait (wrappers.gate_rule), the
+ * save wait's after-stamp (rewrite.save_rule) and the forward's gate record wrapper (wrappers.gate_record_rule).
  *
  * proxies.total_bytes_rule is the reference and the fallback. total_bytes(sizes) here sums a 1-D integer
  * (or bool) array through the buffer protocol, exactly, in int64; whatever it does not take (not a numpy

@@ -76,7 +76,8 @@ OUTCOME_NAMES: tuple[str, ...] = ("ok", "empty", "error")
 
 CONSUMER_RELEASE_NAMES: tuple[str, ...] = ("", "step_boundary", "shutdown", "producer_died", "agent_bound")
 """``kvtrace.consumer_wait_missing`` values: the record was awaited by the forward's consumer wait but
-released without it at the next step boundary, at shutdown/exit, or when the serving process died."""
+released without it at the next step boundary, at shutdown/exit, when the serving process died, or when the
+exporter agent's bound on tasks awaiting their consumer wait was reached."""
 
 
 class ShippedError(Exception):
